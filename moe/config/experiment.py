@@ -1,0 +1,97 @@
+"""The root config of one training run: every section the library reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from moe.config.base import Config, ConfigError, apply_overrides, require
+from moe.config.model import ModelConfig
+from moe.config.training import (
+    CheckpointConfig,
+    DataConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+
+
+@dataclasses.dataclass
+class ExperimentConfig(Config):
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+
+    @classmethod
+    def load(cls, data: Mapping[str, Any], overrides: Iterable[str] = ()) -> "ExperimentConfig":
+        """Build from params.yaml sections plus ``a.b=c`` overrides, and validate."""
+        return cls.from_dict(apply_overrides(data, overrides)).validate()
+
+    def _check(self, p: str) -> None:
+        m, moe, par, tr = self.model, self.model.moe, self.parallel, self.train
+        require(
+            moe.num_experts % par.ep == 0,
+            "parallel.ep",
+            f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.ep={par.ep}",
+        )
+        require(
+            m.n_layers % par.pp == 0,
+            "parallel.pp",
+            f"model.n_layers={m.n_layers} is not divisible by parallel.pp={par.pp}",
+        )
+        if par.pp > 1:
+            require(not m.tie_embeddings, "model.tie_embeddings", "tied embeddings cannot be split over pipeline stages (parallel.pp > 1)")
+        require(
+            tr.global_batch_size % tr.micro_batch_size == 0,
+            "train.global_batch_size",
+            f"{tr.global_batch_size} is not divisible by train.micro_batch_size={tr.micro_batch_size}",
+        )
+        require(
+            self.data.seq_len <= m.max_seq_len,
+            "data.seq_len",
+            f"{self.data.seq_len} is longer than model.max_seq_len={m.max_seq_len}",
+        )
+        require(
+            self.schedule.warmup_steps <= tr.max_steps,
+            "schedule.warmup_steps",
+            f"{self.schedule.warmup_steps} is longer than train.max_steps={tr.max_steps}",
+        )
+
+    def check_world(self, world_size: int) -> "ResolvedLayout":
+        """Validate the layout against a world size; return the resolved sizes."""
+        par, tr = self.parallel, self.train
+        if world_size % par.pp:
+            raise ConfigError(f"parallel.pp: world size {world_size} is not divisible by pp={par.pp}")
+        dp = world_size // par.pp
+        if par.dp not in (-1, dp):
+            raise ConfigError(
+                f"parallel.dp: {par.dp} does not match world size {world_size} / pp={par.pp} = {dp}"
+            )
+        if dp % par.ep:
+            raise ConfigError(
+                f"parallel.ep: data-parallel size {dp} (world {world_size} / pp {par.pp}) is not divisible by ep={par.ep}"
+            )
+        per_step = tr.micro_batch_size * dp
+        if tr.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size: {tr.global_batch_size} is not divisible by "
+                f"micro_batch_size * data-parallel size = {tr.micro_batch_size} * {dp}"
+            )
+        return ResolvedLayout(world_size=world_size, pp=par.pp, dp=dp, ep=par.ep, grad_accum=tr.global_batch_size // per_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedLayout:
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    grad_accum: int

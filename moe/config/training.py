@@ -1,0 +1,139 @@
+"""Optimizer, schedule, data, training-loop, checkpoint, layout and precision configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from moe.config.base import Config, require
+
+
+def _k(p: str, name: str) -> str:
+    return f"{p}.{name}" if p else name
+
+
+@dataclasses.dataclass
+class OptimizerConfig(Config):
+    """AdamW. Norm weights, biases and embeddings get no weight decay."""
+
+    lr: float = 3e-4
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+
+    def _check(self, p: str) -> None:
+        require(self.lr > 0, _k(p, "lr"), f"must be > 0, got {self.lr}")
+        require(len(self.betas) == 2, _k(p, "betas"), f"must have two values, got {self.betas}")
+        require(all(0 <= b < 1 for b in self.betas), _k(p, "betas"), f"must lie in [0, 1), got {self.betas}")
+        require(self.eps > 0, _k(p, "eps"), "must be > 0")
+        require(self.weight_decay >= 0, _k(p, "weight_decay"), "must be >= 0")
+
+
+@dataclasses.dataclass
+class ScheduleConfig(Config):
+    """Linear warmup, then cosine or linear decay to ``min_lr_ratio * lr`` at the last step."""
+
+    warmup_steps: int = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def _check(self, p: str) -> None:
+        require(self.warmup_steps >= 0, _k(p, "warmup_steps"), "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, _k(p, "min_lr_ratio"), "must lie in [0, 1]")
+
+
+@dataclasses.dataclass
+class DataConfig(Config):
+    """Token files in the OLMo-core layout (see moe.data.tokens)."""
+
+    # Token files, directories of them, or globs; each needs its JSON sidecar.
+    paths: list[str] = dataclasses.field(default_factory=list)
+    seq_len: int = 128
+    # Seed of the global shuffle of sequences (a new permutation every epoch).
+    seed: int = 0
+    # sha256 of the tokenizer file the data must have been made with (null: don't check).
+    tokenizer_hash: str | None = None
+    # Recompute each file's sha256 against its sidecar when opening it.
+    verify_checksums: bool = True
+
+    def _check(self, p: str) -> None:
+        require(self.seq_len >= 1, _k(p, "seq_len"), f"must be >= 1, got {self.seq_len}")
+
+
+@dataclasses.dataclass
+class TrainConfig(Config):
+    """The training loop."""
+
+    # Sequences per optimizer step over all data-parallel ranks.
+    global_batch_size: int = 8
+    # Sequences per forward/backward on one rank; the rest is gradient accumulation.
+    micro_batch_size: int = 8
+    max_steps: int = 100
+    seed: int = 0
+    # Clip the global gradient norm to this value (null: no clipping).
+    grad_clip: float | None = 1.0
+    log_every: int = 10
+    # On a non-finite loss or gradient: skip the update (on the device) or stop the run.
+    nonfinite: Literal["skip", "stop"] = "stop"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Dense bf16 TFLOP/s of one device for MFU; null: look it up from the device name.
+    peak_tflops: float | None = None
+
+    def _check(self, p: str) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
+            require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
+        if self.grad_clip is not None:
+            require(self.grad_clip > 0, _k(p, "grad_clip"), "must be > 0 (or null to disable)")
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, _k(p, "peak_tflops"), "must be > 0")
+
+
+@dataclasses.dataclass
+class CheckpointConfig(Config):
+    dir: str = "checkpoints"
+    # Save every this many steps (0: only at the end); always saves at the last step.
+    every: int = 0
+    keep_last: int = 3
+    # auto: resume from <dir>/latest when it exists; never: start fresh (refuses a non-empty dir).
+    resume: Literal["auto", "never"] = "auto"
+
+    def _check(self, p: str) -> None:
+        require(self.every >= 0, _k(p, "every"), "must be >= 0")
+        require(self.keep_last >= 1, _k(p, "keep_last"), "must be >= 1")
+        require(bool(self.dir), _k(p, "dir"), "must not be empty")
+
+
+@dataclasses.dataclass
+class ParallelConfig(Config):
+    """The parallel layout. World size = pp * dp * ep... with EP folded into data parallelism:
+    the data-parallel size is world / pp, and experts are sharded over ``ep`` of those ranks."""
+
+    pp: int = 1
+    ep: int = 1
+    # Data-parallel size; -1 means world_size / pp.
+    dp: int = -1
+    # ddp: dense weights replicated, experts resident (the paper's design); fsdp: the baseline.
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    # Shard fp32 master weights and AdamW states over data-parallel ranks (ZeRO-1).
+    shard_optimizer: bool = False
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_microbatches: int = 0
+
+    def _check(self, p: str) -> None:
+        require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
+        require(self.ep >= 1, _k(p, "ep"), f"must be >= 1, got {self.ep}")
+        require(self.dp == -1 or self.dp >= 1, _k(p, "dp"), f"must be >= 1 or -1 (auto), got {self.dp}")
+        require(self.pp_microbatches >= 0, _k(p, "pp_microbatches"), "must be >= 0")
+
+
+@dataclasses.dataclass
+class PrecisionConfig(Config):
+    """How numbers are stored and computed (a seam: FP8/MXFP8 recipes plug in here).
+
+    fp32: everything fp32. bf16: weights stored and computed in bf16, fp32 master weights and
+    fp32 gradient accumulation in the optimizer. amp_bf16: fp32 weights, bf16 autocast.
+    auto: bf16 on CUDA, fp32 on CPU. Router logits and the loss are fp32 in every recipe.
+    """
+
+    recipe: Literal["auto", "fp32", "bf16", "amp_bf16"] = "auto"

@@ -1,0 +1,47 @@
+"""The dispatcher seam: move token copies to their experts and the results back.
+
+``LocalDispatcher`` permutes on one device. Expert-parallel dispatchers (all-to-all over NCCL
+or gloo, later NVSHMEM) implement the same two calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from moe.layers.router import Routing
+
+
+@dataclasses.dataclass
+class LocalDispatchState:
+    order: torch.Tensor  # [T*k] slot index of each expert-ordered row
+    inverse: torch.Tensor  # [T*k] expert-ordered row of each slot
+    weights: torch.Tensor  # [T, k]
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """x: [T, D] -> (rows for this rank's experts in expert order, rows per local expert, state)."""
+        ...
+
+    def combine(self, y: torch.Tensor, state: Any) -> torch.Tensor:
+        """Expert outputs (same order as dispatched) -> [T, D] weighted sum over each token's k slots."""
+        ...
+
+
+class LocalDispatcher:
+    """Sorts the T*k token slots by expert with one stable argsort; no host sync."""
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
+        top_k = routing.experts.shape[1]
+        order = torch.argsort(routing.experts.reshape(-1), stable=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        rows = x.index_select(0, order // top_k)
+        return rows, routing.tokens_per_expert, LocalDispatchState(order, inverse, routing.weights)
+
+    def combine(self, y: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
+        n_tokens, top_k = state.weights.shape
+        per_slot = y.index_select(0, state.inverse).view(n_tokens, top_k, -1)
+        return torch.bmm(state.weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)

@@ -1,0 +1,30 @@
+"""Stacked SwiGLU experts computed with one grouped GEMM per projection (dropless)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.layers.gemm import ExpertGemm, GroupedMM
+
+
+class GroupedExperts(nn.Module):
+    """Weights in transformers' OLMoE layout: gate_up [E, 2H, D] (gate rows first), down [E, D, H]."""
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, gemm: ExpertGemm | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
+        self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.gemm: ExpertGemm = gemm or GroupedMM()
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] rows grouped by expert (group sizes tokens_per_expert, on the device)."""
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        gate, up = self.gemm(x, self.gate_up, offsets).chunk(2, dim=-1)
+        return self.gemm(F.silu(gate) * up, self.down, offsets)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.gate_up, mean=0.0, std=std)
+        nn.init.normal_(self.down, mean=0.0, std=std)

@@ -1,0 +1,61 @@
+"""The MoE feed-forward layer: router -> dispatcher -> experts -> combine (+ shared experts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from moe.config import MoEConfig
+from moe.layers.aux_loss import attach_aux_loss
+from moe.layers.dispatch import Dispatcher, LocalDispatcher
+from moe.layers.experts import GroupedExperts
+from moe.layers.gemm import build_expert_gemm
+from moe.layers.router import Router
+from moe.nn.mlp import SwiGLU
+
+
+@dataclasses.dataclass
+class MoEStats:
+    """Telemetry of the last forward, detached, on the device; reduce only when logging."""
+
+    tokens_per_expert: torch.Tensor  # [E] int64
+    lb_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.lb_loss_weight, self.z_loss_weight = cfg.lb_loss_weight, cfg.z_loss_weight
+        self.router = Router(d_model, cfg)
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, build_expert_gemm(cfg.gemm))
+        self.shared = SwiGLU(d_model, cfg.shared_hidden_total) if cfg.num_shared_experts else None
+        # Replaced by the parallel layout (expert parallelism); not part of the state dict.
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        # Gradient scale of the auxiliary losses; the trainer sets it to the main loss's.
+        self.aux_loss_scale = 1.0
+        self.last_stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
+        out = self.dispatcher.combine(self.experts(rows, rows_per_expert), state)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        if self.training and torch.is_grad_enabled():
+            aux = self.lb_loss_weight * routing.lb_loss + self.z_loss_weight * routing.z_loss
+            if aux.requires_grad:
+                out = attach_aux_loss(out, aux, self.aux_loss_scale)
+        self.last_stats = MoEStats(routing.tokens_per_expert, routing.lb_loss.detach(), routing.z_loss.detach())
+        return out.view(shape)
+
+    def reset_parameters(self, std: float) -> None:
+        self.router.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        if self.shared is not None:
+            for lin in (self.shared.gate_proj, self.shared.up_proj, self.shared.down_proj):
+                nn.init.normal_(lin.weight, mean=0.0, std=std)

@@ -1,0 +1,104 @@
+"""Top-k token router with fp32 logits, balancing losses and optional aux-loss-free bias."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe.config import MoEConfig
+
+
+@dataclasses.dataclass
+class Routing:
+    """The router's decision for T tokens; every tensor stays on the device."""
+
+    experts: torch.Tensor  # [T, k] int64 expert index of each token slot
+    weights: torch.Tensor  # [T, k] fp32 combine weight of each slot
+    tokens_per_expert: torch.Tensor  # [E] int64 slots routed to each expert (this rank)
+    lb_loss: torch.Tensor  # fp32 scalar, unweighted; 1.0 when perfectly balanced
+    z_loss: torch.Tensor  # fp32 scalar, unweighted
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.score_func, self.routing = cfg.score_func, cfg.routing
+        self.normalize_top_k = cfg.normalize_top_k
+        self.global_balance = cfg.lb_loss_scope == "global_batch"
+        self.bias_update_rate = cfg.bias_update_rate
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        if self.bias_update_rate > 0:
+            # Selection bias (checkpointed) and the load seen since the last optimizer step.
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+            self.register_buffer("pending_load", torch.zeros(cfg.num_experts), persistent=False)
+        else:
+            self.expert_bias = None
+            self.pending_load = None
+        # Process group over which token counts are summed for global-batch balancing and
+        # bias updates; set from outside by the parallel layout (None: this process only).
+        self.balance_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x: [T, d_model] -> Routing."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            if self.routing == "random":
+                experts = torch.rand_like(scores).topk(self.top_k, dim=-1).indices
+            elif self.expert_bias is not None:
+                experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+            else:
+                experts = scores.topk(self.top_k, dim=-1).indices
+            flat = experts.reshape(-1)
+            tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+        weights = scores.gather(-1, experts)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+
+        n_tokens = x.shape[0]
+        counts, total = tokens_per_expert, n_tokens
+        if self.global_balance and self._distributed():
+            counts = _all_reduce_sum(tokens_per_expert, self.balance_group)
+            total = n_tokens * dist.get_world_size(self.balance_group)
+        fraction = counts.float() / total  # f_i, sums to k
+        mean_score = scores.mean(dim=0)  # P_i
+        lb_loss = (self.num_experts / self.top_k) * (fraction * mean_score).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+
+        if self.pending_load is not None and self.training:
+            self.pending_load.add_(tokens_per_expert.float())
+        return Routing(experts, weights, tokens_per_expert, lb_loss, z_loss)
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.balance_group) > 1
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Move the selection bias towards balance from the load since the last call.
+
+        Called after each optimizer step; device-only (no host sync)."""
+        if self.pending_load is None:
+            return
+        load = self.pending_load
+        if self._distributed():
+            load = _all_reduce_sum(load, self.balance_group)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+        self.pending_load.zero_()
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.pending_load.zero_()
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out, group=group)
+    return out

@@ -1,0 +1,99 @@
+"""Parameter counts, FLOPs per token, throughput and MFU.
+
+FLOPs per token follow the PaLM convention: 6 x (active matmul parameters, including the
+output head and the router, counting only the top-k routed experts) for forward and backward,
+plus the attention term 12 x layers x seq_len x (heads x head_dim), with no discount for the
+causal mask. The embedding lookup is not a matmul and is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe.config import ModelConfig
+
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' datasheets.
+PEAK_BF16_TFLOPS = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "B200": 2250.0,
+    "B300": 2250.0,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int
+    embedding: int  # input embedding (and the head when tied)
+    matmul_active: int  # what enters the 6N term
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    d, v, moe = cfg.d_model, cfg.vocab_size, cfg.moe
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    attn = 2 * d * d + 2 * d * kv_dim
+    qk_norm = (d + kv_dim) if cfg.qk_norm else 0
+    norms = 2 * d
+    total = active = matmul = 0
+    for i in range(cfg.n_layers):
+        layer_total = layer_active = attn + qk_norm + norms
+        layer_matmul = attn
+        if cfg.is_moe_layer(i):
+            expert = 3 * d * moe.expert_hidden
+            shared = 3 * d * moe.shared_hidden_total
+            router = moe.num_experts * d
+            layer_total += router + moe.num_experts * expert + shared
+            layer_active += router + moe.top_k * expert + shared
+            layer_matmul += router + moe.top_k * expert + shared
+        else:
+            dense = 3 * d * cfg.dense_hidden
+            layer_total += dense
+            layer_active += dense
+            layer_matmul += dense
+        total += layer_total
+        active += layer_active
+        matmul += layer_matmul
+    embedding = v * d
+    head = 0 if cfg.tie_embeddings else v * d
+    final_norm = d
+    total += embedding + head + final_norm
+    active += embedding + head + final_norm
+    matmul += v * d  # the output projection runs whether or not it is tied
+    return ParamCounts(total=total, active=active, embedding=embedding, matmul_active=matmul)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token."""
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6.0 * param_counts(cfg).matmul_active + attention
+
+
+def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """Dense bf16 peak of ``device`` (None when unknown, e.g. CPUs)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+    mfu: float | None
+
+
+def throughput(tokens: int, seconds: float, devices: int, flops_token: float, peak: float | None) -> Throughput:
+    tps = tokens / seconds
+    per_device = tps / devices
+    tflops = per_device * flops_token / 1e12
+    return Throughput(tps, per_device, tflops, tflops / peak if peak else None)

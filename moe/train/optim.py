@@ -1,0 +1,138 @@
+"""AdamW over fp32 master weights, with device-side skipping of non-finite steps.
+
+When the model's parameters are bf16, each gets an fp32 master copy; gradients are
+accumulated into the master's fp32 ``.grad`` by a post-accumulate hook (so gradient
+accumulation over micro-batches happens in fp32), and after the step the masters are copied
+back into the bf16 parameters. With fp32 parameters the master *is* the parameter.
+
+The state is keyed by parameter name, so checkpoints do not depend on the parallel layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moe.config import OptimizerConfig, ScheduleConfig
+
+
+@dataclasses.dataclass
+class MasterParam:
+    name: str
+    param: nn.Parameter  # the model's parameter (any dtype)
+    master: torch.Tensor  # fp32; the same tensor as param when param is fp32
+
+
+def _no_decay(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
+    if param.ndim < 2:
+        return True  # norm weights, biases
+    return not decay_embeddings and (name.endswith("embed.weight"))
+
+
+class MasterWeightAdamW:
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> None:
+        self.params: list[MasterParam] = []
+        seen: set[int] = set()
+        for name, param in model.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue  # tied weights appear once, under their first name
+            seen.add(id(param))
+            if master_weights and param.dtype != torch.float32:
+                master = param.detach().float().clone().requires_grad_(True)
+                param.register_post_accumulate_grad_hook(_accumulate_into(master))
+            else:
+                master = param
+            self.params.append(MasterParam(name, param, master))
+        decay = [p.master for p in self.params if not _no_decay(p.name, p.master, cfg.decay_embeddings)]
+        no_decay = [p.master for p in self.params if _no_decay(p.name, p.master, cfg.decay_embeddings)]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        devices = {m.device.type for m in self.masters}
+        if not devices <= {"cpu", "cuda"}:
+            raise ValueError(f"the fused AdamW runs on cpu and cuda only, not {sorted(devices)}")
+        # fused: one kernel for all tensors, and it honours found_inf (device-side skip).
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+        self.base_lr = cfg.lr
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [p.master for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.master.grad for p in self.params if p.master.grad is not None]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.master.grad = None
+            p.param.grad = None
+
+    @torch.no_grad()
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """One AdamW step; where ``found_inf`` (a device scalar) is 1 the update is skipped on
+        the device, with no host sync."""
+        if found_inf is not None:
+            self.inner.found_inf = found_inf.float()  # read by the fused kernel
+        self.inner.step()
+        self.inner.found_inf = None
+        copies = [(p.param, p.master) for p in self.params if p.param is not p.master]
+        if copies:
+            torch._foreach_copy_([a for a, _ in copies], [b for _, b in copies])
+
+    def ensure_state(self) -> None:
+        """Create zeroed AdamW state for every master (so a checkpoint can load into it)."""
+        for p in self.params:
+            state = self.inner.state[p.master]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.master.device)
+                state["exp_avg"] = torch.zeros_like(p.master, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p.master, memory_format=torch.preserve_format)
+
+    def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        self.ensure_state()
+        return {p.name: self.inner.state[p.master] for p in self.params}
+
+    def named_masters(self) -> dict[str, torch.Tensor]:
+        return {p.name: p.master for p in self.params}
+
+    @torch.no_grad()
+    def sync_params_from_masters(self) -> None:
+        for p in self.params:
+            if p.param is not p.master:
+                p.param.copy_(p.master)
+
+
+def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad.float()
+        if master.grad is None:
+            master.grad = grad
+        else:
+            master.grad.add_(grad)
+        param.grad = None
+
+    return hook
+
+
+def lr_lambda(schedule: ScheduleConfig, max_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base lr after ``step`` optimizer steps: linear warmup, then decay."""
+    warmup, floor = schedule.warmup_steps, schedule.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup - 1))
+        if schedule.decay == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(opt: MasterWeightAdamW, schedule: ScheduleConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt.inner, lr_lambda(schedule, max_steps))

@@ -1,0 +1,296 @@
+"""The training loop.
+
+One optimizer step: every micro-batch's forward and backward (gradients accumulate in fp32),
+the layout's gradient reduction, clipping, a fused AdamW step that skips itself on the device
+when the loss or gradient norm is not finite, the schedule, and aux-loss-free bias updates.
+Nothing in a step waits for the device; losses and telemetry are brought to the host only at
+log points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe.config import ExperimentConfig
+from moe.data import BatchLoader, TokenDataError, TokenDataset
+from moe.nn.transformer import Transformer
+from moe.parallel.env import DistEnv, init_distributed
+from moe.parallel.layout import Layout, build_layout
+from moe.precision import resolve_recipe
+from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
+from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
+from moe.train.optim import MasterWeightAdamW, build_scheduler
+from moe.train.rng import rng_state, seed_everything, set_rng_state
+from moe.train.sinks import MetricsSink
+from moe.train.telemetry import MoETelemetry
+
+log = logging.getLogger("moe.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    steps: int
+    start_step: int
+    final_loss: float | None
+    losses: dict[int, float]
+    last_metrics: dict[str, float]
+    tokens_per_step: int
+    params_total: int
+    params_active: int
+    checkpoint: str | None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        env: DistEnv | None = None,
+        sinks: Sequence[MetricsSink] = (),
+        dataset: TokenDataset | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env or init_distributed(cfg.train.device)
+        self.device = self.env.device
+        self.layout: Layout = build_layout(cfg, self.env)
+        self.sinks = list(sinks) if self.env.is_main else []
+        self.recipe = resolve_recipe(cfg.precision.recipe, self.device)
+
+        seed_everything(cfg.train.seed)
+        with torch.device(self.device):
+            model = Transformer(cfg.model)
+        self.recipe.prepare(model)
+        self.model = self.layout.parallelize(model)
+        self.opt = MasterWeightAdamW(self.model, cfg.optim, self.recipe.master_weights)
+        self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)
+
+        self.dataset = dataset or TokenDataset(
+            cfg.data.paths,
+            cfg.data.seq_len,
+            tokenizer_hash=cfg.data.tokenizer_hash,
+            verify_checksums=cfg.data.verify_checksums,
+        )
+        if self.dataset.vocab_size > cfg.model.vocab_size:
+            raise TokenDataError(
+                f"{self.dataset.files[0]}: the data's vocabulary ({self.dataset.vocab_size}) is larger than "
+                f"model.vocab_size={cfg.model.vocab_size}"
+            )
+        self.loader = BatchLoader(
+            self.dataset,
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.data.seed,
+            dp_rank=self.layout.dp_rank,
+            dp_size=self.layout.dp_size,
+        )
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        self.telemetry = MoETelemetry(self.model, self.device)
+
+        counts = param_counts(cfg.model)
+        self.params_total, self.params_active = counts.total, counts.active
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_tflops(self.device, cfg.train.peak_tflops)
+
+        self.step = 0
+        self.start_step = 0
+        self.losses: dict[int, float] = {}
+        self._pending: list[tuple[int, torch.Tensor]] = []
+        self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._first_bad = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self._grad_norm = torch.zeros((), device=self.device)
+        self._lr = cfg.optim.lr
+        self.last_metrics: dict[str, float] = {}
+        self.last_checkpoint: Path | None = None
+
+    # ----------------------------------------------------------------- state
+    def _tensor_state(self) -> dict[str, Any]:
+        persistent = set(self.model.state_dict().keys())
+        buffers = {n: b for n, b in self.model.named_buffers() if n in persistent}
+        return {"model": {**self.opt.named_masters(), **buffers}, "optim": self.opt.named_state()}
+
+    def save_checkpoint(self) -> Path:
+        meta = {
+            "config": self.cfg.to_dict(),
+            "loader": self.loader.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "skipped_steps": int(self._skipped.item()),
+            "params_total": self.params_total,
+            "params_active": self.params_active,
+        }
+        path = self.ckpt.save(self.step, self._tensor_state(), meta, rng_state(self.device))
+        self.last_checkpoint = path
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        from moe.train.checkpoint import read_meta
+
+        meta = read_meta(path)
+        _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
+        meta, rng = CheckpointManager.load(path, self._tensor_state())
+        self.opt.sync_params_from_masters()
+        self.sched.load_state_dict(meta["scheduler"])
+        self.loader.load_state_dict(meta["loader"])
+        self._skipped.fill_(int(meta.get("skipped_steps", 0)))
+        self.step = self.start_step = int(meta["step"])
+        if rng is not None:
+            set_rng_state(rng, self.device)
+        else:  # resumed on another world size: a fresh, deterministic stream per rank
+            seed_everything(self.cfg.train.seed + 1_000_003 * self.step + self.env.rank)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def maybe_resume(self) -> None:
+        self.ckpt.clean_stale()
+        latest = latest_checkpoint(self.cfg.checkpoint.dir)
+        if latest is None:
+            return
+        if self.cfg.checkpoint.resume == "never":
+            raise CheckpointError(
+                f"checkpoint.dir={self.cfg.checkpoint.dir} already holds {latest.name}; "
+                "set checkpoint.resume=auto to continue it or choose another directory"
+            )
+        self.load_checkpoint(latest)
+
+    # ------------------------------------------------------------------ loop
+    def train_step(self) -> None:
+        micro = self.loader.next_batch()
+        n = len(micro)
+        self.model.train()
+        self.model.set_aux_loss_scale(1.0 / n)
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro:
+            batch = batch.to(self.device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            with self.recipe.autocast(self.device):
+                logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.reshape(-1))
+            (loss / n).backward()
+            loss_sum += loss.detach()
+            self.telemetry.add()
+        step_loss = loss_sum / n
+        grads = self.opt.grads()
+        self.layout.reduce_gradients(grads)
+        if self.layout.dp_size > 1:
+            dist.all_reduce(step_loss)
+            step_loss /= self.layout.dp_size
+        clip = self.cfg.train.grad_clip
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.opt.masters, clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        bad = ~(torch.isfinite(norm) & torch.isfinite(step_loss))
+        self.opt.step(found_inf=bad)
+        self._lr = self.sched.get_last_lr()[0]
+        self.sched.step()
+        self.model.update_expert_biases()
+        self.opt.zero_grad()
+        self._skipped += bad.long()
+        self._first_bad.copy_(torch.where((self._first_bad < 0) & bad, self.step + 1, self._first_bad))
+        self._grad_norm = norm.detach()
+        self._pending.append((self.step + 1, step_loss))
+
+    def fit(self) -> TrainSummary:
+        self.maybe_resume()
+        max_steps = self.cfg.train.max_steps
+        every = self.cfg.checkpoint.every
+        self._sync()
+        t0, steps_since = time.perf_counter(), 0
+        while self.step < max_steps:
+            self.train_step()
+            self.step += 1
+            steps_since += 1
+            last = self.step == max_steps
+            if self.step % self.cfg.train.log_every == 0 or last:
+                self._sync()
+                elapsed = time.perf_counter() - t0
+                self._log(elapsed, steps_since)
+                t0, steps_since = time.perf_counter(), 0
+            if last or (every and self.step % every == 0):
+                self._check_finite()
+                self.save_checkpoint()
+        if self.step == self.start_step and self.step >= max_steps:
+            log.info("nothing to do: already at step %d of %d", self.step, max_steps)
+        summary = TrainSummary(
+            steps=self.step,
+            start_step=self.start_step,
+            final_loss=self.losses.get(self.step),
+            losses=dict(self.losses),
+            last_metrics=dict(self.last_metrics),
+            tokens_per_step=self.tokens_per_step,
+            params_total=self.params_total,
+            params_active=self.params_active,
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+        )
+        for sink in self.sinks:
+            sink.close(dataclasses.asdict(summary))
+        return summary
+
+    # --------------------------------------------------------------- logging
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _check_finite(self) -> None:
+        first_bad = int(self._first_bad.item())
+        if first_bad >= 0 and self.cfg.train.nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient norm at step {first_bad}; the update was not applied "
+                "(set train.nonfinite=skip to skip such steps and continue)"
+            )
+
+    def _log(self, elapsed: float, steps: int) -> None:
+        steps_and_losses = [(s, v) for s, v in self._pending]
+        values = torch.stack([v for _, v in steps_and_losses]).tolist()
+        self._pending.clear()
+        for (s, _), v in zip(steps_and_losses, values, strict=True):
+            self.losses[s] = v
+        self._check_finite()
+        tp = throughput(self.tokens_per_step * steps, elapsed, self.env.world_size, self.flops_per_token, self.peak)
+        metrics: dict[str, float] = {
+            "loss": values[-1],
+            "loss_avg": sum(values) / len(values),
+            "lr": self._lr,
+            "grad_norm": float(self._grad_norm.item()),
+            "step_time_s": elapsed / steps,
+            "tokens_per_s": tp.tokens_per_s,
+            "tokens_per_s_per_device": tp.tokens_per_s_per_device,
+            "tflops_per_device": tp.tflops_per_device,
+            "skipped_steps": float(self._skipped.item()),
+        }
+        if tp.mfu is not None:
+            metrics["mfu"] = tp.mfu
+        if self.device.type == "cuda":
+            metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:
+            metrics["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        metrics.update(self.telemetry.reduce())
+        self.last_metrics = metrics
+        last_step = steps_and_losses[-1][0]
+        for sink in self.sinks:
+            for (s, _), v in zip(steps_and_losses[:-1], values[:-1], strict=True):
+                sink.log(s, {"loss": v})
+            sink.log(last_step, metrics)
+
+
+def _check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Any) -> None:
+    diffs = [k for k in sorted(set(saved) | set(current)) if k != "preset" and saved.get(k) != current.get(k)]
+    if diffs:
+        k = diffs[0]
+        raise CheckpointError(
+            f"{path}: written for a different model (model.{k}={saved.get(k)!r} there, {current.get(k)!r} here)"
+        )
+
