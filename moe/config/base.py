@@ -237,7 +237,7 @@ def parse_value(text: str) -> Any:
         pass
     if stripped.startswith("[") and stripped.endswith("]"):
         inner = stripped[1:-1].strip()
-        return [parse_value(p) for p in inner.split(",")] if inner else []
+        return [parse_value(p.strip()) for p in inner.split(",")] if inner else []
     return text
 
 

@@ -1,9 +1,8 @@
-"""Transformer building blocks (dense parts); the MoE layer lives in moe.layers."""
+"""Dense transformer building blocks; the MoE layer lives in moe.layers, the model in moe.model."""
 
 from moe.nn.attention import Attention
 from moe.nn.mlp import SwiGLU
 from moe.nn.norm import RMSNorm
 from moe.nn.rope import RotaryEmbedding
-from moe.nn.transformer import Block, Transformer
 
-__all__ = ["Attention", "Block", "RMSNorm", "RotaryEmbedding", "SwiGLU", "Transformer"]
+__all__ = ["Attention", "RMSNorm", "RotaryEmbedding", "SwiGLU"]

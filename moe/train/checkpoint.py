@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
@@ -170,8 +171,8 @@ class CheckpointManager:
         path = resolve_checkpoint(path)
         try:
             dcp.load(tensors, checkpoint_id=path, no_dist=not _distributed())
-        except Exception as exc:  # DCP raises a CheckpointException with per-rank details
-            raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_first_line(exc)})") from exc
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
         meta = json.loads((path / META).read_text())
         rng_file = path / f"rng-rank{_rank():05d}.pt"
         rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() and meta.get("world_size") == (
@@ -180,7 +181,12 @@ class CheckpointManager:
         return meta, rng
 
 
-def _first_line(exc: BaseException) -> str:
+def _cause(exc: BaseException) -> str:
+    """The first rank's underlying error of a DCP CheckpointException, in one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe.nn.transformer import Transformer
+from moe.model import Transformer
 
 
 class MoETelemetry:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moe.config import ExperimentConfig
 from moe.data import BatchLoader, TokenDataError, TokenDataset
-from moe.nn.transformer import Transformer
+from moe.model import Transformer
 from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.precision import resolve_recipe
@@ -144,6 +144,8 @@ class Trainer:
         meta, rng = CheckpointManager.load(path, self._tensor_state())
         self.opt.sync_params_from_masters()
         self.sched.load_state_dict(meta["scheduler"])
+        for group, lr in zip(self.opt.inner.param_groups, self.sched.get_last_lr(), strict=True):
+            group["lr"] = lr  # LambdaLR restores its counter, not the optimizer's current lr
         self.loader.load_state_dict(meta["loader"])
         self._skipped.fill_(int(meta.get("skipped_steps", 0)))
         self.step = self.start_step = int(meta["step"])
@@ -203,17 +205,20 @@ class Trainer:
         self._grad_norm = norm.detach()
         self._pending.append((self.step + 1, step_loss))
 
-    def fit(self) -> TrainSummary:
+    def fit(self, stop_at: int | None = None) -> TrainSummary:
+        """Train to ``train.max_steps`` (or stop early after ``stop_at`` steps, checkpointing
+        there, as a preempted job would)."""
         self.maybe_resume()
         max_steps = self.cfg.train.max_steps
+        end = min(max_steps, stop_at) if stop_at is not None else max_steps
         every = self.cfg.checkpoint.every
         self._sync()
         t0, steps_since = time.perf_counter(), 0
-        while self.step < max_steps:
+        while self.step < end:
             self.train_step()
             self.step += 1
             steps_since += 1
-            last = self.step == max_steps
+            last = self.step == end
             if self.step % self.cfg.train.log_every == 0 or last:
                 self._sync()
                 elapsed = time.perf_counter() - t0

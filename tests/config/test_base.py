@@ -1,0 +1,78 @@
+import pytest
+
+from moe.config import ConfigError, ExperimentConfig, parse_value
+
+
+def load(*overrides, data=None):
+    return ExperimentConfig.load(data or {}, list(overrides))
+
+
+def test_defaults_validate_and_round_trip_through_flat_dict():
+    cfg = load("model.preset=olmoe-1b-7b", "model.moe.num_experts=32")
+    flat = cfg.flatten()
+    assert flat["model.moe.num_experts"] == 32
+    assert flat["model.d_model"] == 2048
+    assert all("." in k for k in flat)
+    assert ExperimentConfig.from_flat(flat) == cfg
+    assert ExperimentConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.moe.num_expert=3", "model.moe.num_expert: unknown key (did you mean 'model.moe.num_experts'?)"),
+        ("modle.d_model=3", "modle: unknown key (did you mean 'model'?)"),
+        ("model.moe.top_k=9", "model.moe.top_k: top_k=9 is larger than num_experts=8"),
+        ("model.d_model=66", "model.d_model: d_model=66 is not divisible by n_heads=4"),
+        ("train.seed=abc", "train.seed: expected an integer, got str 'abc'"),
+        ("train.max_steps=1.5", "train.max_steps: expected an integer"),
+        ("model.qk_norm=1", "model.qk_norm: expected true or false"),
+        ("model.moe.score_func=softmx", "did you mean 'softmax'?"),
+        ("parallel.ep=3", "parallel.ep: model.moe.num_experts=8 is not divisible by parallel.ep=3"),
+        ("parallel.pp=3", "parallel.pp: model.n_layers=2 is not divisible by parallel.pp=3"),
+        ("train.micro_batch_size=3", "train.global_batch_size: 8 is not divisible by train.micro_batch_size=3"),
+        ("model.dense_layers=[5]", "model.dense_layers: layer 5 is outside 0..1"),
+        ("model.dense_layers=[0]", "model.dense_hidden: must be set"),
+        ("model.preset=olmoe-1b7b", "model.preset: unknown preset 'olmoe-1b7b' (did you mean 'olmoe-1b-7b'?)"),
+        ("optim.lr=-1", "optim.lr: must be > 0"),
+        ("data.seq_len=99999", "data.seq_len: 99999 is longer than model.max_seq_len=4096"),
+        ("model.n_kv_heads=3", "model.n_kv_heads: n_heads=4 is not divisible by n_kv_heads=3"),
+        ("train", "override 'train': expected key=value"),
+    ],
+)
+def test_invalid_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load(override)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_section_must_be_a_mapping():
+    with pytest.raises(ConfigError, match="model: expected a mapping"):
+        ExperimentConfig.load({"model": 3})
+
+
+def test_world_layout_checks():
+    cfg = load("parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=2")
+    assert cfg.check_world(4).dp == 4
+    assert cfg.check_world(4).grad_accum == 1
+    with pytest.raises(ConfigError, match="parallel.ep: data-parallel size 3"):
+        cfg.check_world(3)
+    with pytest.raises(ConfigError, match="parallel.pp: world size 3 is not divisible by pp=2"):
+        load("parallel.pp=2").check_world(3)
+    with pytest.raises(ConfigError, match="train.global_batch_size: 8 is not divisible by micro_batch_size"):
+        load("train.micro_batch_size=4").check_world(4)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("16", 16), ("1e-3", 0.001), ("true", True), ("Off", False), ("null", None), ("[1, 2]", [1, 2]), ("abc", "abc"), ('"7"', "7"), ("[a, b]", ["a", "b"])],
+)
+def test_override_values_parse(text, value):
+    assert parse_value(text) == value
+
+
+def test_float_fields_accept_ints_and_yaml_strings():
+    cfg = ExperimentConfig.load({"optim": {"lr": "3e-4", "weight_decay": 0}})
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert isinstance(cfg.optim.weight_decay, float)

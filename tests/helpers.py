@@ -1,0 +1,41 @@
+"""Shared test helpers: small token corpora and configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe.config import ExperimentConfig
+from moe.data import write_token_file
+
+
+def make_corpus(directory: Path, *, files: int = 2, tokens: int = 4000, vocab: int = 256, seed: int = 0, tokenizer_hash: str | None = "tok-hash") -> list[Path]:
+    """Token files of a learnable synthetic language: noisy repeated phrases separated by EOS=0."""
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(1, vocab, size=rng.integers(4, 12)) for _ in range(16)]
+    paths = []
+    for f in range(files):
+        out: list[int] = []
+        while len(out) < tokens:
+            for _ in range(rng.integers(3, 8)):
+                out.extend(phrases[rng.integers(len(phrases))].tolist())
+            out.append(0)
+        path = directory / f"part-{f:05d}.npy"
+        write_token_file(path, np.array(out[:tokens]), vocab_size=vocab, eos_id=0, tokenizer_hash=tokenizer_hash)
+        paths.append(path)
+    return paths
+
+
+def tiny_config(data_dir: Path, ckpt_dir: Path, **sections: Any) -> ExperimentConfig:
+    base: dict[str, Any] = {
+        "model": {"preset": "tiny", "vocab_size": 256},
+        "data": {"paths": [str(data_dir)], "seq_len": 32},
+        "train": {"max_steps": 6, "log_every": 1, "global_batch_size": 4, "micro_batch_size": 2},
+        "schedule": {"warmup_steps": 2},
+        "checkpoint": {"dir": str(ckpt_dir)},
+    }
+    for key, value in sections.items():
+        base.setdefault(key, {}).update(value)
+    return ExperimentConfig.load(base)

@@ -1,0 +1,59 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moe.config import OptimizerConfig, ScheduleConfig
+from moe.train.optim import MasterWeightAdamW, lr_lambda
+
+
+def test_bf16_params_get_fp32_masters_and_fp32_gradient_accumulation():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2, weight_decay=0.0), master_weights=True)
+    (master,) = opt.masters
+    assert master.dtype == torch.float32 and master is not model.weight
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for _ in range(3):  # accumulate
+        model(x).float().sum().backward()
+    assert model.weight.grad is None and master.grad.dtype == torch.float32
+    before = master.detach().clone()
+    opt.step()
+    assert not torch.equal(master, before)
+    assert torch.equal(model.weight, master.to(torch.bfloat16))
+
+
+def test_fp32_params_are_their_own_masters():
+    model = nn.Linear(4, 4)
+    opt = MasterWeightAdamW(model, OptimizerConfig(), master_weights=False)
+    assert opt.masters[0] is model.weight
+
+
+def test_found_inf_skips_the_update_on_device():
+    model = nn.Linear(4, 4)
+    opt = MasterWeightAdamW(model, OptimizerConfig(lr=0.1), master_weights=False)
+    model(torch.randn(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step(found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.step(found_inf=torch.tensor(0.0))
+    assert not torch.equal(before[0], model.weight)
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    model = nn.ModuleDict({"embed": nn.Embedding(5, 4), "norm": nn.LayerNorm(4), "proj": nn.Linear(4, 4, bias=False)})
+    opt = MasterWeightAdamW(model, OptimizerConfig(weight_decay=0.1), master_weights=False)
+    decayed = {id(p) for g in opt.inner.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(model["proj"].weight)}
+
+
+def test_schedule_warmup_then_cosine_to_floor():
+    f = lr_lambda(ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_ratio=0.1), max_steps=14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(13) == pytest.approx(0.1)
+    mid = f(4 + 9 / 2)
+    assert mid == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    lin = lr_lambda(ScheduleConfig(warmup_steps=0, decay="linear", min_lr_ratio=0.0), max_steps=11)
+    assert lin(0) == 1.0 and lin(10) == pytest.approx(0.0) and lin(5) == pytest.approx(0.5)
