@@ -175,6 +175,8 @@ class Trainer:
         self.model.set_aux_loss_scale(1.0 / n)
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro:
+            if self.device.type == "cuda":
+                batch = batch.pin_memory()
             batch = batch.to(self.device, non_blocking=True)
             inputs, labels = batch[:, :-1], batch[:, 1:]
             with self.recipe.autocast(self.device):

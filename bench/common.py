@@ -1,0 +1,110 @@
+"""Timing and result recording shared by the benchmarks.
+
+Timing: CUDA events around each run, warm-up first, median of many runs; inputs are random
+(never zeros) and outputs are checked against each other before anything is timed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    if os.environ.get("MOE_GIT_COMMIT"):
+        return os.environ["MOE_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "git_commit": git_commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    else:
+        env["device"] = "cpu"
+    return env
+
+
+def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 30, before: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Median/min/max milliseconds of ``fn`` over ``iters`` runs (CUDA events per run)."""
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if before:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
+
+
+def matmul_peak_tflops(n: int = 8192, iters: int = 20) -> float:
+    """Measured bf16 dense matmul ceiling on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = time_cuda(lambda: a @ b, warmup=3, iters=iters)
+    return 2 * n**3 / (t["median_ms"] * 1e-3) / 1e12
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    device = payload.get("environment", {}).get("device", "cpu").replace(" ", "-")
+    path = out_dir / f"{name}-{device}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)

@@ -1,0 +1,222 @@
+"""MoE layer forward+backward TFLOP/s, ours side by side with transformers and TorchTitan.
+
+    python -m bench.layer                      # the two reference shapes, 16384 tokens, bf16
+    python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
+
+Every peer gets the same router and expert weights and the same random input, so the routing
+distribution is identical; outputs and input gradients are checked against an fp32 run of our
+layer before anything is timed. FLOPs per layer call (forward + backward) are
+6 * tokens * (top_k * 3 * d * h + d * E): the routed experts' GEMMs and the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.common import environment, matmul_peak_tflops, print_table, rel_error, time_cuda, write_result
+from moe.config import MoEConfig
+from moe.layers import MoELayer
+
+REFERENCE_SHAPES = [(2048, 1024, 64, 8), (4096, 4096, 64, 4)]
+TOLERANCE = 0.1  # bf16 against fp32; a peer with a bf16 router flips near-tie routes (HF does)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    d: int
+    h: int
+    experts: int
+    top_k: int
+
+    @property
+    def label(self) -> str:
+        return f"d={self.d}/h={self.h}/E={self.experts}/k={self.top_k}"
+
+    def flops(self, tokens: int) -> float:
+        return 6.0 * tokens * (self.top_k * 3 * self.d * self.h + self.d * self.experts)
+
+
+def make_weights(shape: Shape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    s = shape
+
+    def randn(*size: int) -> torch.Tensor:
+        # bf16-representable values: the fp32 reference then differs only in arithmetic
+        return (torch.randn(*size, generator=g, device=device) * 0.02).bfloat16().float()
+
+    return {
+        "router": randn(s.experts, s.d),
+        "w1": randn(s.experts, s.h, s.d),  # gate
+        "w3": randn(s.experts, s.h, s.d),  # up
+        "w2": randn(s.experts, s.d, s.h),  # down
+    }
+
+
+def build_ours(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.h).validate()
+    layer = MoELayer(shape.d, cfg).to(w["router"].device)
+    with torch.no_grad():
+        layer.router.weight.copy_(w["router"])
+        layer.experts.gate_up.copy_(torch.cat([w["w1"], w["w3"]], dim=1))
+        layer.experts.down.copy_(w["w2"])
+    return layer.to(dtype).train()
+
+
+def build_hf(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    cfg = OlmoeConfig(
+        hidden_size=shape.d, intermediate_size=shape.h, num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k, norm_topk_prob=False,
+    )
+    # What from_pretrained selects by default in transformers 5 (grouped_mm where it can run).
+    cfg._experts_implementation = "grouped_mm"
+    block = OlmoeSparseMoeBlock(cfg).to(w["router"].device)
+    with torch.no_grad():
+        block.gate.weight.copy_(w["router"])
+        block.experts.gate_up_proj.copy_(torch.cat([w["w1"], w["w3"]], dim=1))
+        block.experts.down_proj.copy_(w["w2"])
+    block.bench_note = f"experts_implementation={getattr(cfg, '_experts_implementation', None)}"
+    return block.to(dtype).train()
+
+
+def build_titan(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    s = shape
+    cfg = MoE.Config(
+        num_experts=s.experts,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=s.d, hidden_dim=s.h, num_experts=s.experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=s.experts, top_k=s.top_k),
+        ),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=s.experts, gate=Linear.Config(in_features=s.d, out_features=s.experts),
+            top_k=s.top_k, score_func="softmax", route_norm=False,
+        ),
+        load_balance_coeff=None,
+    )
+    moe = cfg.build().to(w["router"].device)
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(w["router"])
+        moe.routed_experts.inner_experts.w1_EFD.copy_(w["w1"])
+        moe.routed_experts.inner_experts.w3_EFD.copy_(w["w3"])
+        moe.routed_experts.inner_experts.w2_EDF.copy_(w["w2"])
+    return moe.to(dtype).train()
+
+
+PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
+    "ours": ("moe (this repo)", build_ours),
+    "hf": ("transformers OlmoeSparseMoeBlock", build_hf),
+    "titan": ("torchtitan 0.3.0 MoE", build_titan),
+}
+
+
+def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: torch.device) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16
+    w = make_weights(shape, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    x32 = torch.randn(1, tokens, shape.d, generator=g, device=device).bfloat16().float()
+    grad32 = torch.randn(1, tokens, shape.d, generator=g, device=device).bfloat16().float()
+
+    # fp32 reference: our layer in fp32 (itself checked against a per-expert loop in the tests)
+    ref_layer = build_ours(shape, w, torch.float32).eval()
+    xr = x32.clone().requires_grad_(True)
+    ref_out = ref_layer(xr)
+    ref_out.backward(grad32)
+    ref_dx = xr.grad
+    del ref_layer
+
+    rows = []
+    for key in peers:
+        name, builder = PEERS[key]
+        try:
+            module = builder(shape, w, dtype)
+        except Exception as exc:  # a peer that cannot be built is reported, not hidden
+            rows.append({"peer": key, "name": name, "shape": shape.label, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        x = x32.to(dtype).requires_grad_(True)
+        grad = grad32.to(dtype)
+        out = module(x)
+        out.backward(grad)
+        err_out, err_dx = rel_error(out, ref_out), rel_error(x.grad, ref_dx)
+        row: dict[str, Any] = {"peer": key, "name": name, "shape": shape.label, "rel_err_out": err_out, "rel_err_dx": err_dx}
+        if getattr(module, "bench_note", None):
+            row["note"] = module.bench_note
+        if not (err_out < TOLERANCE and err_dx < TOLERANCE):
+            row["error"] = "output disagrees with the fp32 reference; not timed"
+            rows.append(row)
+            continue
+
+        def step(module=module, x=x, grad=grad) -> None:
+            module(x).backward(grad)
+
+        def clear(module=module, x=x) -> None:
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+
+        timing = time_cuda(step, iters=iters, before=clear)
+        row.update(timing)
+        row["tflops"] = shape.flops(tokens) / (timing["median_ms"] * 1e-3) / 1e12
+        rows.append(row)
+        del module, out
+        torch.cuda.empty_cache()
+    ours = next((r for r in rows if r["peer"] == "ours" and "tflops" in r), None)
+    for r in rows:
+        if ours and "tflops" in r:
+            r["ours_over_peer"] = ours["tflops"] / r["tflops"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", action="append", help="d,h,E,k (repeatable); default: the two reference shapes")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--peers", default="ours,hf,titan")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.layer needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [Shape(*map(int, s.split(","))) for s in args.shape] if args.shape else [Shape(*s) for s in REFERENCE_SHAPES]
+    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        print(f"unknown peers {sorted(unknown)}; known: {sorted(PEERS)}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    peak = matmul_peak_tflops()
+    rows = []
+    for shape in shapes:
+        rows += run_shape(shape, args.tokens, peers, args.iters, device)
+    for r in rows:
+        if "tflops" in r:
+            r["fraction_of_matmul_peak"] = r["tflops"] / peak
+    print(f"bf16 matmul 8192^3 on this GPU: {peak:.0f} TFLOP/s")
+    print_table(rows, ["shape", "peer", "median_ms", "tflops", "fraction_of_matmul_peak", "ours_over_peer", "rel_err_out", "rel_err_dx", "error"])
+    payload = {
+        "benchmark": "moe_layer_fwd_bwd",
+        "environment": environment(),
+        "config": {"tokens": args.tokens, "dtype": "bfloat16", "iters": args.iters, "warmup": 5,
+                   "shapes": [dataclasses.asdict(s) for s in shapes], "flops_formula": "6*T*(k*3*d*h + d*E)"},
+        "matmul_peak_tflops": peak,
+        "results": rows,
+    }
+    if not args.no_save:
+        print(f"wrote {write_result('layer', payload)}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
