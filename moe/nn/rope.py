@@ -12,11 +12,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        cos, sin = self._tables(torch.device("cpu"))
+        cos, sin = self._tables(None)  # the default device (e.g. inside `with torch.device("cuda")`)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim))
         positions = torch.arange(self.max_seq_len, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]
