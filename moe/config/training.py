@@ -97,6 +97,9 @@ class CheckpointConfig(Config):
     keep_last: int = 3
     # auto: resume from <dir>/latest when it exists; never: start fresh (refuses a non-empty dir).
     resume: Literal["auto", "never"] = "auto"
+    # Start a fresh run from these model weights (a checkpoint, e.g. from `moe convert --from-hf`);
+    # ignored when <dir> already holds a checkpoint to resume.
+    init_from: str | None = None
 
     def _check(self, p: str) -> None:
         require(self.every >= 0, _k(p, "every"), "must be >= 0")

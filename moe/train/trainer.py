@@ -155,10 +155,21 @@ class Trainer:
             seed_everything(self.cfg.train.seed + 1_000_003 * self.step + self.env.rank)
         log.info("resumed from %s at step %d", path, self.step)
 
+    def load_weights(self, path: str | Path) -> None:
+        """Model weights only (fresh optimizer, schedule and data position)."""
+        from moe.train.checkpoint import read_meta
+
+        _check_same_model(read_meta(path).get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
+        CheckpointManager.load(path, {"model": self._tensor_state()["model"]})
+        self.opt.sync_params_from_masters()
+        log.info("initialised weights from %s", path)
+
     def maybe_resume(self) -> None:
         self.ckpt.clean_stale()
         latest = latest_checkpoint(self.cfg.checkpoint.dir)
         if latest is None:
+            if self.cfg.checkpoint.init_from:
+                self.load_weights(self.cfg.checkpoint.init_from)
             return
         if self.cfg.checkpoint.resume == "never":
             raise CheckpointError(

@@ -1,0 +1,1 @@
+"""The pipeline around the moe library: stages, tracking, launch and the `moe` CLI."""

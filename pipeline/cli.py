@@ -1,0 +1,237 @@
+"""The `moe` command line: pipeline stages, benchmarks and tools.
+
+Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides. Exit codes:
+0 done, 1 unexpected error, 2 bad input (params, data, files), 3 non-finite loss,
+4 checkpoint problem, 5 a training job failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moe.config import ConfigError
+from moe.data import TokenDataError
+from moe.train.checkpoint import CheckpointError
+from pipeline.errors import PipelineError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+console = Console(stderr=True)
+
+ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
+
+
+def fail(message: str, code: int) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(fn):
+    """One clear line and a meaningful exit code for every expected failure."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except PipelineError as exc:
+            fail(str(exc), exc.exit_code)
+        except (ConfigError, TokenDataError) as exc:
+            fail(str(exc), 2)
+        except CheckpointError as exc:
+            fail(str(exc), 4)
+        except FileNotFoundError as exc:
+            fail(f"{exc.filename}: not found", 2)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+
+    return wrapper
+
+
+def _load(params: Path, overrides: list[str] | None):
+    from pipeline.params import load_params
+
+    return load_params(params, overrides or [])
+
+
+def _tracker(cfg, stage: str, params: Path, enabled: bool):
+    if not (enabled and cfg.mlflow.enabled):
+        return None
+    from pipeline.tracking import Tracker
+
+    tracker = Tracker(cfg.mlflow, stage, params)
+    tracker.log_stage_start(cfg.flatten())
+    return tracker
+
+
+class _Stage:
+    """Context for one stage's MLflow run: FINISHED on success, FAILED on any error."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def __enter__(self):
+        return self.tracker
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.tracker:
+            self.tracker.end(ok=exc_type is None)
+        return False
+
+
+@app.command()
+@handle_errors
+def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """Raw text -> token files (train/ and val/), tokenizer.json and manifest.json."""
+    from pipeline.stages.tokenize import run_tokenize
+
+    cfg = _load(params, set_)
+    with _Stage(_tracker(cfg, "tokenize", params, not no_mlflow)) as tracker, _progress() as bar:
+        task = bar.add_task("tokenize", total=None)
+        manifest = run_tokenize(cfg.tokenize, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        if tracker:
+            tracker.log_metrics({f"{s}_{k}": v for s, d in manifest["splits"].items() for k, v in d.items() if k != "files"})
+            tracker.set_tags({"tokenizer.sha256": manifest["tokenizer"]["sha256"]})
+    sp = manifest["splits"]
+    console.print(
+        f"tokenized {sp['train']['documents'] + sp['val']['documents']} documents: "
+        f"{sp['train']['tokens']} train / {sp['val']['tokens']} val tokens -> {cfg.tokenize.output}"
+    )
+
+
+@app.command()
+@handle_errors
+def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """Train from params.yaml with the configured executor; writes checkpoints and metrics."""
+    from pipeline.stages.train import run_train
+
+    cfg = _load(params, set_)
+    with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
+        metrics = run_train(cfg, tracker)
+    console.print(f"trained {metrics['steps']} steps: final loss {metrics['final_loss']:.4f}, "
+                  f"{metrics['tokens_per_s_per_device']:.0f} tokens/s/device")
+
+
+@app.command()
+@handle_errors
+def convert(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    checkpoint: Annotated[Path | None, typer.Option(help="checkpoint (default: checkpoint.dir's latest)")] = None,
+    out: Annotated[Path | None, typer.Option(help="output directory (default: convert.output)")] = None,
+    from_hf: Annotated[Path | None, typer.Option("--from-hf", help="convert this HF OLMoE directory to a DCP checkpoint at --out")] = None,
+    no_mlflow: NoTrackOpt = False,
+) -> None:
+    """DCP checkpoint -> Hugging Face OLMoE directory (or --from-hf DIR --out CKPT for the reverse)."""
+    from pipeline.stages.convert import convert_from_hf, convert_to_hf, load_tokens_tokenizer
+
+    if from_hf is not None:
+        if out is None:
+            fail("--from-hf needs --out (the checkpoint directory to write)", 2)
+        model_cfg = convert_from_hf(from_hf, out)
+        console.print(f"wrote {out}/step_00000000; train from it with checkpoint.init_from={out} and this model section:")
+        import yaml
+
+        print(yaml.safe_dump({"model": model_cfg.to_dict()}, sort_keys=False))
+        return
+    cfg = _load(params, set_)
+    with _Stage(_tracker(cfg, "convert", params, not no_mlflow)) as tracker:
+        prov = convert_to_hf(
+            checkpoint or cfg.checkpoint.dir, out or cfg.convert.output, load_tokens_tokenizer(cfg.tokenize.output),
+            dtype=cfg.convert.dtype, max_shard_bytes=cfg.convert.max_shard_bytes,
+        )
+        if tracker:
+            tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
+    console.print(f"converted {prov['checkpoint']} -> {out or cfg.convert.output}")
+
+
+@app.command()
+@handle_errors
+def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """Validation loss/perplexity (ours and transformers'), eval tokens/s, a greedy sample."""
+    from pipeline.stages.evaluate import run_evaluate
+
+    cfg = _load(params, set_)
+    with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
+        m = run_evaluate(cfg, tracker)
+    console.print(f"val loss {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
+                  f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s")
+    console.print(f"sample: {m['sample']!r}", highlight=False)
+
+
+@app.command()
+@handle_errors
+def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
+    """Validate params.yaml (+ overrides) and print the resolved, flattened values."""
+    cfg = _load(params, set_)
+    for k, v in cfg.flatten().items():
+        print(f"{k} = {json.dumps(v)}")
+
+
+@app.command()
+@handle_errors
+def repro(
+    force: Annotated[bool, typer.Option("--force", "-f", help="rerun every stage")] = False,
+    args: Annotated[list[str] | None, typer.Argument(help="extra `dvc repro` arguments (after --)")] = None,
+) -> None:
+    """`dvc repro` with one MLflow parent run for this invocation."""
+    key = uuid.uuid4().hex[:16]
+    cmd = ["dvc", "repro", *(["--force"] if force else []), *(args or [])]
+    console.print(f"pipeline key {key}: {' '.join(cmd)}")
+    code = subprocess.call(cmd, env={**os.environ, "MOE_PIPELINE_KEY": key})
+    if code != 0:
+        fail(f"dvc repro failed with exit code {code}", code)
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(help="port")] = 5000,
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+) -> None:
+    """Serve the MLflow UI for this repository's tracking store on 127.0.0.1."""
+    from pipeline.params import MlflowConfig
+    from pipeline.tracking import tracking_uri
+
+    uri = tracking_uri(MlflowConfig())
+    console.print(f"MLflow UI for {uri} on http://{host}:{port}")
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("layer", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_layer(ctx: typer.Context) -> None:
+    """MoE layer fwd+bwd TFLOP/s next to transformers and TorchTitan (see bench/layer.py --help)."""
+    from bench.layer import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    app()
+
+
+if __name__ == "__main__":
+    main()

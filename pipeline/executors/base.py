@@ -1,0 +1,54 @@
+"""The executor seam: a training job description and its result."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass
+class TrainJob:
+    """Everything a worker process needs; written to ``<run_dir>/job.json``."""
+
+    config: dict[str, Any]  # ExperimentConfig.to_dict()
+    run_dir: str
+    nprocs: int = 1
+    mlflow_uri: str | None = None
+    mlflow_run_id: str | None = None
+    mlflow_flush_every: int = 50
+
+    @property
+    def spec_path(self) -> Path:
+        return Path(self.run_dir) / "job.json"
+
+    def write(self) -> Path:
+        self.spec_path.parent.mkdir(parents=True, exist_ok=True)
+        self.spec_path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        return self.spec_path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrainJob":
+        return cls(**json.loads(Path(path).read_text()))
+
+    @property
+    def summary_path(self) -> Path:
+        return Path(self.run_dir) / "summary.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.run_dir) / "metrics.jsonl"
+
+
+@dataclasses.dataclass
+class JobResult:
+    ok: bool
+    exit_code: int
+    log_path: str
+    message: str = ""
+    job_id: str | None = None
+
+
+class Executor(Protocol):
+    def run(self, job: TrainJob) -> JobResult: ...

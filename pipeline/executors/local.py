@@ -1,0 +1,107 @@
+"""Local executor: one process, or N processes on this machine launched like torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pipeline.executors.base import JobResult, TrainJob
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_error_line(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line.startswith("error:") or "Error" in line:
+            return line.strip()
+    return lines[-1].strip() if lines else ""
+
+
+class LocalExecutor:
+    def __init__(self, stream_rank0: bool = True) -> None:
+        self.stream_rank0 = stream_rank0
+
+    def run(self, job: TrainJob) -> JobResult:
+        spec = job.write()
+        logs = Path(job.run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        procs: list[tuple[subprocess.Popen, Path]] = []
+        threads = []
+        for rank in range(job.nprocs):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(job.nprocs),
+                "LOCAL_WORLD_SIZE": str(job.nprocs),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.nprocs))),
+            }
+            log_path = logs / f"rank{rank}.log"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.worker", str(spec)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            t = threading.Thread(target=_pump, args=(proc, log_path, rank == 0 and self.stream_rank0), daemon=True)
+            t.start()
+            procs.append((proc, log_path))
+            threads.append(t)
+        failed: tuple[int, int, Path] | None = None
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and failed is None:
+                rank, code = bad[0]
+                failed = (rank, code, procs[rank][1])
+                _terminate([p for p, _ in procs])
+            if all(c is not None for c in codes):
+                break
+            time.sleep(0.1)
+        for t in threads:
+            t.join(timeout=5)
+        if failed:
+            rank, code, log_path = failed
+            detail = last_error_line(log_path)
+            return JobResult(False, code, str(log_path), f"rank {rank} exited with code {code}" + (f": {detail}" if detail else ""))
+        return JobResult(True, 0, str(procs[0][1]))
+
+
+def _pump(proc: subprocess.Popen, log_path: Path, echo: bool) -> None:
+    with open(log_path, "w") as f:
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()

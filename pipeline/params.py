@@ -1,0 +1,133 @@
+"""params.yaml: the library's sections plus the pipeline's own, typed and validated.
+
+Every key is checked (unknown keys get a did-you-mean); ``--set key=value`` overrides apply
+before validation. The library sections (model, optim, schedule, data, train, checkpoint,
+parallel, precision) build a :class:`moe.config.ExperimentConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moe.config import ConfigError, ExperimentConfig, apply_overrides
+from moe.config.base import Config, require
+
+LIBRARY_SECTIONS = ("model", "optim", "schedule", "data", "train", "checkpoint", "parallel", "precision")
+
+
+@dataclasses.dataclass
+class TokenizeConfig(Config):
+    # "stdlib" (the .py files of this Python's standard library) or files/dirs/globs of
+    # .txt, .jsonl, .jsonl.gz (Dolma-style {"text": ...}) and .parquet.
+    inputs: list[str] = dataclasses.field(default_factory=lambda: ["stdlib"])
+    text_field: str = "text"
+    # A tokenizer.json file or a directory holding one; null: train a byte-level BPE.
+    tokenizer: str | None = None
+    vocab_size: int = 512
+    # Stop reading documents after this many bytes of text (null: read everything).
+    max_bytes: int | None = 4_000_000
+    val_fraction: float = 0.05
+    seed: int = 0
+    workers: int = 2
+    # Tokens per output shard (a shard never splits a document).
+    shard_tokens: int = 2_000_000
+    output: str = "data/tokens"
+
+    def _check(self, p: str) -> None:
+        k = lambda n: f"{p}.{n}"  # noqa: E731
+        require(bool(self.inputs), k("inputs"), "must name at least one input")
+        require(self.vocab_size >= 260, k("vocab_size"), "must be >= 260 (256 bytes + special tokens)")
+        require(0 < self.val_fraction < 1, k("val_fraction"), "must lie strictly between 0 and 1")
+        require(self.workers >= 1, k("workers"), "must be >= 1")
+        require(self.shard_tokens >= 1024, k("shard_tokens"), "must be >= 1024")
+        if self.max_bytes is not None:
+            require(self.max_bytes > 0, k("max_bytes"), "must be > 0 (or null)")
+
+
+@dataclasses.dataclass
+class ExecutorConfig(Config):
+    """How the train stage runs: local processes (like torchrun) or a Slurm job."""
+
+    kind: Literal["local"] = "local"
+    nprocs: int = 1
+    run_dir: str = "runs/train"
+
+    def _check(self, p: str) -> None:
+        require(self.nprocs >= 1, f"{p}.nprocs", "must be >= 1")
+
+
+@dataclasses.dataclass
+class ConvertConfig(Config):
+    output: str = "runs/hf"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_shard_bytes: int = 2_000_000_000
+
+
+@dataclasses.dataclass
+class EvaluateConfig(Config):
+    batch_size: int = 4
+    max_batches: int = 8
+    # Fail the stage when our loss and transformers' differ by more than this (relative).
+    max_rel_diff: float = 1e-4
+    prompt: str = "def "
+    generate_tokens: int = 24
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
+    output: str = "metrics/eval.json"
+
+    def _check(self, p: str) -> None:
+        require(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
+        require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1")
+
+
+@dataclasses.dataclass
+class MlflowConfig(Config):
+    experiment: str = "moe"
+    # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the repository root.
+    tracking_uri: str | None = None
+    enabled: bool = True
+    # Metrics buffered per flush (one log_batch call).
+    flush_every: int = 50
+
+
+@dataclasses.dataclass
+class PipelineConfig(ExperimentConfig):
+    tokenize: TokenizeConfig = dataclasses.field(default_factory=TokenizeConfig)
+    executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
+    convert: ConvertConfig = dataclasses.field(default_factory=ConvertConfig)
+    evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
+    mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
+
+    def experiment(self) -> ExperimentConfig:
+        return ExperimentConfig(**{s: getattr(self, s) for s in LIBRARY_SECTIONS})
+
+    @property
+    def tokens_dir(self) -> Path:
+        return Path(self.tokenize.output)
+
+
+def read_params_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def load_params(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    try:
+        data = apply_overrides(read_params_file(path), overrides)
+        return PipelineConfig.from_dict(data).validate()
+    except ConfigError as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None

@@ -1,0 +1,112 @@
+"""Train stage: params -> a training job on the chosen executor -> checkpoints and metrics.
+
+``data.paths: []`` means the tokenise stage's ``train/`` split and ``data.tokenizer_hash:
+null`` the tokenizer it recorded, so the data a run reads is always checked against the
+tokenizer it was made with.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from moe.config import ConfigError, ExperimentConfig
+from pipeline.errors import JobFailed, PipelineError
+from pipeline.executors import TrainJob, build_executor
+from pipeline.params import PipelineConfig
+from pipeline.stages.tokenize import read_manifest
+
+METRICS_FILE = Path("metrics/train.json")
+LOSS_PLOT = Path("plots/train_loss.csv")
+THROUGHPUT_PLOT = Path("plots/train_throughput.csv")
+
+
+def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
+    """The library config with the data defaults filled in from the tokenise output."""
+    exp = cfg.experiment()
+    data = exp.data
+    manifest = read_manifest(cfg.tokenize.output)
+    tok = manifest["tokenizer"]
+    if not data.paths:
+        data = data.replace(paths=[str(Path(cfg.tokenize.output) / "train")])
+    if data.tokenizer_hash is None:
+        data = data.replace(tokenizer_hash=tok["sha256"])
+    if tok["vocab_size"] > exp.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {exp.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tok['vocab_size']}, {cfg.tokenize.output}/manifest.json)"
+        )
+    return exp.replace(data=data).validate()
+
+
+def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
+    exp = resolve_experiment(cfg)
+    run_dir = Path(cfg.executor.run_dir)
+    job = TrainJob(
+        config=exp.to_dict(),
+        run_dir=str(run_dir),
+        nprocs=cfg.executor.nprocs,
+        mlflow_uri=tracker.uri if tracker else None,
+        mlflow_run_id=tracker.run_id if tracker else None,
+        mlflow_flush_every=cfg.mlflow.flush_every,
+    )
+    if job.metrics_path.exists():
+        job.metrics_path.unlink()  # a rerun from scratch; a resumed job appends
+    result = build_executor(cfg.executor.kind).run(job)
+    if not result.ok:
+        raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}")
+    if not job.summary_path.is_file():
+        raise PipelineError(f"training job ended without a summary ({job.summary_path}); log: {result.log_path}")
+    summary = json.loads(job.summary_path.read_text())
+    rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]
+    metrics = final_metrics(summary, rows)
+    write_outputs(metrics, rows)
+    if tracker:
+        tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        tracker.log_artifact(job.metrics_path)
+    return metrics
+
+
+def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    full = [r for r in rows if "tokens_per_s" in r]
+    # Throughput: mean over log intervals after the first (which holds warm-up/compilation).
+    steady = full[1:] or full
+    mean = lambda key: sum(r[key] for r in steady if key in r) / max(1, sum(1 for r in steady if key in r))  # noqa: E731
+    last = full[-1] if full else {}
+    out: dict[str, Any] = {
+        "steps": summary["steps"],
+        "final_loss": summary["final_loss"],
+        "params_total": summary["params_total"],
+        "params_active": summary["params_active"],
+        "tokens_per_step": summary["tokens_per_step"],
+        "tokens_per_s": mean("tokens_per_s"),
+        "tokens_per_s_per_device": mean("tokens_per_s_per_device"),
+        "tflops_per_device": mean("tflops_per_device"),
+        "lb_loss": last.get("lb_loss"),
+        "z_loss": last.get("z_loss"),
+        "expert_load_max_over_mean": last.get("expert_load_max_over_mean"),
+        "skipped_steps": last.get("skipped_steps", 0),
+    }
+    if any("mfu" in r for r in steady):
+        out["mfu"] = mean("mfu")
+    return out
+
+
+def write_outputs(metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    METRICS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    METRICS_FILE.write_text(json.dumps(metrics, indent=2) + "\n")
+    LOSS_PLOT.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOSS_PLOT, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "loss"])
+        for r in rows:
+            if isinstance(r.get("loss"), (int, float)):
+                w.writerow([r["step"], r["loss"]])
+    with open(THROUGHPUT_PLOT, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "tokens_per_s_per_device", "tflops_per_device"])
+        for r in rows:
+            if "tokens_per_s_per_device" in r:
+                w.writerow([r["step"], r["tokens_per_s_per_device"], r["tflops_per_device"]])

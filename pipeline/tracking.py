@@ -1,0 +1,268 @@
+"""MLflow tracking: one parent run per pipeline, one nested run per stage that runs.
+
+Grouping: stages of one ``moe repro`` (which sets MOE_PIPELINE_KEY) nest under one parent
+run. A plain ``dvc repro`` groups by a key derived from params.yaml and the git commit, so
+every stage run for the same parameters and code lands under the same parent. A stage that
+DVC skips (its inputs did not change) adds no run; each nested run carries the DVC data
+hashes it saw in dvc.lock, which link it to the runs that produced its inputs.
+
+Only global rank 0 logs; the submitting process creates the run and passes its id to jobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.params import MlflowConfig
+
+log = logging.getLogger("pipeline.tracking")
+
+MAX_PARAM_CHARS = 6000
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+PIPELINE_KEY_TAG = "moe.pipeline_key"
+
+
+def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = (root or Path.cwd()).resolve()
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_info() -> dict[str, str]:
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git.commit": "unknown"}
+    status = _git("status", "--porcelain", "--untracked-files=no") or ""
+    return {"git.commit": commit, "git.dirty": str(bool(status)).lower(), "git.branch": _git("rev-parse", "--abbrev-ref", "HEAD") or ""}
+
+
+def pipeline_key(params_path: Path) -> str:
+    if os.environ.get("MOE_PIPELINE_KEY"):
+        return os.environ["MOE_PIPELINE_KEY"]
+    h = hashlib.sha256(params_path.read_bytes() if params_path.is_file() else b"")
+    h.update((git_info().get("git.commit") or "").encode())
+    return h.hexdigest()[:16]
+
+
+def dvc_hashes(lock_path: Path = Path("dvc.lock")) -> dict[str, str]:
+    """``dvc.out.<path>`` -> md5 for every stage output recorded in dvc.lock."""
+    if not lock_path.is_file():
+        return {}
+    try:
+        lock = yaml.safe_load(lock_path.read_text()) or {}
+    except yaml.YAMLError:
+        return {}
+    tags = {}
+    for stage in (lock.get("stages") or {}).values():
+        for out in stage.get("outs") or []:
+            if "md5" in out:
+                tags[f"dvc.out.{out['path']}"] = out["md5"]
+    return tags
+
+
+def environment_tags() -> dict[str, str]:
+    tags = {"host": socket.gethostname(), "python": platform.python_version()}
+    try:
+        import torch
+
+        tags["torch"] = torch.__version__
+        tags["cuda"] = str(torch.version.cuda)
+        if torch.cuda.is_available():
+            tags["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    digest = os.environ.get("MOE_IMAGE_DIGEST")
+    inventory = Path(os.environ.get("MOE_IMAGE_INVENTORY", "/opt/moe/inventory.json"))
+    if inventory.is_file():
+        try:
+            inv = json.loads(inventory.read_text())
+            digest = digest or inv.get("image_digest")
+            for k in ("cuda", "nccl", "nvshmem"):
+                if inv.get(k):
+                    tags[f"image.{k}"] = str(inv[k])
+        except ValueError:
+            pass
+    if digest:
+        tags["container.image_digest"] = digest
+    for lock in ("requirements/cpu.lock", "requirements/gpu.lock"):
+        if Path(lock).is_file():
+            tags[f"lock.{Path(lock).name}"] = hashlib.sha256(Path(lock).read_bytes()).hexdigest()[:16]
+    return tags
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def param_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > MAX_PARAM_CHARS:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        suffix = f"...[truncated; sha256 {digest}; full value in params.yaml artifact]"
+        text = text[: MAX_PARAM_CHARS - len(suffix)] + suffix
+    return text
+
+
+class Tracker:
+    """Creates and writes one stage's nested run through MlflowClient (no global state)."""
+
+    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml")) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.cfg, self.stage, self.params_path = cfg, stage, params_path
+        self.uri = tracking_uri(cfg)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.experiment_id = self._experiment()
+        self.parent_id = self._parent()
+        tags = {
+            "mlflow.parentRunId": self.parent_id,
+            "mlflow.runName": stage,
+            "moe.stage": stage,
+            PIPELINE_KEY_TAG: pipeline_key(params_path),
+            **git_info(),
+            **environment_tags(),
+            **dvc_hashes(),
+        }
+        self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+
+    def _experiment(self) -> str:
+        exp = self.client.get_experiment_by_name(self.cfg.experiment)
+        if exp is not None:
+            return exp.experiment_id
+        artifacts = None
+        if self.uri.startswith("sqlite:///"):
+            artifacts = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+        try:
+            return self.client.create_experiment(self.cfg.experiment, artifact_location=artifacts)
+        except Exception:  # created concurrently by another process
+            return self.client.get_experiment_by_name(self.cfg.experiment).experiment_id
+
+    def _parent(self) -> str:
+        key = pipeline_key(self.params_path)
+        found = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`moe.stage` = 'pipeline'", max_results=1
+        )
+        if found:
+            return found[0].info.run_id
+        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": f"pipeline-{key[:8]}", **git_info()}
+        run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        if self.params_path.is_file():
+            self.client.log_artifact(run_id, str(self.params_path))
+        return run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, param_value(v)) for k, v in sorted(params.items())]
+        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if _finite(v)]
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if Path(path).exists():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_stage_start(self, flat_params: Mapping[str, Any]) -> None:
+        self.log_params(flat_params)
+        self.log_artifact(self.params_path)
+        self.log_artifact("dvc.lock")
+
+    def end(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(float(v))
+
+
+class MlflowSink:
+    """A trainer metrics sink (rank 0) writing to an existing run.
+
+    Metrics are buffered and sent with log_batch at every full log point (and every
+    ``flush_every`` entries). If the tracking server cannot be reached, training goes on:
+    the entries are appended to ``fallback`` (JSON lines) for a later ``moe mlflow-sync``.
+    """
+
+    def __init__(self, uri: str, run_id: str, fallback: Path, flush_every: int = 50) -> None:
+        self.uri, self.run_id, self.fallback, self.flush_every = uri, run_id, fallback, flush_every
+        self.buffer: list[tuple[int, dict[str, float]]] = []
+        self.failed = False
+        self._client = None
+
+    def _get_client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.uri)
+        return self._client
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.buffer.append((step, {k: v for k, v in metrics.items() if _finite(v)}))
+        if "lr" in metrics or len(self.buffer) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        batch, self.buffer = self.buffer, []
+        if not self.failed:
+            try:
+                from mlflow.entities import Metric
+
+                now = int(time.time() * 1000)
+                items = [Metric(k, float(v), now, step) for step, m in batch for k, v in m.items()]
+                for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+                    self._get_client().log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+                return
+            except Exception as exc:  # network, server or database down: keep training
+                self.failed = True
+                log.warning("MLflow unreachable (%s); metrics go to %s for `moe mlflow-sync`", exc, self.fallback)
+        self.fallback.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.fallback, "a") as f:
+            for step, m in batch:
+                f.write(json.dumps({"run_id": self.run_id, "step": step, "metrics": m}) + "\n")
+
+    def close(self, summary: dict[str, Any]) -> None:
+        self.flush()
