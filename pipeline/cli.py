@@ -195,6 +195,12 @@ def repro(
     code = subprocess.call(cmd, env={**os.environ, "MOE_PIPELINE_KEY": key})
     if code != 0:
         fail(f"dvc repro failed with exit code {code}", code)
+    from pipeline.params import load_params
+    from pipeline.tracking import finalize_pipeline
+
+    cfg = load_params(Path("params.yaml"))
+    if cfg.mlflow.enabled:
+        finalize_pipeline(cfg.mlflow, key)
 
 
 @app.command()
@@ -215,7 +221,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU mac
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command("layer", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@bench_app.command("layer", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_layer(ctx: typer.Context) -> None:
     """MoE layer fwd+bwd TFLOP/s next to transformers and TorchTitan (see bench/layer.py --help)."""
     from bench.layer import main

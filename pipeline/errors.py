@@ -10,9 +10,15 @@ class PipelineError(RuntimeError):
 
 
 class JobFailed(PipelineError):
-    """A training job (local processes or Slurm) ended in failure."""
+    """A training job (local processes or Slurm) ended in failure. A worker's own exit code
+    for bad input (2), a non-finite loss (3) or a checkpoint problem (4) is passed on."""
 
     exit_code = 5
+
+    def __init__(self, message: str, worker_code: int | None = None) -> None:
+        super().__init__(message)
+        if worker_code in (2, 3, 4):
+            self.exit_code = worker_code
 
 
 EXIT_CODES = {

@@ -68,20 +68,31 @@ def pipeline_key(params_path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def dvc_hashes(lock_path: Path = Path("dvc.lock")) -> dict[str, str]:
-    """``dvc.out.<path>`` -> md5 for every stage output recorded in dvc.lock."""
-    if not lock_path.is_file():
-        return {}
+def _yaml(path: Path) -> dict:
     try:
-        lock = yaml.safe_load(lock_path.read_text()) or {}
+        return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
     except yaml.YAMLError:
         return {}
-    tags = {}
-    for stage in (lock.get("stages") or {}).values():
+
+
+def dvc_out_hashes(lock_path: Path = Path("dvc.lock")) -> dict[str, str]:
+    """path -> md5 of every stage output recorded in dvc.lock."""
+    hashes = {}
+    for stage in (_yaml(lock_path).get("stages") or {}).values():
         for out in stage.get("outs") or []:
             if "md5" in out:
-                tags[f"dvc.out.{out['path']}"] = out["md5"]
-    return tags
+                hashes[out["path"]] = out["md5"]
+    return hashes
+
+
+def dvc_dep_tags(stage: str, dvc_yaml: Path = Path("dvc.yaml"), lock_path: Path = Path("dvc.lock")) -> dict[str, str]:
+    """``dvc.dep.<path>`` -> md5 for this stage's inputs that earlier stages produced.
+
+    DVC writes a stage's entry in dvc.lock as soon as it finishes, so when a stage starts, the
+    hashes of the data it reads are already there."""
+    deps = ((_yaml(dvc_yaml).get("stages") or {}).get(stage) or {}).get("deps") or []
+    outs = dvc_out_hashes(lock_path)
+    return {f"dvc.dep.{d}": outs[d] for d in deps if isinstance(d, str) and d in outs}
 
 
 def environment_tags() -> dict[str, str]:
@@ -152,7 +163,7 @@ class Tracker:
             PIPELINE_KEY_TAG: pipeline_key(params_path),
             **git_info(),
             **environment_tags(),
-            **dvc_hashes(),
+            **dvc_dep_tags(stage),
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
 
@@ -179,6 +190,8 @@ class Tracker:
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
             self.client.log_artifact(run_id, str(self.params_path))
+        # The parent only groups; it is closed at once and marked FAILED if a stage fails.
+        self.client.set_terminated(run_id, "FINISHED")
         return run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -211,6 +224,28 @@ class Tracker:
 
     def end(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+        if not ok:
+            self.client.set_terminated(self.parent_id, "FAILED")
+
+
+def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.lock")) -> None:
+    """After `moe repro`: tag the parent run with the final DVC hashes and attach dvc.lock."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.experiment)
+    if exp is None:
+        return
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`moe.stage` = 'pipeline'", max_results=1
+    )
+    if not runs:
+        return
+    run_id = runs[0].info.run_id
+    for path, md5 in dvc_out_hashes(lock_path).items():
+        client.set_tag(run_id, f"dvc.out.{path}", md5)
+    if lock_path.is_file():
+        client.log_artifact(run_id, str(lock_path))
 
 
 def _finite(v: Any) -> bool:

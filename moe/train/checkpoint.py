@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir()
         _barrier()
-        dcp.save(tensors, checkpoint_id=tmp, no_dist=not _distributed())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=not _distributed())
         rank = _rank()
         with open(tmp / f"rng-rank{rank:05d}.pt", "wb") as f:
             torch.save(rng, f)
@@ -169,16 +172,24 @@ class CheckpointManager:
     def load(path: str | os.PathLike, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Load tensors in place; return (meta, this rank's RNG state or None)."""
         path = resolve_checkpoint(path)
-        try:
-            dcp.load(tensors, checkpoint_id=path, no_dist=not _distributed())
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
+        load_tensors(path, tensors)
         meta = json.loads((path / META).read_text())
         rng_file = path / f"rng-rank{_rank():05d}.pt"
         rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() and meta.get("world_size") == (
             dist.get_world_size() if _distributed() else 1
         ) else None
         return meta, rng
+
+
+def load_tensors(path: str | os.PathLike, tensors: dict[str, Any]) -> None:
+    """DCP-load (a subset of) a checkpoint's tensors in place; resharded to this layout."""
+    path = resolve_checkpoint(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=path, no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
 
 
 def _cause(exc: BaseException) -> str:

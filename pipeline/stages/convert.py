@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from moe.config import ExperimentConfig, ModelConfig
 from moe.interop import ConversionError, check_expressible, from_hf, hf_config, model_config_from_hf, to_hf
 from moe.model import Transformer
-from moe.train.checkpoint import CheckpointManager, read_meta, resolve_checkpoint
+from moe.train.checkpoint import CheckpointManager, load_tensors, read_meta, resolve_checkpoint
 from pipeline.errors import PipelineError
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
@@ -42,7 +41,7 @@ def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, dict[str, to
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"]).validate("model")
     state = {n: torch.empty(s, dtype=torch.float32) for n, s in model_shapes(cfg).items()}
-    dcp.load({"model": state}, checkpoint_id=ckpt, no_dist=True)
+    load_tensors(ckpt, {"model": state})
     return cfg, state, meta
 
 

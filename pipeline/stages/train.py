@@ -56,7 +56,7 @@ def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
         job.metrics_path.unlink()  # a rerun from scratch; a resumed job appends
     result = build_executor(cfg.executor.kind).run(job)
     if not result.ok:
-        raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}")
+        raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
     if not job.summary_path.is_file():
         raise PipelineError(f"training job ended without a summary ({job.summary_path}); log: {result.log_path}")
     summary = json.loads(job.summary_path.read_text())

@@ -1,0 +1,113 @@
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moe.data import TokenDataset, open_token_file
+from pipeline.errors import PipelineError
+from pipeline.params import TokenizeConfig
+from pipeline.stages.tokenize import run_tokenize
+from pipeline.tokenizer import load_tokenizer
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file():
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cfg(**kw) -> TokenizeConfig:
+    base = {"inputs": ["corpus"], "vocab_size": 300, "max_bytes": None, "workers": 1, "val_fraction": 0.2, "output": "out"}
+    return TokenizeConfig(**{**base, **kw}).validate("tokenize")
+
+
+def test_outputs_are_valid_token_files_and_decode_back(workspace):
+    m = run_tokenize(cfg())
+    out = Path("out")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "tokenizer.json", "train", "val"]
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 60
+    assert m["splits"]["val"]["documents"] > 0
+    info = load_tokenizer(out / "tokenizer.json")
+    assert info.sha256 == m["tokenizer"]["sha256"] and info.vocab_size == 300
+    arr, side = open_token_file(out / "train" / "part-00000.npy", tokenizer_hash=info.sha256)
+    assert side.eos_id == info.eos_id and side.num_documents == m["splits"]["train"]["documents"]
+    first_doc = arr[: int(np.argmax(arr == info.eos_id))]
+    text = info.build().decode(first_doc.tolist())
+    source = [json.loads(line)["text"] for line in open("corpus/docs.jsonl")]
+    assert text in source
+    TokenDataset([str(out / "train")], 16, tokenizer_hash=info.sha256)
+
+
+def test_rerun_is_byte_identical_whatever_the_worker_count(workspace):
+    run_tokenize(cfg(output="a", workers=1))
+    run_tokenize(cfg(output="b", workers=2))
+    run_tokenize(cfg(output="a2", workers=1))
+    assert tree_digest(Path("a")) == tree_digest(Path("b")) == tree_digest(Path("a2"))
+
+
+def test_each_input_format(workspace):
+    texts = [f"document number {i} says hello to the tokenizer" for i in range(12)]
+    d = Path("formats")
+    d.mkdir()
+    (d / "a.txt").write_text(texts[0])
+    (d / "b.py").write_text("def f():\n    return 1\n")
+    with gzip.open(d / "c.jsonl.gz", "wt") as f:
+        for t in texts[1:5]:
+            f.write(json.dumps({"text": t}) + "\n")
+    with open(d / "d.jsonl", "w") as f:
+        for t in texts[5:8]:
+            f.write(json.dumps({"body": "x", "text": t}) + "\n")
+    pq.write_table(pa.table({"text": texts[8:12]}), d / "e.parquet")
+    m = run_tokenize(cfg(inputs=["formats"]))
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 1 + 1 + 4 + 3 + 4
+
+
+def test_stdlib_default_reads_real_python(workspace):
+    m = run_tokenize(cfg(inputs=["stdlib"], max_bytes=300_000, vocab_size=400))
+    assert m["splits"]["train"]["tokens"] > 50_000
+
+
+def test_user_tokenizer_file_or_directory(workspace):
+    run_tokenize(cfg(output="first"))
+    tok_dir = Path("saved_tok")
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text(Path("first/tokenizer.json").read_text())
+    m = run_tokenize(cfg(output="second", tokenizer=str(tok_dir)))
+    assert m["tokenizer"]["sha256"] == json.loads(Path("first/manifest.json").read_text())["tokenizer"]["sha256"]
+    assert (Path("first/train/part-00000.npy").read_bytes() == Path("second/train/part-00000.npy").read_bytes())
+
+
+@pytest.mark.parametrize(
+    "setup, kw, message",
+    [
+        (None, {"inputs": ["nope"]}, "tokenize.inputs: nope not found"),
+        ("empty", {"inputs": ["empty"]}, "holds no .txt"),
+        ("blank", {"inputs": ["blank"]}, "the corpus is empty"),
+        ("badjson", {"inputs": ["badjson"]}, "docs.jsonl:2: not valid JSON"),
+        ("nofield", {"inputs": ["nofield"]}, "docs.jsonl:1: no string field 'text'"),
+        (None, {"tokenizer": "missing/tokenizer.json"}, "tokenize.tokenizer: missing/tokenizer.json not found"),
+        ("badtok", {"tokenizer": "bad.json"}, "is not a tokenizers JSON file"),
+    ],
+)
+def test_bad_input_fails_clearly_and_writes_nothing(workspace, setup, kw, message):
+    Path("empty").mkdir()
+    Path("blank").mkdir()
+    (Path("blank") / "a.txt").write_text("   \n")
+    Path("badjson").mkdir()
+    (Path("badjson") / "docs.jsonl").write_text('{"text": "ok"}\n{oops\n')
+    Path("nofield").mkdir()
+    (Path("nofield") / "docs.jsonl").write_text('{"content": "x"}\n')
+    Path("bad.json").write_text("{}")
+    with pytest.raises(PipelineError) as info:
+        run_tokenize(cfg(**kw))
+    assert message in str(info.value)
+    assert not Path("out").exists()
+    assert not list(Path(".").glob(".out.tmp-*"))
