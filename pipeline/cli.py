@@ -128,6 +128,149 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
 
 @app.command()
 @handle_errors
+def submit(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    wait: Annotated[bool, typer.Option("--wait", help="block until the job ends, streaming rank 0's log")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the exact sbatch script; submit nothing")] = False,
+    nodes: Annotated[int | None, typer.Option(help="slurm.nodes")] = None,
+    tasks_per_node: Annotated[int | None, typer.Option(help="slurm.tasks_per_node")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="slurm.gpus_per_node")] = None,
+    partition: Annotated[str | None, typer.Option(help="slurm.partition")] = None,
+    time_min: Annotated[int | None, typer.Option(help="slurm.time_min")] = None,
+    no_mlflow: NoTrackOpt = False,
+) -> None:
+    """Submit the training job to Slurm (submitit); prints the job id."""
+    from pipeline.executors.slurm import SlurmExecutor
+    from pipeline.stages.train import container_tags, finish_train, make_job
+
+    flags = {"slurm.nodes": nodes, "slurm.tasks_per_node": tasks_per_node, "slurm.gpus_per_node": gpus_per_node,
+             "slurm.partition": partition, "slurm.time_min": time_min}
+    overrides = [*(set_ or []), "executor.kind=slurm", *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    cfg = _load(params, overrides)
+    executor = SlurmExecutor(cfg.slurm, cfg.container)
+    if dry_run:
+        job = make_job(cfg, resolve_data=False)
+        print(executor.sbatch_script(job), end="")
+        return
+    tracker = _tracker(cfg, "train", params, not no_mlflow)
+    job = make_job(cfg, tracker)
+    job.mlflow_finalize = not wait
+    if tracker:
+        tracker.set_tags(container_tags(cfg))
+    if job.metrics_path.exists():
+        job.metrics_path.unlink()
+    try:
+        job_id = executor.submit(job)
+    except BaseException:
+        if tracker:
+            tracker.end(ok=False)
+        raise
+    if tracker:
+        tracker.set_tags({"slurm.job_id": job_id})
+    print(job_id, flush=True)
+    if not wait:
+        return
+    with _Stage(tracker):
+        result = executor.wait(job_id)
+        if not result.ok:
+            from pipeline.errors import JobFailed
+
+            raise JobFailed(f"{result.message}; log: {result.log_path}", result.exit_code)
+        metrics = finish_train(cfg, job, tracker)
+    console.print(f"slurm job {job_id} done: final loss {metrics['final_loss']:.4f}")
+
+
+@app.command()
+@handle_errors
+def job(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
+    """Write the resolved training job spec (<run_dir>/job.json) for slurm/train.sbatch; print its path."""
+    from pipeline.stages.train import make_job
+
+    spec = make_job(_load(params, set_)).write()
+    print(spec)
+
+
+@app.command()
+@handle_errors
+def status(job_id: Annotated[str, typer.Argument(help="Slurm job id")]) -> None:
+    """State and exit code of a Slurm job."""
+    from pipeline.executors.slurm import job_state
+
+    state, code = job_state(job_id)
+    print(f"{job_id} {state}" + (f" exit={code}" if code else ""))
+    if state == "UNKNOWN":
+        raise typer.Exit(2)
+
+
+@app.command()
+@handle_errors
+def logs(
+    job_id: Annotated[str, typer.Argument(help="Slurm job id")],
+    params: ParamsOpt = Path("params.yaml"),
+    task: Annotated[int, typer.Option(help="task (global rank)")] = 0,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep streaming until the job ends")] = False,
+) -> None:
+    """Print a task's log (stdout and stderr) of a submitted job."""
+    from pipeline.executors.slurm import SlurmExecutor
+
+    cfg = _load(params, [])
+    executor = SlurmExecutor(cfg.slurm, cfg.container)
+    out, err = executor.log_paths(job_id, task)
+    if follow:
+        executor.wait(job_id)
+        return
+    if not out.exists() and not err.exists():
+        fail(f"no logs for job {job_id} task {task} in {cfg.slurm.folder}", 2)
+    for path in (out, err):
+        if path.exists():
+            sys.stdout.write(path.read_text(errors="replace"))
+
+
+@app.command()
+@handle_errors
+def cancel(job_id: Annotated[str, typer.Argument(help="Slurm job id")]) -> None:
+    """Cancel a Slurm job."""
+    from pipeline.executors.slurm import cancel as scancel
+
+    scancel(job_id)
+    print(f"cancelled {job_id}")
+
+
+@app.command("mlflow-server")
+def mlflow_server(
+    backend: Annotated[str, typer.Option(help="backend store URI", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/mlflow",
+    artifacts: Annotated[Path, typer.Option(help="artifact root directory")] = Path("mlartifacts"),
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 5000,
+    workers: Annotated[int, typer.Option(help="server worker processes")] = 2,
+) -> None:
+    """A tracking server for many jobs (PostgreSQL backend); point jobs at it with MLFLOW_TRACKING_URI."""
+    artifacts.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend, "--artifacts-destination",
+           str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
+    console.print(f"MLflow server on http://{host}:{port} (store {backend})")
+    raise typer.Exit(subprocess.call(cmd))
+
+
+@app.command("mlflow-sync")
+@handle_errors
+def mlflow_sync(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory holding mlflow-fallback.jsonl")] = Path("runs/train"),
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Upload metrics a job could not send (the tracking server was unreachable)."""
+    from pipeline.params import MlflowConfig
+    from pipeline.tracking import sync_fallback, tracking_uri
+
+    cfg = _load(params, []) if params.is_file() else None
+    uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
+    n = sync_fallback(run_dir / "mlflow-fallback.jsonl", uri)
+    console.print(f"uploaded {n} metric values to {uri}")
+
+
+@app.command()
+@handle_errors
 def convert(
     params: ParamsOpt = Path("params.yaml"),
     set_: SetOpt = None,

@@ -50,14 +50,81 @@ class TokenizeConfig(Config):
 
 @dataclasses.dataclass
 class ExecutorConfig(Config):
-    """How the train stage runs: local processes (like torchrun) or a Slurm job."""
+    """How the train stage runs: local processes (like torchrun) or a Slurm job (slurm:)."""
 
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "slurm"] = "local"
+    # local: processes on this machine (slurm uses slurm.nodes x slurm.tasks_per_node).
     nprocs: int = 1
     run_dir: str = "runs/train"
 
     def _check(self, p: str) -> None:
         require(self.nprocs >= 1, f"{p}.nprocs", "must be >= 1")
+
+
+@dataclasses.dataclass
+class SlurmConfig(Config):
+    """One Slurm job through submitit; every task is one training process (one GPU)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. "200G"; null: the partition's default
+    time_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    job_name: str = "moe-train"
+    # USR2 this many seconds before the time limit: checkpoint, then requeue.
+    signal_delay_s: int = 90
+    max_requeues: int = 3
+    # Extra "#SBATCH" options, e.g. ["--reservation=big", "--mail-type=END"].
+    extra_sbatch: list[str] = dataclasses.field(default_factory=list)
+    # Shell lines run in the batch script before srun (module loads, exports).
+    setup: list[str] = dataclasses.field(default_factory=list)
+    # submitit's folder: sbatch scripts, pickles and per-task logs (<job>_<task>_log.out/.err).
+    folder: str = "runs/slurm"
+    # How often the submitting process checks the job (seconds).
+    poll_s: float = 2.0
+
+    def _check(self, p: str) -> None:
+        for name in ("nodes", "tasks_per_node", "time_min"):
+            require(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        require(self.gpus_per_node >= 0, f"{p}.gpus_per_node", "must be >= 0")
+        if self.gpus_per_node:
+            require(
+                self.gpus_per_node == self.tasks_per_node,
+                f"{p}.gpus_per_node",
+                f"{self.gpus_per_node} GPUs per node but {self.tasks_per_node} tasks per node: one task drives one GPU",
+            )
+        require(self.signal_delay_s >= 0, f"{p}.signal_delay_s", "must be >= 0")
+        require(self.max_requeues >= 0, f"{p}.max_requeues", "must be >= 0")
+        for line in self.extra_sbatch:
+            require(line.startswith("--"), f"{p}.extra_sbatch", f"{line!r} must be a long option like --reservation=x")
+
+
+@dataclasses.dataclass
+class ContainerConfig(Config):
+    """How each Slurm task starts: on the host, or inside an image."""
+
+    runtime: Literal["none", "pyxis", "apptainer", "charliecloud"] = "none"
+    # pyxis: an enroot image or squashfs; apptainer: a .sif; charliecloud: an image directory.
+    image: str | None = None
+    # host:container bind mounts; the repository is always mounted at `workdir`.
+    mounts: list[str] = dataclasses.field(default_factory=list)
+    # The repository's path inside the container (null: the same path as on the host).
+    workdir: str | None = None
+    python: str = "python3"
+    # Recorded as the MLflow tag container.image_digest (pinning evidence).
+    image_digest: str | None = None
+
+    def _check(self, p: str) -> None:
+        if self.runtime != "none":
+            require(bool(self.image), f"{p}.image", f"must name an image when container.runtime is {self.runtime}")
+        for m in self.mounts:
+            require(":" in m, f"{p}.mounts", f"{m!r} must be host_path:container_path")
 
 
 @dataclasses.dataclass
@@ -97,6 +164,8 @@ class MlflowConfig(Config):
 class PipelineConfig(ExperimentConfig):
     tokenize: TokenizeConfig = dataclasses.field(default_factory=TokenizeConfig)
     executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
+    slurm: SlurmConfig = dataclasses.field(default_factory=SlurmConfig)
+    container: ContainerConfig = dataclasses.field(default_factory=ContainerConfig)
     convert: ConvertConfig = dataclasses.field(default_factory=ConvertConfig)
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)

@@ -301,3 +301,26 @@ class MlflowSink:
 
     def close(self, summary: dict[str, Any]) -> None:
         self.flush()
+
+
+def sync_fallback(path: Path, uri: str) -> int:
+    """Send the entries of a fallback file to their runs; rename it ``*.synced`` after."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    if not path.is_file():
+        return 0
+    client = MlflowClient(tracking_uri=uri)
+    now = int(time.time() * 1000)
+    by_run: dict[str, list] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_run.setdefault(row["run_id"], []).extend(Metric(k, float(v), now, row["step"]) for k, v in row["metrics"].items())
+    n = 0
+    for run_id, items in by_run.items():
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            client.log_batch(run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+        n += len(items)
+    path.rename(path.with_suffix(path.suffix + ".synced"))
+    return n

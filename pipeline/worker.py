@@ -21,7 +21,8 @@ from moe.train.trainer import NonFiniteLossError, Trainer
 from pipeline.executors.base import TrainJob
 
 
-def run(job: TrainJob) -> int:
+def run(job: TrainJob, stop=None) -> dict:
+    """Train; return the summary (rank 0 also writes it)."""
     cfg = ExperimentConfig.from_dict(job.config).validate()
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
     if job.mlflow_run_id:
@@ -31,28 +32,70 @@ def run(job: TrainJob) -> int:
 
         sinks.append(MlflowSink(job.mlflow_uri, job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every))
     trainer = Trainer(cfg, sinks=sinks)
-    summary = trainer.fit()
-    if trainer.env.is_main:
-        job.summary_path.write_text(json.dumps(dataclasses.asdict(summary), indent=2, default=str))
-    return 0
+    summary = dataclasses.asdict(trainer.fit(stop=stop))
+    if trainer.env.is_main and not summary["preempted"]:
+        job.summary_path.write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def run_and_report(job: TrainJob, stop=None) -> tuple[int, dict]:
+    """(exit code, summary): expected failures print one `error:` line to stderr."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        summary = run(job, stop)
+        if rank == 0 and not summary["preempted"]:
+            _finalize_mlflow(job, ok=True)
+        return 0, summary
+    except (ConfigError, TokenDataError, FileNotFoundError) as exc:
+        code, message = 2, str(exc)
+    except NonFiniteLossError as exc:
+        code, message = 3, str(exc)
+    except CheckpointError as exc:
+        code, message = 4, str(exc)
+    finally:
+        shutdown_distributed()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if rank == 0:
+        _finalize_mlflow(job, ok=False)
+    return code, {}
+
+
+def _finalize_mlflow(job: TrainJob, ok: bool) -> None:
+    if not (job.mlflow_finalize and job.mlflow_run_id):
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(job.mlflow_uri)
+        client.set_terminated(job.mlflow_run_id, "FINISHED" if ok else "FAILED")
+        if job.summary_path.is_file():
+            client.log_artifact(job.mlflow_run_id, str(job.summary_path))
+    except Exception as exc:  # tracking is best effort from a job
+        print(f"warning: could not close MLflow run {job.mlflow_run_id}: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry of local processes and of plain-sbatch tasks (slurm/train.sbatch). Under Slurm,
+    USR2 means: checkpoint at the next step, then requeue."""
+    import os
+
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
-    try:
-        return run(TrainJob.read(argv[0]))
-    except (ConfigError, TokenDataError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except NonFiniteLossError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 3
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 4
-    finally:
-        shutdown_distributed()
+    stop = None
+    if os.environ.get("SLURM_JOB_ID"):
+        import signal
+
+        from moe.train.preemption import StopRequest
+
+        stop = StopRequest().install([signal.SIGUSR2])
+    code, summary = run_and_report(TrainJob.read(argv[0]), stop)
+    if code == 0 and summary.get("preempted"):
+        from pipeline.slurm_task import requeue_and_wait
+
+        requeue_and_wait(int(os.environ.get("RANK", "0")))
+    return code
 
 
 if __name__ == "__main__":

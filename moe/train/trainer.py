@@ -30,6 +30,7 @@ from moe.precision import resolve_recipe
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
 from moe.train.optim import MasterWeightAdamW, build_scheduler
+from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
 from moe.train.sinks import MetricsSink
 from moe.train.telemetry import MoETelemetry
@@ -52,6 +53,7 @@ class TrainSummary:
     params_total: int
     params_active: int
     checkpoint: str | None
+    preempted: bool = False
 
 
 class Trainer:
@@ -218,10 +220,13 @@ class Trainer:
         self._grad_norm = norm.detach()
         self._pending.append((self.step + 1, step_loss))
 
-    def fit(self, stop_at: int | None = None) -> TrainSummary:
-        """Train to ``train.max_steps`` (or stop early after ``stop_at`` steps, checkpointing
-        there, as a preempted job would)."""
+    def fit(self, stop_at: int | None = None, stop: StopRequest | None = None) -> TrainSummary:
+        """Train to ``train.max_steps``; stop early after ``stop_at`` steps, or when ``stop``
+        is requested (a signal), checkpointing there so that a restart resumes exactly."""
         self.maybe_resume()
+        preempted = False
+        if stop is not None:
+            stop.agreed()  # creates the control group on every rank up front
         max_steps = self.cfg.train.max_steps
         end = min(max_steps, stop_at) if stop_at is not None else max_steps
         every = self.cfg.checkpoint.every
@@ -237,6 +242,15 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 self._log(elapsed, steps_since)
                 t0, steps_since = time.perf_counter(), 0
+            if stop is not None and not last and stop.agreed():
+                log.warning("stop requested (signal %s) at step %d: checkpointing", stop.signum, self.step)
+                self._sync()
+                if self._pending:
+                    self._log(time.perf_counter() - t0, steps_since)
+                self._check_finite()
+                self.save_checkpoint()
+                preempted = True
+                break
             if last or (every and self.step % every == 0):
                 self._check_finite()
                 self.save_checkpoint()
@@ -252,6 +266,7 @@ class Trainer:
             params_total=self.params_total,
             params_active=self.params_active,
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            preempted=preempted,
         )
         for sink in self.sinks:
             sink.close(dataclasses.asdict(summary))

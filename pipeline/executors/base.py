@@ -18,6 +18,8 @@ class TrainJob:
     mlflow_uri: str | None = None
     mlflow_run_id: str | None = None
     mlflow_flush_every: int = 50
+    # The job ends its MLflow run itself (when nobody waits for it, e.g. `moe submit`).
+    mlflow_finalize: bool = False
 
     @property
     def spec_path(self) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 
 from moe.config import ConfigError, ExperimentConfig
 from pipeline.errors import JobFailed, PipelineError
-from pipeline.executors import TrainJob, build_executor
+from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
 from pipeline.stages.tokenize import read_manifest
 
@@ -41,32 +41,64 @@ def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
     return exp.replace(data=data).validate()
 
 
-def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
-    exp = resolve_experiment(cfg)
-    run_dir = Path(cfg.executor.run_dir)
-    job = TrainJob(
+def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> TrainJob:
+    exp = resolve_experiment(cfg) if resolve_data else cfg.experiment()
+    exp.check_world(world_size(cfg))
+    return TrainJob(
         config=exp.to_dict(),
-        run_dir=str(run_dir),
-        nprocs=cfg.executor.nprocs,
+        run_dir=str(Path(cfg.executor.run_dir)),
+        nprocs=world_size(cfg),
         mlflow_uri=tracker.uri if tracker else None,
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_flush_every=cfg.mlflow.flush_every,
     )
+
+
+def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
+    job = make_job(cfg, tracker)
     if job.metrics_path.exists():
         job.metrics_path.unlink()  # a rerun from scratch; a resumed job appends
-    result = build_executor(cfg.executor.kind).run(job)
+    if tracker and cfg.executor.kind == "slurm":
+        tracker.set_tags(container_tags(cfg))
+    result = build_executor(cfg).run(job)
     if not result.ok:
         raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
+    return finish_train(cfg, job, tracker)
+
+
+def container_tags(cfg: PipelineConfig) -> dict[str, str]:
+    c = cfg.container
+    tags = {"executor": cfg.executor.kind, "container.runtime": c.runtime}
+    if c.image:
+        tags["container.image"] = c.image
+    if c.image_digest:
+        tags["container.image_digest"] = c.image_digest
+    return tags
+
+
+def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, Any]:
+    """Read a finished job's summary and metrics; write the DVC metrics and plots."""
     if not job.summary_path.is_file():
         raise PipelineError(f"training job ended without a summary ({job.summary_path}); log: {result.log_path}")
     summary = json.loads(job.summary_path.read_text())
-    rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
     if tracker:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(job.metrics_path)
     return metrics
+
+
+def read_metric_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of metrics.jsonl, one per step: a resumed job re-runs the steps after its last
+    checkpoint, and the later row (the one the finished model descends from) wins."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""Slurm executor: one training job through submitit's AutoExecutor.
+
+nodes x tasks_per_node tasks, one training process (one GPU) each, started by srun inside
+the chosen container runtime. ``run`` submits and blocks, streaming global rank 0's log;
+``submit`` returns at once; ``sbatch_script`` is the exact script sbatch would receive.
+Job states are read with ``scontrol show job`` (works without Slurm accounting), falling
+back to ``sacct``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.executors.base import JobResult, TrainJob
+from pipeline.params import ContainerConfig, SlurmConfig
+from pipeline.slurm_task import SlurmTrainTask
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def launch_python(container: ContainerConfig, gpus: bool) -> tuple[str, list[str]]:
+    """(python command, extra srun args) that start a task in the container runtime."""
+    workdir = container.workdir or os.getcwd()
+    mounts = [f"{os.getcwd()}:{workdir}", *container.mounts]
+    if container.runtime == "none":
+        return shlex.quote(sys.executable), []
+    if container.runtime == "pyxis":
+        srun = [f"--container-image={container.image}", f"--container-mounts={','.join(mounts)}", f"--container-workdir={workdir}"]
+        return container.python, srun
+    if container.runtime == "apptainer":
+        binds = " ".join(f"-B {shlex.quote(m)}" for m in mounts)
+        nv = "--nv " if gpus else ""
+        return f"apptainer exec {nv}{binds} --pwd {shlex.quote(workdir)} {shlex.quote(container.image)} {container.python}", []
+    if container.runtime == "charliecloud":
+        binds = " ".join(f"-b {shlex.quote(m)}" for m in mounts)
+        return f"ch-run {binds} --cd {shlex.quote(workdir)} {shlex.quote(container.image)} -- {container.python}", []
+    raise PipelineError(f"container.runtime: unknown runtime {container.runtime!r}")
+
+
+def _additional(extra: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in extra:
+        key, sep, value = item[2:].partition("=")
+        out[key] = value if sep else True
+    return out
+
+
+class SlurmExecutor:
+    def __init__(self, slurm: SlurmConfig, container: ContainerConfig, stream: bool = True) -> None:
+        self.slurm, self.container, self.stream = slurm, container, stream
+
+    def _executor(self):
+        import submitit
+
+        s = self.slurm
+        python, srun_args = launch_python(self.container, s.gpus_per_node > 0)
+        ex = submitit.AutoExecutor(folder=s.folder, cluster="slurm", slurm_max_num_timeout=s.max_requeues, slurm_python=python)
+        params: dict[str, Any] = {
+            "name": s.job_name,
+            "nodes": s.nodes,
+            "tasks_per_node": s.tasks_per_node,
+            "timeout_min": s.time_min,
+            "slurm_signal_delay_s": s.signal_delay_s,
+            "slurm_setup": list(s.setup),
+            "slurm_srun_args": srun_args,
+            "slurm_additional_parameters": _additional(s.extra_sbatch),
+        }
+        if s.gpus_per_node:
+            params["gpus_per_node"] = s.gpus_per_node
+        optional = {"cpus_per_task": s.cpus_per_task, "slurm_partition": s.partition, "slurm_account": s.account,
+                    "slurm_qos": s.qos, "slurm_constraint": s.constraint, "slurm_mem": s.mem}
+        params.update({k: v for k, v in optional.items() if v is not None})
+        if s.exclusive:
+            params["slurm_exclusive"] = True
+        ex.update_parameters(**params)
+        return ex
+
+    def sbatch_script(self, job: TrainJob) -> str:
+        """The exact batch script `submit` hands to sbatch (its pickle name aside)."""
+        ex = self._executor()
+        inner = ex._executor
+        return inner._make_submission_file_text(inner._submitit_command_str, "<uid>")
+
+    def submit(self, job: TrainJob) -> str:
+        job.write()
+        try:
+            submitted = self._executor().submit(SlurmTrainTask(str(job.spec_path.resolve())))
+        except Exception as exc:  # sbatch refused (bad partition, no cluster, ...)
+            raise PipelineError(f"sbatch failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
+        return str(submitted.job_id)
+
+    def log_paths(self, job_id: str, task: int = 0) -> tuple[Path, Path]:
+        folder = Path(self.slurm.folder)
+        return folder / f"{job_id}_{task}_log.out", folder / f"{job_id}_{task}_log.err"
+
+    def wait(self, job_id: str, out=None) -> JobResult:
+        out = out or sys.stdout
+        stdout, stderr = self.log_paths(job_id)
+        offsets = {stdout: 0, stderr: 0}
+        state, code = "PENDING", None
+        while True:
+            state, code = job_state(job_id)
+            if self.stream:
+                for path in (stdout, stderr):
+                    offsets[path] = _tail(path, offsets[path], out)
+            if state in FINAL_STATES:
+                break
+            time.sleep(self.slurm.poll_s)
+        time.sleep(0.5)
+        if self.stream:
+            for path in (stdout, stderr):
+                _tail(path, offsets[path], out)
+        ok = state == "COMPLETED"
+        message = f"slurm job {job_id} {state}" + (f" (exit code {code})" if code else "")
+        if not ok:
+            detail = _last_error(stderr) or _last_error(stdout)
+            if detail:
+                message += f": {detail}"
+        exit_code = int(code.split(":")[0]) if code and code.split(":")[0].isdigit() else (0 if ok else 1)
+        return JobResult(ok, exit_code, str(stderr), message, job_id=job_id)
+
+    def run(self, job: TrainJob) -> JobResult:
+        job_id = self.submit(job)
+        print(f"submitted slurm job {job_id} (logs: {self.log_paths(job_id)[0]})", flush=True)
+        return self.wait(job_id)
+
+
+def job_state(job_id: str) -> tuple[str, str | None]:
+    """(state, exit code "N:S") from scontrol, else sacct; UNKNOWN when neither knows it."""
+    r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True)
+    if r.returncode == 0 and "JobState=" in r.stdout:
+        fields = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode")
+    r = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,ExitCode"], capture_output=True, text=True)
+    if r.returncode == 0 and r.stdout.strip():
+        state, code = r.stdout.strip().splitlines()[0].split("|")
+        return state.split()[0], code
+    return "UNKNOWN", None
+
+
+def cancel(job_id: str) -> None:
+    r = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise PipelineError(f"scancel {job_id} failed: {r.stderr.strip()}")
+
+
+def _tail(path: Path, offset: int, out) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    if data:
+        out.write(data.decode(errors="replace"))
+        out.flush()
+    return offset + len(data)
+
+
+def _last_error(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if line.startswith("error:"):
+            return line.strip()
+    return ""

@@ -1,0 +1,74 @@
+"""What runs in every task of a Slurm training job (submitted through submitit).
+
+Each task joins torch.distributed from Slurm's environment
+(``submitit.helpers.TorchDistributedEnvironment``), trains with automatic resume from the
+latest checkpoint, and on USR2 (Slurm's warning before the time limit, or a preemption
+notice) checkpoints at the next step boundary; global rank 0 then requeues the job with
+``scontrol requeue`` and the restarted job resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pipeline.executors.base import TrainJob
+
+log = logging.getLogger("pipeline.slurm")
+REQUEUE_EXIT = 75
+
+
+class SlurmTrainTask:
+    """A picklable callable; submitit runs it once per task."""
+
+    def __init__(self, spec_path: str) -> None:
+        self.spec_path = spec_path
+
+    def __call__(self) -> dict:
+        import submitit
+
+        from moe.train.preemption import StopRequest
+        from pipeline import worker
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout, force=True)
+        for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(var, None)  # never inherit the submitting shell's
+        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        _set_threads(env.local_world_size)
+        stop = StopRequest().install([signal.SIGUSR2])  # replaces submitit's own USR2 handler
+        job = TrainJob.read(self.spec_path)
+        code, summary = worker.run_and_report(job, stop=stop)
+        if code != 0:
+            raise SystemExit(code)
+        if summary.get("preempted"):
+            requeue_and_wait(env.rank)
+        return summary
+
+    def checkpoint(self, *args, **kwargs):  # submitit hook; unused: our USR2 handler replaces it
+        return None
+
+
+def requeue_and_wait(rank: int) -> None:
+    """After a stop checkpoint: rank 0 requeues the job; every task waits to be ended."""
+    if rank == 0:
+        job_id = os.environ["SLURM_JOB_ID"]
+        log.warning("checkpoint written; requeueing slurm job %s", job_id)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+    time.sleep(600)  # Slurm ends this allocation; the requeued job resumes from the checkpoint
+    raise SystemExit(REQUEUE_EXIT)
+
+
+def _set_threads(tasks_on_node: int) -> None:
+    """One intra-op thread pool per task sized to its CPUs (no oversubscription)."""
+    import torch
+
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    if cpus is None and os.environ.get("SLURM_CPUS_ON_NODE"):
+        cpus = str(max(1, int(os.environ["SLURM_CPUS_ON_NODE"]) // max(1, tasks_on_node)))
+    if cpus:
+        os.environ.setdefault("OMP_NUM_THREADS", cpus)
+        torch.set_num_threads(int(cpus))

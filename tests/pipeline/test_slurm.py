@@ -1,0 +1,246 @@
+"""The Slurm path on a real cluster: one slurmctld and two slurmd on this machine
+(slurm/local/start.sh). CI installs Slurm and sets MOE_REQUIRE_SLURM=1, so these never skip there."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.pipeline.conftest import REPO
+
+pytestmark = pytest.mark.slow
+GOLDEN = Path(__file__).parent / "golden" / "sbatch_dry_run.txt"
+
+
+def _need(what: str) -> None:
+    if os.environ.get("MOE_REQUIRE_SLURM"):
+        pytest.fail(f"{what} (MOE_REQUIRE_SLURM=1)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if not (shutil.which("sbatch") and shutil.which("slurmctld")):
+        _need("Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge)")
+    if os.geteuid() != 0 and subprocess.run(["sinfo"], capture_output=True).returncode != 0:
+        _need("no running Slurm cluster and not root to start one")
+    r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        _need(f"could not start the local Slurm cluster: {r.stderr[-500:]}")
+    return True
+
+
+def moe(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def state(job_id) -> tuple[str, int]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+    return fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", "0"))
+
+
+def wait_until(predicate, timeout=240, every=0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def release_requeued(job_id) -> None:
+    """Slurm holds a requeued batch job for ~2 minutes (BeginTime); let it start now."""
+    wait_until(lambda: state(job_id) == ("PENDING", 1) or state(job_id)[1] >= 1 and state(job_id)[0] == "PENDING")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
+def test_dry_run_prints_the_exact_sbatch_script(workspace):
+    r = moe("submit", "--dry-run", "--nodes", "2", "--partition", "debug", "--time-min", "30",
+            "--set", "slurm.extra_sbatch=[--comment=golden]", "--set", "slurm.setup=[export MOE_X=1]")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.replace(str(workspace.resolve()), "<CWD>").replace(sys.executable, "<PYTHON>")
+    if os.environ.get("MOE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+    assert not Path("runs").exists()
+
+
+@pytest.fixture
+def tokenized(workspace):
+    r = moe("tokenize", "--no-mlflow")
+    assert r.returncode == 0, r.stderr
+    return workspace
+
+
+def test_two_node_job_matches_two_local_processes(slurm_cluster, tokenized):
+    common = ["--no-mlflow", "--set", "train.max_steps=6", "--set", "train.log_every=1"]
+    local = moe("train", *common, "--set", "executor.nprocs=2", "--set", "executor.run_dir=runs/local",
+                "--set", "checkpoint.dir=runs/local/ck")
+    assert local.returncode == 0, local.stderr
+    slurm = moe("submit", "--wait", "--nodes", "2", *common, "--set", "executor.run_dir=runs/slurm_train",
+                "--set", "checkpoint.dir=runs/slurm_train/ck")
+    assert slurm.returncode == 0, slurm.stdout[-2000:] + slurm.stderr[-2000:]
+    a, b = losses("runs/local"), losses("runs/slurm_train")
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6)
+    assert "WORLD_SIZE" not in os.environ
+
+
+def test_failing_job_is_one_clear_error(slurm_cluster, tokenized):
+    r = moe("submit", "--wait", "--no-mlflow", "--set", "data.tokenizer_hash=deadbeef")
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(r"slurm job \d+ FAILED \(exit code 2:0\): error: .*the tokenizer does not match the data", errors[0])
+    assert "log: runs/slurm/" in errors[0]
+
+
+def submit_background(*args):
+    r = moe("submit", "--no-mlflow", *args)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+def finish(job_id, timeout=300):
+    wait_until(lambda: state(job_id)[0] in ("COMPLETED", "FAILED", "CANCELLED"), timeout=timeout)
+    assert state(job_id)[0] == "COMPLETED", Path(f"runs/slurm/{job_id}_0_log.err").read_text()[-3000:]
+
+
+LONG = ["--set", "train.max_steps=500", "--set", "train.log_every=50", "--set", "checkpoint.every=50"]
+
+
+@pytest.mark.parametrize("how", ["usr2", "hard_requeue"])
+def test_requeued_job_resumes_and_matches_the_uninterrupted_run(slurm_cluster, tokenized, how):
+    ref = submit_background(*LONG, "--set", "executor.run_dir=runs/ref", "--set", "checkpoint.dir=runs/ref/ck")
+    finish(ref)
+    job = submit_background(*LONG, "--set", "executor.run_dir=runs/cut", "--set", "checkpoint.dir=runs/cut/ck")
+    wait_until(lambda: Path("runs/cut/ck/step_00000050").is_dir())
+    if how == "usr2":
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    else:
+        subprocess.run(["scontrol", "requeue", job], check=True)
+    release_requeued(job)
+    finish(job)
+    log = Path(f"runs/slurm/{job}_0_log.out").read_text()
+    assert "resumed from runs/cut/ck/step_" in log
+    if how == "usr2":
+        assert "stop requested (signal 12)" in log
+    ref_losses, cut_losses = losses("runs/ref"), losses("runs/cut")
+    assert cut_losses[500] == ref_losses[500]
+    summary = json.loads(Path("runs/cut/summary.json").read_text())
+    assert summary["steps"] == 500 and summary["start_step"] >= 50
+
+
+def test_dvc_train_stage_runs_on_slurm(slurm_cluster, tokenized):
+    shutil.copy(REPO / "dvc.yaml", "dvc.yaml")
+    for package in ("moe", "pipeline"):  # the stages' code dependencies
+        shutil.copytree(REPO / package, package, ignore=shutil.ignore_patterns("__pycache__"))
+    from moe.config.base import deep_merge
+
+    # the repository's full params.yaml (DVC wants every section a stage lists), made tiny
+    params = deep_merge(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(Path("params.yaml").read_text()))
+    params["executor"]["kind"] = "slurm"
+    params["mlflow"] = {"enabled": False}
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"]):
+        subprocess.run(cmd, check=True, env=env)
+    r = subprocess.run(["dvc", "repro", "train"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "submitted slurm job" in r.stdout
+    assert json.loads(Path("metrics/train.json").read_text())["steps"] == 8
+    params["train"]["max_steps"] = 0
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    bad = subprocess.run(["dvc", "repro", "train"], capture_output=True, text=True, env=env, timeout=600)
+    assert bad.returncode != 0
+    assert "train.max_steps: must be >= 1" in bad.stdout + bad.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster"):
+        _need("PostgreSQL not installed (apt-get install postgresql) or not root")
+    r = subprocess.run(["bash", str(REPO / "slurm/local/postgres-start.sh")], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        _need(f"could not start PostgreSQL: {r.stderr[-500:]}")
+    db = f"mlflow_test_{os.getpid()}"
+    subprocess.run(["runuser", "-u", "postgres", "--", "psql", "-q", "-c", f"CREATE DATABASE {db} OWNER mlflow"], check=True)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "mlflow-server", "--backend", f"postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/{db}",
+                             "--artifacts", str(tmp_path / "artifacts"), "--port", str(port), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    import urllib.request
+
+    def up():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, timeout=180, every=1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        subprocess.run(["runuser", "-u", "postgres", "--", "psql", "-q", "-c", f"DROP DATABASE IF EXISTS {db}"])
+
+
+def test_postgres_tracking_server_gets_two_concurrent_jobs_complete(slurm_cluster, tokenized, mlflow_server):
+    env = {"MLFLOW_TRACKING_URI": mlflow_server}
+    jobs = []
+    for name in ("a", "b"):
+        r = moe("submit", "--set", "train.max_steps=40", "--set", "train.log_every=10", "--set", f"executor.run_dir=runs/{name}",
+                "--set", f"checkpoint.dir=runs/{name}/ck", "--set", f"train.seed={ord(name)}", env=env)
+        assert r.returncode == 0, r.stderr
+        jobs.append(r.stdout.strip().splitlines()[-1])
+    for j in jobs:
+        finish(j)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("moe")
+    runs = client.search_runs([exp.experiment_id], "tags.`moe.stage` = 'train'")
+    by_job = {r.data.tags["slurm.job_id"]: r for r in runs}
+    assert set(by_job) == set(jobs)
+    for j, run in by_job.items():
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, 41)), j
+        assert "tokens_per_s_per_device" in run.data.metrics
+    assert not list(Path("runs").glob("*/mlflow-fallback.jsonl"))
+
+
+def test_plain_sbatch_template_trains_on_two_nodes(slurm_cluster, tokenized):
+    r = moe("job", "--set", "train.max_steps=6", "--set", "executor.run_dir=runs/plain", "--set", "checkpoint.dir=runs/plain/ck")
+    assert r.returncode == 0, r.stderr
+    spec = r.stdout.strip()
+    Path("runs/slurm").mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), spec],
+                         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, check=True)
+    job_id = out.stdout.strip().split(";")[0]
+    finish(job_id)
+    assert json.loads(Path("runs/plain/summary.json").read_text())["steps"] == 6
