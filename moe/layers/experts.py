@@ -15,6 +15,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, hidden: int, gemm: ExpertGemm | None = None) -> None:
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
+        # Which experts these rows are: expert parallelism keeps a slice of the global set.
+        self.expert_offset, self.global_num_experts = 0, num_experts
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.gemm: ExpertGemm = gemm or GroupedMM()

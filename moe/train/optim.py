@@ -24,7 +24,19 @@ from moe.config import OptimizerConfig, ScheduleConfig
 class MasterParam:
     name: str
     param: nn.Parameter  # the model's parameter (any dtype)
-    master: torch.Tensor  # fp32; the same tensor as param when param is fp32
+    # fp32 weights AdamW steps (the parameter itself when it is fp32); None when another
+    # data-parallel rank owns this parameter (ZeRO-1)
+    master: torch.Tensor | None
+    # the tensor whose .grad holds this parameter's fp32 gradient
+    grad_holder: torch.Tensor
+
+    @property
+    def owned(self) -> bool:
+        return self.master is not None
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        return self.grad_holder.grad
 
 
 def _no_decay(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
@@ -34,24 +46,43 @@ def _no_decay(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
 
 
 class MasterWeightAdamW:
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> None:
+    """``owns(name, param)`` says whether this rank keeps the fp32 master and the AdamW
+    moments of a parameter (ZeRO-1); by default every rank owns everything."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        master_weights: bool,
+        owns: Callable[[str, nn.Parameter], bool] | None = None,
+    ) -> None:
         self.params: list[MasterParam] = []
         seen: set[int] = set()
         for name, param in model.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue  # tied weights appear once, under their first name
             seen.add(id(param))
-            if master_weights and param.dtype != torch.float32:
-                master = param.detach().float().clone().requires_grad_(True)
-                param.register_post_accumulate_grad_hook(_accumulate_into(master))
-            else:
-                master = param
-            self.params.append(MasterParam(name, param, master))
-        decay = [p.master for p in self.params if not _no_decay(p.name, p.master, cfg.decay_embeddings)]
-        no_decay = [p.master for p in self.params if _no_decay(p.name, p.master, cfg.decay_embeddings)]
+            owned = owns is None or owns(name, param)
+            low_precision = master_weights and param.dtype != torch.float32
+            if not low_precision:
+                master, holder = (param if owned else None), param
+            elif owned:
+                master = holder = param.detach().float().clone().requires_grad_(True)
+            else:  # only an fp32 gradient accumulator; a stride-0 leaf costs no memory
+                master = None
+                holder = torch.zeros(1, dtype=torch.float32, device=param.device).expand(param.shape).requires_grad_(True)
+            if holder is not param:
+                param.register_post_accumulate_grad_hook(_accumulate_into(holder))
+            self.params.append(MasterParam(name, param, master, holder))
+        owned_params = [p for p in self.params if p.owned]
+        decay = [p.master for p in owned_params if not _no_decay(p.name, p.master, cfg.decay_embeddings)]
+        no_decay = [p.master for p in owned_params if _no_decay(p.name, p.master, cfg.decay_embeddings)]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        devices = {m.device.type for m in self.masters}
+        if not groups:  # this rank owns nothing: keep a placeholder so the schedule still works
+            device = self.params[0].param.device if self.params else torch.device("cpu")
+            groups = [{"params": [torch.zeros(0, device=device, requires_grad=True)], "weight_decay": 0.0}]
+        devices = {g["params"][0].device.type for g in groups}
         if not devices <= {"cpu", "cuda"}:
             raise ValueError(f"the fused AdamW runs on cpu and cuda only, not {sorted(devices)}")
         # fused: one kernel for all tensors, and it honours found_inf (device-side skip).
@@ -60,31 +91,33 @@ class MasterWeightAdamW:
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        return [p.master for p in self.params]
+        return [p.master for p in self.params if p.owned]
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.master.grad for p in self.params if p.master.grad is not None]
+        return [p.grad for p in self.params if p.grad is not None]
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.master.grad = None
+            p.grad_holder.grad = None
             p.param.grad = None
 
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None) -> None:
-        """One AdamW step; where ``found_inf`` (a device scalar) is 1 the update is skipped on
-        the device, with no host sync."""
+        """One AdamW step of the owned masters; where ``found_inf`` (a device scalar) is 1 the
+        update is skipped on the device, with no host sync."""
         if found_inf is not None:
             self.inner.found_inf = found_inf.float()  # read by the fused kernel
         self.inner.step()
         self.inner.found_inf = None
-        copies = [(p.param, p.master) for p in self.params if p.param is not p.master]
+        copies = [(p.param, p.master) for p in self.params if p.owned and p.param is not p.master]
         if copies:
             torch._foreach_copy_([a for a, _ in copies], [b for _, b in copies])
 
     def ensure_state(self) -> None:
-        """Create zeroed AdamW state for every master (so a checkpoint can load into it)."""
+        """Create zeroed AdamW state for every owned master (so a checkpoint can load into it)."""
         for p in self.params:
+            if not p.owned:
+                continue
             state = self.inner.state[p.master]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.master.device)
@@ -93,15 +126,15 @@ class MasterWeightAdamW:
 
     def named_state(self) -> dict[str, dict[str, torch.Tensor]]:
         self.ensure_state()
-        return {p.name: self.inner.state[p.master] for p in self.params}
+        return {p.name: self.inner.state[p.master] for p in self.params if p.owned}
 
     def named_masters(self) -> dict[str, torch.Tensor]:
-        return {p.name: p.master for p in self.params}
+        return {p.name: p.master for p in self.params if p.owned}
 
     @torch.no_grad()
     def sync_params_from_masters(self) -> None:
         for p in self.params:
-            if p.param is not p.master:
+            if p.owned and p.param is not p.master:
                 p.param.copy_(p.master)
 
 

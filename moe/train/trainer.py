@@ -33,6 +33,7 @@ from moe.train.optim import MasterWeightAdamW, build_scheduler
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
 from moe.train.sinks import MetricsSink
+from moe.train.state import load_targets, save_entries
 from moe.train.telemetry import MoETelemetry
 
 log = logging.getLogger("moe.train")
@@ -120,10 +121,6 @@ class Trainer:
         self.last_checkpoint: Path | None = None
 
     # ----------------------------------------------------------------- state
-    def _tensor_state(self) -> dict[str, Any]:
-        persistent = set(self.model.state_dict().keys())
-        buffers = {n: b for n, b in self.model.named_buffers() if n in persistent}
-        return {"model": {**self.opt.named_masters(), **buffers}, "optim": self.opt.named_state()}
 
     def save_checkpoint(self) -> Path:
         meta = {
@@ -134,7 +131,7 @@ class Trainer:
             "params_total": self.params_total,
             "params_active": self.params_active,
         }
-        path = self.ckpt.save(self.step, self._tensor_state(), meta, rng_state(self.device))
+        path = self.ckpt.save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
         self.last_checkpoint = path
         return path
 
@@ -143,8 +140,9 @@ class Trainer:
 
         meta = read_meta(path)
         _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
-        meta, rng = CheckpointManager.load(path, self._tensor_state())
-        self.opt.sync_params_from_masters()
+        targets, copies = load_targets(self.model, self.opt)
+        meta, rng = CheckpointManager.load(path, targets)
+        self._finish_load(copies)
         self.sched.load_state_dict(meta["scheduler"])
         for group, lr in zip(self.opt.inner.param_groups, self.sched.get_last_lr(), strict=True):
             group["lr"] = lr  # LambdaLR restores its counter, not the optimizer's current lr
@@ -162,9 +160,16 @@ class Trainer:
         from moe.train.checkpoint import read_meta
 
         _check_same_model(read_meta(path).get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
-        CheckpointManager.load(path, {"model": self._tensor_state()["model"]})
-        self.opt.sync_params_from_masters()
+        targets, copies = load_targets(self.model, self.opt, with_optim=False)
+        CheckpointManager.load(path, targets)
+        self._finish_load(copies)
         log.info("initialised weights from %s", path)
+
+    @torch.no_grad()
+    def _finish_load(self, copies) -> None:
+        self.opt.sync_params_from_masters()
+        for param, buf in copies:
+            param.copy_(buf)
 
     def maybe_resume(self) -> None:
         self.ckpt.clean_stale()

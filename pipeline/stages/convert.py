@@ -20,6 +20,7 @@ from moe.config import ExperimentConfig, ModelConfig
 from moe.interop import ConversionError, check_expressible, from_hf, hf_config, model_config_from_hf, to_hf
 from moe.model import Transformer
 from moe.train.checkpoint import CheckpointManager, load_tensors, read_meta, resolve_checkpoint
+from moe.train.state import expert_param_layout, full_model_targets, split_experts
 from pipeline.errors import PipelineError
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
@@ -36,13 +37,20 @@ def model_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
     return shapes
 
 
+def expert_names(cfg: ModelConfig) -> dict[str, int]:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {n: total for n, (_, total) in expert_param_layout(model).items()}
+
+
 def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Full fp32 weights by parameter name, whatever layout wrote the checkpoint."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"]).validate("model")
-    state = {n: torch.empty(s, dtype=torch.float32) for n, s in model_shapes(cfg).items()}
-    load_tensors(ckpt, {"model": state})
-    return cfg, state, meta
+    full, targets = full_model_targets(model_shapes(cfg), expert_names(cfg))
+    load_tensors(ckpt, {"model": targets})
+    return cfg, full, meta
 
 
 def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
@@ -160,7 +168,11 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
     if out.exists() and any(out.iterdir()):
         raise PipelineError(f"{out}: already exists and is not empty")
     meta = {"config": ExperimentConfig(model=cfg).to_dict(), "source": str(hf_dir), "weights_only": True}
-    CheckpointManager(out).save(0, {"model": ours}, meta, {})
+    experts = expert_names(cfg)
+    entries: dict[str, torch.Tensor] = {}
+    for name, t in ours.items():
+        entries.update(split_experts(name, t, 0) if name in experts else {name: t})
+    CheckpointManager(out).save(0, {"model": entries}, meta, {})
     return cfg
 
 

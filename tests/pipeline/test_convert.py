@@ -72,7 +72,12 @@ def test_inexpressible_model_is_refused_by_option_name(tmp_path):
 
     cfg = ExperimentConfig.load({"model": {"preset": "tiny", "moe": {"num_shared_experts": 1}}})
     model = Transformer(cfg.model)
-    CheckpointManager(tmp_path / "ck").save(1, {"model": dict(model.named_parameters())}, {"config": cfg.to_dict()}, {})
+    from moe.config import OptimizerConfig
+    from moe.train.optim import MasterWeightAdamW
+    from moe.train.state import save_entries
+
+    entries = save_entries(model, MasterWeightAdamW(model, OptimizerConfig(), master_weights=False))
+    CheckpointManager(tmp_path / "ck").save(1, entries, {"config": cfg.to_dict()}, {})
     with pytest.raises(ConversionError, match="model.moe.num_shared_experts: cannot convert"):
         convert_to_hf(tmp_path / "ck", tmp_path / "hf", None)
     assert not (tmp_path / "hf").exists()
