@@ -47,6 +47,16 @@ class ExperimentConfig(Config):
             "parallel.pp",
             f"model.n_layers={m.n_layers} is not divisible by parallel.pp={par.pp}",
         )
+        if par.pp > 1 and par.pp_schedule == "interleaved_1f1b":
+            stages = par.pp * par.pp_virtual_stages
+            require(
+                m.n_layers % stages == 0,
+                "parallel.pp_virtual_stages",
+                f"model.n_layers={m.n_layers} is not divisible by pp * pp_virtual_stages = {stages}",
+            )
+        if par.data_parallel == "fsdp":
+            require(par.pp == 1 and par.ep == 1 and not par.shard_optimizer, "parallel.data_parallel",
+                    "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false")
         if par.pp > 1:
             require(not m.tie_embeddings, "model.tie_embeddings", "tied embeddings cannot be split over pipeline stages (parallel.pp > 1)")
         require(
@@ -85,7 +95,13 @@ class ExperimentConfig(Config):
                 f"train.global_batch_size: {tr.global_batch_size} is not divisible by "
                 f"micro_batch_size * data-parallel size = {tr.micro_batch_size} * {dp}"
             )
-        return ResolvedLayout(world_size=world_size, pp=par.pp, dp=dp, ep=par.ep, grad_accum=tr.global_batch_size // per_step)
+        accum = tr.global_batch_size // per_step
+        if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and accum % par.pp:
+            raise ConfigError(
+                f"parallel.pp_schedule: interleaved_1f1b needs the micro-batches per step ({accum} = global_batch_size / "
+                f"(dp * micro_batch_size)) to be a multiple of pp={par.pp}"
+            )
+        return ResolvedLayout(world_size=world_size, pp=par.pp, dp=dp, ep=par.ep, grad_accum=accum)
 
 
 @dataclasses.dataclass(frozen=True)

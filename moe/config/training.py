@@ -120,14 +120,16 @@ class ParallelConfig(Config):
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     # Shard fp32 master weights and AdamW states over data-parallel ranks (ZeRO-1).
     shard_optimizer: bool = False
+    # The micro-batches of one step (global batch / (dp * micro_batch_size)) go through the
+    # pipeline together; interleaved_1f1b runs pp_virtual_stages stages on every rank.
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
-    pp_microbatches: int = 0
+    pp_virtual_stages: int = 2
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
         require(self.ep >= 1, _k(p, "ep"), f"must be >= 1, got {self.ep}")
         require(self.dp == -1 or self.dp >= 1, _k(p, "dp"), f"must be >= 1 or -1 (auto), got {self.dp}")
-        require(self.pp_microbatches >= 0, _k(p, "pp_microbatches"), "must be >= 0")
+        require(self.pp_virtual_stages >= 1, _k(p, "pp_virtual_stages"), "must be >= 1")
 
 
 @dataclasses.dataclass

@@ -76,7 +76,8 @@ class Router(nn.Module):
         return Routing(experts, weights, tokens_per_expert, lb_loss, z_loss)
 
     def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.balance_group) > 1
+        """Counts are summed only over an explicitly set group (None: this process alone)."""
+        return self.balance_group is not None and dist.is_initialized() and dist.get_world_size(self.balance_group) > 1
 
     @torch.no_grad()
     def update_bias(self) -> None:

@@ -1,89 +1,189 @@
-"""The layout seam: how a model and its gradients are spread over processes.
+"""The layout seam: how a model, its gradients and its optimizer are spread over processes.
 
-A layout is applied to an unmodified model from the outside. ``SingleProcess`` does nothing;
-``DataParallel`` replicates every weight and averages gradients over all ranks (bucketed
-all-reduce after backward).
+A layout is applied from the outside to an unmodified, fully initialised model (every rank
+builds the same model from the same seed) and then drives each training step:
+
+    model = layout.parallelize(model)
+    opt = layout.optimizer(model, optim_cfg, master_weights)
+    loss = layout.forward_backward(model, micro_batches, autocast)   # this step's mean loss
+    norm = layout.sync_gradients(opt, clip)                          # reduce, global norm, clip
+    opt.step(found_inf); layout.after_step(opt)
+
+``ParallelLayout`` covers pipeline (pp), data (dp) and expert (ep) parallelism with resident
+experts and optional ZeRO-1; ``FsdpLayout`` is the FSDP2 baseline the paper compares against.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from moe.config import ConfigError, ExperimentConfig, ResolvedLayout
+from moe.config import ConfigError, ExperimentConfig, OptimizerConfig, ResolvedLayout
+from moe.model import Transformer
 from moe.parallel.env import DistEnv
+from moe.parallel.expert_parallel import apply_expert_parallel
+from moe.parallel.grad_sync import GradSync, clip_, global_grad_norm
+from moe.parallel.mesh import Mesh, build_mesh
+from moe.parallel.pipeline import PipelineRunner, prune_for_stages
+from moe.train.optim import MasterWeightAdamW
+
+Autocast = Callable[[], AbstractContextManager]
 
 
 class Layout(Protocol):
     resolved: ResolvedLayout
+    mesh: Mesh
     dp_rank: int
     dp_size: int
 
-    def parallelize(self, model: nn.Module) -> nn.Module: ...
+    def parallelize(self, model: Transformer) -> Transformer: ...
 
-    def reduce_gradients(self, grads: list[torch.Tensor]) -> None: ...
+    def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW: ...
+
+    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor: ...
+
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor: ...
+
+    def after_step(self, opt: MasterWeightAdamW) -> None: ...
+
+    def mean_loss(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
-class SingleProcess:
-    def __init__(self, resolved: ResolvedLayout) -> None:
-        self.resolved, self.dp_rank, self.dp_size = resolved, 0, 1
+def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast) -> torch.Tensor:
+    with autocast():
+        logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
+
+class ParallelLayout:
+    def __init__(self, cfg: ExperimentConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.resolved = cfg.check_world(env.world_size)
+        r = self.resolved
+        self.mesh = build_mesh(r.pp, r.dp, r.ep)
+        self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+        self.zero = cfg.parallel.shard_optimizer
+        self.virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
+        self.runner: PipelineRunner | None = None
+        self.sync: GradSync | None = None
+
+    def parallelize(self, model: Transformer) -> Transformer:
+        model = apply_expert_parallel(model, self.mesh)
+        if self.resolved.pp > 1:
+            model, views = prune_for_stages(model, self.mesh, self.virtual)
+            self.runner = PipelineRunner(views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum,
+                                         self.env.device, self.virtual)
+        self.sync = GradSync(model, self.mesh, self.zero)
         return model
 
-    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
+    def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
+        return MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
+
+    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
+        device = self.env.device
+        if self.runner is not None:
+            model.set_aux_loss_scale(1.0 / len(micro))
+            batch = torch.cat(micro).to(device, non_blocking=True)
+            with autocast():
+                return self.runner.step(batch, device)
+        n = len(micro)
+        model.set_aux_loss_scale(1.0 / n)
+        total = torch.zeros((), device=device)
+        for batch in micro:
+            if device.type == "cuda":
+                batch = batch.pin_memory()
+            loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast)
+            (loss / n).backward()
+            total += loss.detach() / n
+        return total
+
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
+        for p in opt.params:  # every rank must bring the same tensors to the collectives
+            if p.grad is None:
+                p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
+        self.sync.reduce(opt)
+        norm = global_grad_norm(self.sync.counted(opt), self.env.device)
+        if clip is not None:
+            clip_(opt.grads(), norm, clip)
+        return norm
+
+    def after_step(self, opt: MasterWeightAdamW) -> None:
+        self.sync.broadcast_updates(opt)
+
+    def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The step's global mean loss on every rank (pipeline: only last stages hold one)."""
+        if self.env.world_size == 1:
+            return local
+        total = local.clone()
+        dist.all_reduce(total)
+        return total / self.mesh.dp
+
+
+class FsdpLayout:
+    """FSDP2 (fully_shard per block) over all ranks: the baseline the paper replaces.
+
+    Weights, gradients and optimizer state are sharded; every block's weights are gathered
+    for each micro-batch's forward and backward."""
+
+    def __init__(self, cfg: ExperimentConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.resolved = cfg.check_world(env.world_size)
+        if self.resolved.pp > 1 or self.resolved.ep > 1 or cfg.parallel.shard_optimizer:
+            raise ConfigError("parallel.data_parallel: fsdp is the baseline layout; it takes pp=1, ep=1, shard_optimizer=false")
+        self.mesh = build_mesh(1, self.resolved.dp, 1)
+        self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+
+    def parallelize(self, model: Transformer) -> Transformer:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for _, layer in model.moe_layers():
+            layer.router.balance_group = self.mesh.dp_group
+        if self.env.world_size > 1:
+            mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model
+
+    def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
+        if master_weights:
+            raise ConfigError("parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 (FSDP keeps fp32 shards)")
+        return MasterWeightAdamW(model, cfg, master_weights=False)
+
+    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
+        n = len(micro)
+        model.set_aux_loss_scale(1.0 / n)
+        total = torch.zeros((), device=self.env.device)
+        for batch in micro:
+            loss = _micro_loss(model, batch.to(self.env.device, non_blocking=True), autocast)
+            (loss / n).backward()
+            total += loss.detach() / n
+        return total
+
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
+        params = [p.grad_holder for p in opt.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"), foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def after_step(self, opt: MasterWeightAdamW) -> None:
         return None
 
-
-class DataParallel:
-    """Replicated weights; gradients averaged over the world in ~25 MB buckets."""
-
-    bucket_bytes = 25 * 2**20
-
-    def __init__(self, resolved: ResolvedLayout, env: DistEnv) -> None:
-        self.resolved, self.dp_rank, self.dp_size = resolved, env.rank, env.world_size
-
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        with torch.no_grad():
-            for tensor in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(tensor, src=0)
-        return model
-
-    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
-        for bucket in _buckets(grads, self.bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat)
-            flat.div_(self.dp_size)
-            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                g.copy_(reduced)
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        if current and (size + t.numel() * t.element_size() > limit or t.dtype != current[0].dtype):
-            out.append(current)
-            current, size = [], 0
-        current.append(t)
-        size += t.numel() * t.element_size()
-    if current:
-        out.append(current)
-    return out
+    def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        if self.env.world_size == 1:
+            return local
+        total = local.clone()
+        dist.all_reduce(total)
+        return total / self.env.world_size
 
 
 def build_layout(cfg: ExperimentConfig, env: DistEnv) -> Layout:
-    resolved = cfg.check_world(env.world_size)
-    if resolved.pp > 1 or resolved.ep > 1 or cfg.parallel.shard_optimizer or cfg.parallel.data_parallel != "ddp":
-        raise ConfigError(
-            "parallel: only data parallelism (pp=1, ep=1, data_parallel=ddp, shard_optimizer=false) "
-            "is available in this version"
-        )
-    if env.world_size == 1:
-        return SingleProcess(resolved)
-    return DataParallel(resolved, env)
+    if cfg.parallel.data_parallel == "fsdp":
+        return FsdpLayout(cfg, env)
+    return ParallelLayout(cfg, env)

@@ -1,62 +1,83 @@
 """Per-layer MoE telemetry accumulated on the device, reduced to floats only when logged.
 
-The load numbers are real token counts per expert (not the balancing loss, which can
-improve while the real load gets worse: the paper's "token gerrymandering")."""
+Forward hooks on the MoE layers fold in every forward (micro-batches and pipeline schedules
+alike). The load numbers are real token counts per expert, summed over data-parallel ranks
+(not the balancing loss, which can improve while the real load gets worse: the paper's
+"token gerrymandering"). With pipeline stages, every stage reduces its own layers and the
+logging rank gathers them."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from moe.model import Transformer
+from moe.layers.moe_layer import MoELayer
 
 
 class MoETelemetry:
-    def __init__(self, model: Transformer, device: torch.device) -> None:
-        self.layers = list(model.moe_layers())
-        self.device = device
+    def __init__(self, model: nn.Module, device: torch.device, dp_group: dist.ProcessGroup | None = None) -> None:
+        self.layers = [(name.split(".")[1], m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+        self.device, self.dp_group = device, dp_group
         n = len(self.layers)
         num_experts = self.layers[0][1].router.num_experts if self.layers else 0
         self.counts = torch.zeros(n, num_experts, dtype=torch.int64, device=device)
         self.lb = torch.zeros(n, device=device)
         self.z = torch.zeros(n, device=device)
-        self.forwards = 0
+        self.forwards = torch.zeros(n, device=device)
+        for i, (_, layer) in enumerate(self.layers):
+            layer.register_forward_hook(self._hook(i))
 
-    def add(self) -> None:
-        """Fold in the stats of the forward that just ran (device ops only)."""
-        if not self.layers:
-            return
-        stats = [layer.last_stats for _, layer in self.layers]
-        self.counts += torch.stack([s.tokens_per_expert for s in stats])
-        self.lb += torch.stack([s.lb_loss for s in stats])
-        self.z += torch.stack([s.z_loss for s in stats])
-        self.forwards += 1
+    def _hook(self, i: int):
+        def hook(module: MoELayer, args, out) -> None:
+            if not module.training:
+                return
+            s = module.last_stats
+            self.counts[i] += s.tokens_per_expert
+            self.lb[i] += s.lb_loss
+            self.z[i] += s.z_loss
+            self.forwards[i] += 1
 
-    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """Host floats since the last reduce (summing counts over ranks); then reset."""
-        if not self.layers or self.forwards == 0:
+        return hook
+
+    def reduce(self) -> dict[str, float]:
+        """Host floats since the last reduce; then reset. Collective when distributed: every
+        rank must call it at the same step."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        per_layer: dict[str, tuple[list[int], float, float]] = {}
+        if self.layers:
+            counts = self.counts.clone()
+            lb = self.lb / self.forwards.clamp_min(1)
+            z = self.z / self.forwards.clamp_min(1)
+            if distributed and self.dp_group is not None:
+                dist.all_reduce(counts, group=self.dp_group)
+                size = dist.get_world_size(self.dp_group)
+                dist.all_reduce(lb, group=self.dp_group)
+                dist.all_reduce(z, group=self.dp_group)
+                lb, z = lb / size, z / size
+            for (name, _), c, lb_v, z_v in zip(self.layers, counts.tolist(), lb.tolist(), z.tolist(), strict=True):
+                per_layer[name] = (c, lb_v, z_v)
+            self.counts.zero_()
+            self.lb.zero_()
+            self.z.zero_()
+            self.forwards.zero_()
+        if distributed:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, per_layer)
+            for part in gathered:
+                per_layer.update(part)
+        if not per_layer:
             return {}
-        counts, lb, z = self.counts.clone(), self.lb / self.forwards, self.z / self.forwards
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts, group=group)
-            dist.all_reduce(lb, group=group)
-            dist.all_reduce(z, group=group)
-            world = dist.get_world_size(group)
-            lb, z = lb / world, z / world
-        load = counts.float()
-        max_over_mean = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
-        out = {
-            "lb_loss": lb.mean().item(),
-            "z_loss": z.mean().item(),
-            "expert_load_max_over_mean": max_over_mean.max().item(),
-        }
-        per_layer = max_over_mean.tolist()
-        lbs = lb.tolist()
-        for (name, _), ratio, lb_value in zip(self.layers, per_layer, lbs, strict=True):
+        out: dict[str, float] = {}
+        ratios, lbs, zs = [], [], []
+        for name in sorted(per_layer, key=int):
+            c, lb_v, z_v = per_layer[name]
+            mean = sum(c) / len(c)
+            ratio = max(c) / mean if mean > 0 else 0.0
             out[f"expert_load_max_over_mean/layer_{name}"] = ratio
-            out[f"lb_loss/layer_{name}"] = lb_value
-        self.counts.zero_()
-        self.lb.zero_()
-        self.z.zero_()
-        self.forwards = 0
+            out[f"lb_loss/layer_{name}"] = lb_v
+            ratios.append(ratio)
+            lbs.append(lb_v)
+            zs.append(z_v)
+        out.update({"lb_loss": sum(lbs) / len(lbs), "z_loss": sum(zs) / len(zs), "expert_load_max_over_mean": max(ratios)})
         return out

@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe.config import ExperimentConfig
 from moe.data import BatchLoader, TokenDataError, TokenDataset
@@ -75,10 +73,10 @@ class Trainer:
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):
-            model = Transformer(cfg.model)
+            model = Transformer(cfg.model)  # the full model, identical on every rank (same seed)
         self.recipe.prepare(model)
         self.model = self.layout.parallelize(model)
-        self.opt = MasterWeightAdamW(self.model, cfg.optim, self.recipe.master_weights)
+        self.opt = self.layout.optimizer(self.model, cfg.optim, self.recipe.master_weights)
         self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)
 
         self.dataset = dataset or TokenDataset(
@@ -101,7 +99,7 @@ class Trainer:
             dp_size=self.layout.dp_size,
         )
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
-        self.telemetry = MoETelemetry(self.model, self.device)
+        self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
 
         counts = param_counts(cfg.model)
         self.params_total, self.params_active = counts.total, counts.active
@@ -188,34 +186,13 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train_step(self) -> None:
         micro = self.loader.next_batch()
-        n = len(micro)
         self.model.train()
-        self.model.set_aux_loss_scale(1.0 / n)
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in micro:
-            if self.device.type == "cuda":
-                batch = batch.pin_memory()
-            batch = batch.to(self.device, non_blocking=True)
-            inputs, labels = batch[:, :-1], batch[:, 1:]
-            with self.recipe.autocast(self.device):
-                logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.reshape(-1))
-            (loss / n).backward()
-            loss_sum += loss.detach()
-            self.telemetry.add()
-        step_loss = loss_sum / n
-        grads = self.opt.grads()
-        self.layout.reduce_gradients(grads)
-        if self.layout.dp_size > 1:
-            dist.all_reduce(step_loss)
-            step_loss /= self.layout.dp_size
-        clip = self.cfg.train.grad_clip
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.opt.masters, clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device))
+        step_loss = self.layout.mean_loss(local)
+        norm = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
         bad = ~(torch.isfinite(norm) & torch.isfinite(step_loss))
         self.opt.step(found_inf=bad)
+        self.layout.after_step(self.opt)
         self._lr = self.sched.get_last_lr()[0]
         self.sched.step()
         self.model.update_expert_biases()

@@ -49,3 +49,15 @@ def test_failing_rank_is_reported_with_its_log(tmp_path):
     assert not result.ok and result.exit_code == 2
     assert "missing: token file not found" in result.message
     assert Path(result.log_path).is_file()
+
+
+def test_local_executor_launches_a_pipeline_layout_unchanged(tmp_path):
+    corpus = tmp_path / "tokens"
+    corpus.mkdir()
+    make_corpus(corpus)
+    j = job(tmp_path, "pp", 2, corpus)
+    j.config["parallel"].update({"pp": 2, "ep": 1})
+    result = LocalExecutor(stream_rank0=False).run(j)
+    assert result.ok, Path(result.log_path).read_text()[-2000:]
+    assert json.loads(Path(j.summary_path).read_text())["steps"] == 6
+    assert set(losses(j)) == set(range(1, 7))

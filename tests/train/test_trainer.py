@@ -107,8 +107,8 @@ def test_vocabulary_mismatch_and_bad_layout_are_refused(tmp_path, corpus):
 
     with pytest.raises(TokenDataError, match="larger than model.vocab_size=100"):
         Trainer(tiny_config(corpus, tmp_path / "ck", model={"vocab_size": 100}))
-    with pytest.raises(ConfigError, match="parallel"):
-        Trainer(tiny_config(corpus, tmp_path / "ck", parallel={"shard_optimizer": True}))
+    with pytest.raises(ConfigError, match="parallel.ep: data-parallel size 1"):
+        Trainer(tiny_config(corpus, tmp_path / "ck", parallel={"ep": 2}))
 
 
 def test_metrics_jsonl_sink(tmp_path, corpus):
