@@ -181,6 +181,7 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", action="append", help="d,h,E,k (repeatable); default: the two reference shapes")
+    p.add_argument("--experts", help="expert sweep at the first shape's d,h,k, e.g. 8,16,32,64,128 (constant active parameters)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--peers", default="ours,hf,titan")
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.layer needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [Shape(*map(int, s.split(","))) for s in args.shape] if args.shape else [Shape(*s) for s in REFERENCE_SHAPES]
+    if args.experts:
+        base = shapes[0]
+        shapes = [Shape(base.d, base.h, int(e), base.top_k) for e in args.experts.split(",")]
     peers = [s.strip() for s in args.peers.split(",") if s.strip()]
     unknown = set(peers) - set(PEERS)
     if unknown:
@@ -205,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             r["fraction_of_matmul_peak"] = r["tflops"] / peak
     print(f"bf16 matmul 8192^3 on this GPU: {peak:.0f} TFLOP/s")
     print_table(rows, ["shape", "peer", "median_ms", "tflops", "fraction_of_matmul_peak", "ours_over_peer", "rel_err_out", "rel_err_dx", "error"])
+    sweep = {}
+    if args.experts:
+        for key in peers:
+            series = [r for r in rows if r["peer"] == key and "tflops" in r]
+            if len(series) >= 2:
+                sweep[key] = {"first": series[0]["shape"], "last": series[-1]["shape"],
+                              "drop": 1.0 - series[-1]["tflops"] / series[0]["tflops"]}
+                print(f"{key}: {series[0]['shape']} -> {series[-1]['shape']}: throughput drop {100 * sweep[key]['drop']:.1f}%")
     payload = {
         "benchmark": "moe_layer_fwd_bwd",
         "environment": environment(),
@@ -212,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                    "shapes": [dataclasses.asdict(s) for s in shapes], "flops_formula": "6*T*(k*3*d*h + d*E)"},
         "matmul_peak_tflops": peak,
         "results": rows,
+        "expert_sweep": sweep,
     }
     if not args.no_save:
-        print(f"wrote {write_result('layer', payload)}")
+        print(f"wrote {write_result('layer-sweep' if args.experts else 'layer', payload)}")
     return 0 if all("error" not in r for r in rows) else 1
 
 

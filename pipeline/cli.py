@@ -372,6 +372,27 @@ def bench_layer(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
+@bench_app.command("model", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_model(ctx: typer.Context) -> None:
+    """Full training steps of an OLMoE-width model: MFU, host syncs, peak memory (bench/model.py --help)."""
+    from bench.model import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@bench_app.command("experts", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_experts(ctx: typer.Context) -> None:
+    """Layer throughput from 8 to 128 experts at fixed top-k and expert size (bench/layer.py --experts)."""
+    from bench.layer import main
+
+    args = list(ctx.args)
+    if not any(a.startswith("--experts") for a in args):
+        args += ["--experts", "8,16,32,64,128"]
+    if not any(a.startswith("--shape") for a in args):
+        args += ["--shape", "2048,1024,64,8"]
+    raise typer.Exit(main(args))
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)

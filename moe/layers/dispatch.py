@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moe.kernels.routing import combine, gather_rows, use_triton
 from moe.layers.router import Routing
 
 
@@ -32,16 +33,24 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """Sorts the T*k token slots by expert with one stable argsort; no host sync."""
+    """Sorts the T*k token slots by expert with one stable argsort; no host sync.
+
+    On CUDA the gather and the weighted combine are fused Triton kernels (moe.kernels) whose
+    backwards need no atomics; elsewhere the same arithmetic runs as index_select and bmm."""
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
         top_k = routing.experts.shape[1]
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        rows = x.index_select(0, order // top_k)
+        if use_triton(x):
+            rows = gather_rows(x, order, inverse, top_k)
+        else:
+            rows = x.index_select(0, order // top_k)
         return rows, routing.tokens_per_expert, LocalDispatchState(order, inverse, routing.weights)
 
     def combine(self, y: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
+        if use_triton(y):
+            return combine(y, state.inverse, state.weights)
         n_tokens, top_k = state.weights.shape
         per_slot = y.index_select(0, state.inverse).view(n_tokens, top_k, -1)
         return torch.bmm(state.weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import ExpertGemm, GroupedMM
 
 
@@ -24,8 +24,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [N, D] rows grouped by expert (group sizes tokens_per_expert, on the device)."""
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        gate, up = self.gemm(x, self.gate_up, offsets).chunk(2, dim=-1)
-        return self.gemm(F.silu(gate) * up, self.down, offsets)
+        return self.gemm(swiglu(self.gemm(x, self.gate_up, offsets)), self.down, offsets)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up, mean=0.0, std=std)

@@ -1,0 +1,117 @@
+"""Full training steps of an OLMoE-width model on one GPU: tokens/s, TFLOP/s, MFU, host syncs,
+peak memory.
+
+    python -m bench.model --layers 8 --seq 4096 --micro 4 --steps 10
+
+The model is OLMoE-1B-7B's width (d=2048, 16 heads, 64 experts of 1024, top-8) with as many
+layers as fit; data are random token ids (never zeros) in the library's token format; the
+step is the library's own (bf16 weights, fp32 master weights, fused AdamW, clipping). MFU is
+against both the measured bf16 matmul ceiling of this GPU and the datasheet peak. One step
+runs under torch.cuda.set_sync_debug_mode("error") to prove it makes no host sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.common import environment, matmul_peak_tflops, print_table, write_result
+from moe.config import ExperimentConfig
+from moe.data import write_token_file
+from moe.train.accounting import PEAK_BF16_TFLOPS, flops_per_token
+from moe.train.trainer import Trainer
+
+
+def make_data(directory: Path, tokens: int, vocab: int) -> None:
+    rng = np.random.default_rng(0)
+    write_token_file(directory / "part-00000.npy", rng.integers(1, vocab, size=tokens), vocab_size=vocab, eos_id=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (= per step)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--routing", default="learned", choices=["learned", "random"])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.model needs a CUDA GPU", file=sys.stderr)
+        return 2
+    peak_measured = matmul_peak_tflops()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "tokens"
+        data.mkdir()
+        total_steps = args.warmup + args.steps + 1
+        make_data(data, (args.seq + 1) * args.micro * (total_steps + 2), 50304)
+        cfg = ExperimentConfig.load({
+            "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
+                      "moe": {"routing": args.routing, "num_experts": args.experts}},
+            "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
+            "train": {"global_batch_size": args.micro, "micro_batch_size": args.micro, "max_steps": total_steps,
+                      "log_every": 1000, "device": "cuda"},
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"dir": str(Path(tmp) / "ck")},
+            "precision": {"recipe": "bf16"},
+        })
+        trainer = Trainer(cfg)
+        for _ in range(args.warmup):
+            trainer.train_step()
+            trainer.step += 1
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        syncs_ok, sync_error = True, None
+        try:
+            trainer.train_step()
+            trainer.step += 1
+        except RuntimeError as exc:
+            syncs_ok, sync_error = False, str(exc).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            trainer.train_step()
+            end.record()
+            trainer.step += 1
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        losses = torch.stack([v for _, v in trainer._pending]).tolist()
+        assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    step = statistics.median(times)
+    tokens = args.micro * args.seq
+    fpt = flops_per_token(cfg.model, args.seq)
+    tflops = tokens * fpt / step / 1e12
+    datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
+    row = {
+        "layers": args.layers, "seq": args.seq, "tokens_per_step": tokens, "step_s": step,
+        "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
+        "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
+        "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
+    }
+    print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
+    print_table([row], ["layers", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    if sync_error:
+        print(f"host sync found: {sync_error}")
+    payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},
+               "matmul_peak_tflops": peak_measured, "step_times_s": times, "losses": losses, "result": row}
+    if not args.no_save:
+        print(f"wrote {write_result('model', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
