@@ -1,0 +1,39 @@
+"""Where the MoE layer's time goes: CUDA kernel times of one forward+backward (torch.profiler).
+
+    python -m bench.profile_layer --shape 2048,1024,64,8 --tokens 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench.layer import Shape, build_ours, make_weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shape", default="2048,1024,64,8")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--rows", type=int, default=18)
+    args = p.parse_args(argv)
+    shape = Shape(*map(int, args.shape.split(",")))
+    device = torch.device("cuda")
+    layer = build_ours(shape, make_weights(shape, device), torch.bfloat16)
+    x = torch.randn(1, args.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    for _ in range(3):
+        layer(x).backward(grad)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer(x).backward(grad)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
