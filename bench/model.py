@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (= per step)")
+    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--routing", default="learned", choices=["learned", "random"])
@@ -52,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(tmp) / "tokens"
         data.mkdir()
         total_steps = args.warmup + args.steps + 1
-        make_data(data, (args.seq + 1) * args.micro * (total_steps + 2), 50304)
+        make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = ExperimentConfig.load({
             "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
                       "moe": {"routing": args.routing, "num_experts": args.experts}},
             "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
-            "train": {"global_batch_size": args.micro, "micro_batch_size": args.micro, "max_steps": total_steps,
+            "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": total_steps,
                       "log_every": 1000, "device": "cuda"},
             "schedule": {"warmup_steps": 1},
             "checkpoint": {"dir": str(Path(tmp) / "ck")},
@@ -92,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
         peak_mem = torch.cuda.max_memory_allocated() / 2**30
     step = statistics.median(times)
-    tokens = args.micro * args.seq
+    tokens = args.micro * args.accum * args.seq
     fpt = flops_per_token(cfg.model, args.seq)
     tflops = tokens * fpt / step / 1e12
     datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
     row = {
-        "layers": args.layers, "seq": args.seq, "tokens_per_step": tokens, "step_s": step,
+        "layers": args.layers, "seq": args.seq, "accum": args.accum, "tokens_per_step": tokens, "step_s": step,
         "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["layers", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    print_table([row], ["layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
     if sync_error:
         print(f"host sync found: {sync_error}")
     payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},

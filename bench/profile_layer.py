@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(5):
             layer(x).backward(grad)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=100))
     return 0
 
 

@@ -28,6 +28,25 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """x_g @ w[g].T with a backward that writes the weight gradient straight in w's own
+    [G, M, K] layout (autograd's default produces it transposed, and AccumulateGrad then copies
+    the whole expert-weight gradient to match the parameter's strides)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        return _grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()  # grouped_mm rejects stride-0 gradients
+        grad_x = _grouped_mm(grad, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = _grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
 class GroupedMM:
     """torch's grouped GEMM (full speed in bf16 on sm90/sm100; runs on CPU too).
 
@@ -35,7 +54,7 @@ class GroupedMM:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x, w)
-        return _grouped_mm(x.to(dtype), w.to(dtype).transpose(-2, -1), offs=offsets)
+        return _GroupedLinear.apply(x.to(dtype), w.to(dtype), offsets)
 
 
 _GEMMS: dict[str, type] = {"grouped_mm": GroupedMM}

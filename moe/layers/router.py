@@ -45,7 +45,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: [T, d_model] -> Routing."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.routing == "random":
@@ -97,6 +97,18 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
             self.pending_load.zero_()
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 logits. bf16 inputs on CUDA use a bf16 GEMM with fp32 accumulation and output:
+    bf16 x bf16 products are exact in fp32, so this equals the fp32 GEMM up to summation
+    order, at tensor-core speed."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # torch without mm(out_dtype=)
+            pass
+    return F.linear(x.float(), weight.float())
 
 
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
