@@ -99,16 +99,40 @@ class Router(nn.Module):
             self.pending_load.zero_()
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits. bf16 inputs on CUDA use a bf16 GEMM with fp32 accumulation and output:
-    bf16 x bf16 products are exact in fp32, so this equals the fp32 GEMM up to summation
-    order, at tensor-core speed."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: a bf16 tensor-core GEMM with fp32 accumulation and output on
+    CUDA (bf16 x bf16 products are exact in fp32), an fp32 GEMM elsewhere."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         try:
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # torch without mm(out_dtype=)
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without mm(out_dtype=)
             pass
-    return F.linear(x.float(), weight.float())
+    return a.float() @ b.float()
+
+
+class _RouterLogits(torch.autograd.Function):
+    """fp32 logits from the model-dtype activations and router weight. The backward rounds
+    the logit gradient to the activations' dtype, as every other bf16 backward does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _mm_fp32(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.to(x.dtype)
+        grad_x = _mm_fp32(g, weight.to(x.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = _mm_fp32(g.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[T, d] activations, [E, d] weight -> [T, E] fp32 logits."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    return _RouterLogits.apply(x, weight)
 
 
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
