@@ -1,0 +1,137 @@
+"""Training-step time of one layout on N local GPUs (NCCL): e.g. EP=2 against EP=1 on two H200s.
+
+    python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2
+
+Each --parallel runs the same model (OLMoE-1B-7B width, --layers layers), the same per-GPU
+batch and the library's own training step, in fresh processes; step times are CUDA-event
+medians after warm-up on rank 0 (every rank runs the same number of collectives per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.common import environment, print_table, write_result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: str) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from moe.config import ExperimentConfig
+    from moe.parallel.env import shutdown_distributed
+    from moe.train.accounting import flops_per_token
+    from moe.train.trainer import Trainer
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = ExperimentConfig.load({
+        "model": {"preset": args["preset"], "n_layers": args["layers"], "max_seq_len": args["seq"]},
+        "data": {"paths": [args["data"]], "seq_len": args["seq"], "verify_checksums": False},
+        "train": {"global_batch_size": args["micro"] * world, "micro_batch_size": args["micro"],
+                  "max_steps": args["warmup"] + args["steps"], "log_every": 10_000, "device": device_type},
+        "schedule": {"warmup_steps": 1},
+        "checkpoint": {"dir": str(Path(out) / "ck")},
+        "parallel": parallel,
+        "precision": {"recipe": args["recipe"]},
+    })
+    trainer = Trainer(cfg)
+    for _ in range(args["warmup"]):
+        trainer.train_step()
+        trainer.step += 1
+    times = []
+    for _ in range(args["steps"]):
+        if device_type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            import time
+
+            t0 = time.perf_counter()
+        trainer.train_step()
+        trainer.step += 1
+        if device_type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            times.append(time.perf_counter() - t0)
+    losses = torch.stack([v for _, v in trainer._pending]).tolist()
+    if rank == 0:
+        tokens = args["micro"] * args["seq"]  # per GPU per step
+        step = statistics.median(times)
+        fpt = flops_per_token(cfg.model, args["seq"])
+        result = {"parallel": parallel, "world": world, "step_s": step, "tokens_per_s_per_gpu": tokens / step,
+                  "tflops_per_gpu": tokens * fpt / step / 1e12, "step_times_s": times, "losses": losses,
+                  "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None}
+        torch.save(result, Path(out) / "result.pt")
+    shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--parallel", action="append", default=[], help="k=v[,k=v] of the parallel section (repeatable)")
+    p.add_argument("--preset", default="olmoe-1b-7b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--recipe", default="bf16")
+    p.add_argument("--no-save", action="store_true")
+    a = p.parse_args(argv)
+    if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
+        print(f"need {a.nproc} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    layouts = []
+    for spec in a.parallel or ["ep=1", "ep=2"]:
+        layout = {}
+        for item in spec.split(","):
+            k, v = item.split("=")
+            layout[k] = v if k in ("data_parallel", "pp_schedule") else int(v)
+        layouts.append(layout)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from bench.model import make_data
+
+        data = Path(tmp) / "tokens"
+        data.mkdir()
+        from moe.config import ModelConfig
+
+        vocab = ModelConfig.from_dict({"preset": a.preset}).vocab_size
+        make_data(data, (a.seq + 1) * a.micro * a.nproc * (a.warmup + a.steps + 2), vocab)
+        args = {**vars(a), "data": str(data)}
+        for i, layout in enumerate(layouts):
+            out = Path(tmp) / f"run{i}"
+            out.mkdir()
+            mp.start_processes(_worker, args=(a.nproc, _free_port(), args, layout, str(out)), nprocs=a.nproc,
+                               join=True, start_method="spawn")
+            result = torch.load(out / "result.pt", weights_only=False)
+            rows.append({"layout": ",".join(f"{k}={v}" for k, v in layout.items()), **result})
+    base = rows[0]["step_s"]
+    for r in rows:
+        r["step_vs_first"] = r["step_s"] / base
+    print_table(rows, ["layout", "world", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_vs_first", "peak_mem_gb"])
+    payload = {"benchmark": "layout_step", "environment": environment(), "config": {k: v for k, v in vars(a).items()},
+               "results": rows}
+    if not a.no_save:
+        print(f"wrote {write_result('ep', payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
