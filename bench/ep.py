@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.common import environment, print_table, write_result
+from moe.config import parse_value
 
 
 def _free_port() -> int:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = {}
         for item in spec.split(","):
             k, v = item.split("=")
-            layout[k] = v if k in ("data_parallel", "pp_schedule") else int(v)
+            layout[k] = parse_value(v)
         layouts.append(layout)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
