@@ -88,7 +88,7 @@ class PipelineRunner:
     def step(self, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
         """batch: [n_microbatches * micro, seq + 1] tokens -> sum of the scaled micro losses
         on the last stage (the step's mean loss), zero elsewhere."""
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # stages check strides
         losses: list[torch.Tensor] = []
         if self.first and self.last:
             self.schedule.step(inputs, target=labels, losses=losses)
