@@ -32,6 +32,16 @@ def main(argv: list[str] | None = None) -> int:
             layer(x).backward(grad)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=100))
+    iters = 5
+    gemm = other = 0.0
+    for evt in prof.key_averages():
+        t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        if "cutlass" in evt.key and "Gemm" in evt.key:
+            gemm += t
+        else:
+            other += t
+    print(f"{shape.label}: per forward+backward grouped GEMM {gemm / iters / 1e3:.3f} ms, "
+          f"everything else {other / iters / 1e3:.3f} ms ({100 * other / (gemm + other):.1f}%)")
     return 0
 
 
