@@ -24,12 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     layer = build_ours(shape, make_weights(shape, device), torch.bfloat16)
     x = torch.randn(1, args.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    for _ in range(3):
+    def step() -> None:
+        x.grad = None
+        layer.zero_grad(set_to_none=True)  # as bench.layer: no gradient accumulation adds
         layer(x).backward(grad)
+
+    for _ in range(3):
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            layer(x).backward(grad)
+            step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=100))
     iters = 5
