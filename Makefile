@@ -5,17 +5,16 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test test-fast ui lint clean lock-check
+.PHONY: setup repro test test-fast ui lint clean lock lock-check container pin-base
 
 setup: $(STAMP)
 
-# torch 2.13.0 (CPU build) first, then the pinned lock, then this project without deps.
+# The hash-pinned lock (torch 2.13.0's CPU build included), then this project without deps.
 $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements/cpu.lock
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(BIN)/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements/cpu.lock
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The whole pipeline on the embedded default (CPU, tiny model, local SQLite MLflow store).
@@ -32,6 +31,47 @@ test-fast: setup
 
 ui: setup
 	$(BIN)/moe ui
+
+# Hash-pinned locks from requirements/*.in (uv); the tested pins are kept unless UPGRADE=1.
+UV_COMMON = --generate-hashes --index-url https://pypi.org/simple --find-links /opt/wheels --quiet
+lock: setup
+	$(BIN)/python scripts/lock_constraints.py requirements/cpu.lock > .lock-cpu.txt
+	$(BIN)/python scripts/lock_constraints.py requirements/gpu.lock > .lock-gpu.txt
+	$(BIN)/uv pip compile requirements/cpu.in $(UV_COMMON) --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  $(if $(UPGRADE),,-c .lock-cpu.txt) --no-emit-package moe-pipeline -o requirements/cpu.lock
+	$(BIN)/uv pip compile requirements/gpu.in $(UV_COMMON) --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	  $(if $(UPGRADE),,-c .lock-gpu.txt) -o requirements/gpu.lock
+	rm -f .lock-cpu.txt .lock-gpu.txt
+	$(BIN)/python scripts/check_lock.py
+
+lock-check: setup
+	$(BIN)/python scripts/check_lock.py
+
+# Build the image with whichever builder exists (docker, podman, Charliecloud's ch-image).
+# GPU by default; the CPU variant: make container BASE_IMAGE=<image with python3.11> LOCK=requirements/cpu.lock
+LOCK ?= requirements/gpu.lock
+BASE_IMAGE ?= $(shell sed -n 's/^ARG BASE_IMAGE=//p' containers/Dockerfile)
+TAG ?= moe:$(if $(findstring cpu,$(LOCK)),cpu,gpu)
+IMAGE_DIR ?= /var/tmp/moe-images/$(subst :,-,$(TAG))
+container:
+	@if [ "$(LOCK)" = requirements/cpu.lock ] && ! ls containers/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
+	  cp /opt/wheels/torch-2.13.0+cpu-*.whl containers/wheels/ 2>/dev/null || \
+	  $(PYTHON) -m pip download --no-deps --only-binary=:all: -d containers/wheels torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu; fi
+	@args="-f containers/Dockerfile --build-arg LOCK=$(LOCK) --build-arg BASE_IMAGE=$(BASE_IMAGE)"; \
+	if command -v docker >/dev/null && docker info >/dev/null 2>&1; then docker build $$args -t $(TAG) . ; \
+	elif command -v podman >/dev/null && podman info >/dev/null 2>&1; then podman build $$args -t $(TAG) . ; \
+	elif command -v ch-image >/dev/null; then \
+	  if [ -f /etc/ssl/certs/ca-certificates.crt ]; then args="$$args -b /etc/ssl/certs:/opt/moe/host-certs --build-arg PIP_CERT=/opt/moe/host-certs/ca-certificates.crt"; fi; \
+	  USER=$${USER:-root} /usr/bin/python3 $$(command -v ch-image) build --force $$args -t $(TAG) . && \
+	  rm -rf $(IMAGE_DIR) && mkdir -p $(dir $(IMAGE_DIR)) && USER=$${USER:-root} ch-convert -i ch-image -o dir $(TAG) $(IMAGE_DIR) && \
+	  echo "directory image: $(IMAGE_DIR)  digest: $$($(BIN)/moe image-digest $(IMAGE_DIR) 2>/dev/null)"; \
+	else echo "no container builder: install docker, podman or charliecloud-builders" >&2; exit 2; fi
+
+# Print the digest of a base image tag, to pin it in containers/Dockerfile.
+pin-base:
+	@test -n "$(TAG)" || { echo "usage: make pin-base TAG=nvcr.io/nvidia/pytorch:YY.MM-py3" >&2; exit 2; }
+	@(docker buildx imagetools inspect $(TAG) --format '{{json .Manifest.Digest}}' 2>/dev/null || \
+	  skopeo inspect --format '{{.Digest}}' docker://$(TAG) 2>/dev/null || crane digest $(TAG)) | tr -d '"'
 
 clean:
 	rm -rf data runs metrics plots mlflow.db mlartifacts .dvc/tmp .dvc/cache

@@ -237,6 +237,17 @@ def cancel(job_id: Annotated[str, typer.Argument(help="Slurm job id")]) -> None:
     print(f"cancelled {job_id}")
 
 
+@app.command("image-digest")
+@handle_errors
+def image_digest(image: Annotated[Path, typer.Argument(help="a directory image (e.g. from ch-convert)")]) -> None:
+    """Content digest of a directory image, for container.image_digest."""
+    from pipeline.containers import directory_image_digest
+
+    if not image.is_dir():
+        fail(f"{image}: not a directory image", 2)
+    print(directory_image_digest(image))
+
+
 @app.command("mlflow-server")
 def mlflow_server(
     backend: Annotated[str, typer.Option(help="backend store URI", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/mlflow",

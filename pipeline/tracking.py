@@ -95,6 +95,21 @@ def dvc_dep_tags(stage: str, dvc_yaml: Path = Path("dvc.yaml"), lock_path: Path 
     return {f"dvc.dep.{d}": outs[d] for d in deps if isinstance(d, str) and d in outs}
 
 
+def inventory_tags() -> dict[str, str]:
+    """Tags from the container image's inventory file, when running inside the image."""
+    path = Path(os.environ.get("MOE_IMAGE_INVENTORY", "/opt/moe/inventory.json"))
+    if not path.is_file():
+        return {}
+    try:
+        inv = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    tags = {f"image.{k}": str(inv[k]) for k in ("base_image", "base_image_digest", "python", "torch", "cuda", "nccl", "nvshmem", "lock_sha256") if inv.get(k)}
+    if os.environ.get("MOE_IMAGE_DIGEST"):
+        tags["container.image_digest"] = os.environ["MOE_IMAGE_DIGEST"]
+    return tags
+
+
 def environment_tags() -> dict[str, str]:
     tags = {"host": socket.gethostname(), "python": platform.python_version()}
     try:
@@ -298,6 +313,16 @@ class MlflowSink:
         with open(self.fallback, "a") as f:
             for step, m in batch:
                 f.write(json.dumps({"run_id": self.run_id, "step": step, "metrics": m}) + "\n")
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if not tags or self.failed:
+            return
+        try:
+            for k, v in tags.items():
+                self._get_client().set_tag(self.run_id, k, v)
+        except Exception as exc:  # keep training without tracking
+            self.failed = True
+            log.warning("MLflow unreachable (%s); continuing without tags", exc)
 
     def close(self, summary: dict[str, Any]) -> None:
         self.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from moe.config import ConfigError, ExperimentConfig
@@ -28,9 +29,12 @@ def run(job: TrainJob, stop=None) -> dict:
     if job.mlflow_run_id:
         from pathlib import Path
 
-        from pipeline.tracking import MlflowSink
+        from pipeline.tracking import MlflowSink, inventory_tags
 
-        sinks.append(MlflowSink(job.mlflow_uri, job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every))
+        sink = MlflowSink(job.mlflow_uri, job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every)
+        sinks.append(sink)
+        if int(os.environ.get("RANK", "0")) == 0:
+            sink.set_tags(inventory_tags())  # what this job actually ran in (its image)
     trainer = Trainer(cfg, sinks=sinks)
     summary = dataclasses.asdict(trainer.fit(stop=stop))
     if trainer.env.is_main and not summary["preempted"]:
@@ -40,7 +44,6 @@ def run(job: TrainJob, stop=None) -> dict:
 
 def run_and_report(job: TrainJob, stop=None) -> tuple[int, dict]:
     """(exit code, summary): expected failures print one `error:` line to stderr."""
-    import os
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -79,7 +82,6 @@ def _finalize_mlflow(job: TrainJob, ok: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry of local processes and of plain-sbatch tasks (slurm/train.sbatch). Under Slurm,
     USR2 means: checkpoint at the next step, then requeue."""
-    import os
 
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)

@@ -40,7 +40,8 @@ def launch_python(container: ContainerConfig, gpus: bool) -> tuple[str, list[str
         return f"apptainer exec {nv}{binds} --pwd {shlex.quote(workdir)} {shlex.quote(container.image)} {container.python}", []
     if container.runtime == "charliecloud":
         binds = " ".join(f"-b {shlex.quote(m)}" for m in mounts)
-        return f"ch-run {binds} --cd {shlex.quote(workdir)} {shlex.quote(container.image)} -- {container.python}", []
+        # --set-env: the image's ENV (its venv first on PATH) over the host's environment
+        return f"ch-run --set-env {binds} --cd {shlex.quote(workdir)} {shlex.quote(container.image)} -- {container.python}", []
     raise PipelineError(f"container.runtime: unknown runtime {container.runtime!r}")
 
 
@@ -90,6 +91,11 @@ class SlurmExecutor:
 
     def submit(self, job: TrainJob) -> str:
         job.write()
+        if self.container.runtime == "charliecloud" and self.container.image:
+            from pipeline.containers import ensure_mount_points
+
+            workdir = self.container.workdir or os.getcwd()
+            ensure_mount_points(self.container.image, [workdir, *(m.split(":", 1)[1] for m in self.container.mounts)])
         try:
             submitted = self._executor().submit(SlurmTrainTask(str(job.spec_path.resolve())))
         except Exception as exc:  # sbatch refused (bad partition, no cluster, ...)

@@ -1,0 +1,1 @@
+from tests.pipeline.conftest import workspace  # noqa: F401  (the pipeline working-directory fixture)
