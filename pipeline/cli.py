@@ -380,7 +380,7 @@ def bench_layer(ctx: typer.Context) -> None:
     """MoE layer fwd+bwd TFLOP/s next to transformers and TorchTitan (see bench/layer.py --help)."""
     from bench.layer import main
 
-    raise typer.Exit(main(list(ctx.args)))
+    _run_bench(main, list(ctx.args))
 
 
 @bench_app.command("model", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -388,7 +388,7 @@ def bench_model(ctx: typer.Context) -> None:
     """Full training steps of an OLMoE-width model: MFU, host syncs, peak memory (bench/model.py --help)."""
     from bench.model import main
 
-    raise typer.Exit(main(list(ctx.args)))
+    _run_bench(main, list(ctx.args))
 
 
 @bench_app.command("experts", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -401,7 +401,36 @@ def bench_experts(ctx: typer.Context) -> None:
         args += ["--experts", "8,16,32,64,128"]
     if not any(a.startswith("--shape") for a in args):
         args += ["--shape", "2048,1024,64,8"]
-    raise typer.Exit(main(args))
+    _run_bench(main, args)
+
+
+@bench_app.command("log")
+@handle_errors
+def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.json files")]) -> None:
+    """Record benchmark JSON results in MLflow (experiment "bench"), e.g. after a GPU run."""
+    from pipeline.bench_tracking import log_result
+
+    for f in files:
+        if not f.is_file():
+            fail(f"{f}: not found", 2)
+        console.print(f"{f.name} -> MLflow run {log_result(f)}")
+
+
+def _run_bench(main, args: list[str]) -> None:
+    """Run a benchmark; log what it wrote to MLflow when MLflow is importable here."""
+    from bench.common import RESULTS
+
+    before = set(RESULTS.glob("*.json")) if RESULTS.is_dir() else set()
+    code = main(args)
+    new = sorted(set(RESULTS.glob("*.json")) - before) if RESULTS.is_dir() else []
+    if new:
+        try:
+            from pipeline.bench_tracking import log_result
+        except ImportError:
+            new = []
+        for f in new:
+            console.print(f"{f.name} -> MLflow run {log_result(f)}")
+    raise typer.Exit(code)
 
 
 def _progress() -> Progress:

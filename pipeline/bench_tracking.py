@@ -1,0 +1,49 @@
+"""Benchmark results into MLflow (experiment "bench"): one run per JSON file from bench/results.
+
+Benchmarks run on GPU machines that may not have MLflow; they always write JSON, and
+`moe bench log bench/results/*.json` (or the `moe bench ...` commands themselves, when MLflow
+is importable) records them: environment as tags, config as params, every numeric result as
+a metric named <row label>/<field>."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.params import MlflowConfig
+from pipeline.tracking import Tracker, flatten
+
+ROW_LABELS = ("shape", "layout", "layers", "peer")
+
+
+def _row_label(row: dict[str, Any], index: int) -> str:
+    parts = [str(row[k]) for k in ROW_LABELS if k in row]
+    label = "/".join(parts) if parts else f"row{index}"
+    return "".join(ch if ch.isalnum() or ch in "._-/ " else "_" for ch in label)
+
+
+def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    rows = payload.get("results") or ([payload["result"]] if "result" in payload else [])
+    for i, row in enumerate(rows):
+        label = _row_label(row, i)
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                metrics[f"{label}/{k}"] = float(v)
+    if isinstance(payload.get("matmul_peak_tflops"), (int, float)):
+        metrics["matmul_peak_tflops"] = float(payload["matmul_peak_tflops"])
+    return metrics
+
+
+def log_result(path: Path, experiment: str = "bench") -> str:
+    payload = json.loads(Path(path).read_text())
+    tracker = Tracker(MlflowConfig(experiment=experiment), f"bench:{payload.get('benchmark', 'unknown')}", Path("params.yaml"))
+    env = payload.get("environment", {})
+    tracker.set_tags({f"bench.{k}": v for k, v in env.items() if v is not None})
+    tracker.set_tags({"bench.file": Path(path).name})
+    tracker.log_params(flatten(payload.get("config", {})))
+    tracker.log_metrics(result_metrics(payload))
+    tracker.log_artifact(path)
+    tracker.end(ok=True)
+    return tracker.run_id

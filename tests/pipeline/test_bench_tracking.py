@@ -1,0 +1,22 @@
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_results_are_logged_to_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from pipeline.bench_tracking import log_result
+
+    layer = sorted((REPO / "bench/results").glob("layer-NVIDIA-H200-*.json"))[-1]
+    run_id = log_result(layer)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.data.tags["bench.device"] == "NVIDIA H200"
+    assert run.data.tags["bench.git_commit"]
+    keys = set(run.data.metrics)
+    assert "d_2048/h_1024/E_64/k_8/ours/tflops" in keys
+    assert "d_2048/h_1024/E_64/k_8/titan/tflops" in keys
+    assert run.data.params["tokens"] == "16384"
