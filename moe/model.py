@@ -33,6 +33,16 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def run_stack(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """embed -> layers -> norm -> head, skipping the parts a pipeline stage does not own."""
+    h = m.embed(x) if m.embed is not None else x
+    for layer in m.layers.values():
+        h = layer(h)
+    if m.norm is not None:
+        h = m.norm(h)
+    return m.lm_head(h) if m.lm_head is not None else h
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -47,12 +57,7 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, V] (a pipeline stage may take/return hidden states)."""
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return run_stack(self, x)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -61,6 +61,29 @@ def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast) -> to
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
 
 
+def accumulate(model: Transformer, micro: list[torch.Tensor], autocast: Autocast, device: torch.device) -> torch.Tensor:
+    """Forward and backward of every micro-batch (gradients accumulate); the mean loss."""
+    n = len(micro)
+    model.set_aux_loss_scale(1.0 / n)
+    total = torch.zeros((), device=device)
+    for batch in micro:
+        if device.type == "cuda":
+            batch = batch.pin_memory()
+        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast)
+        (loss / n).backward()
+        total += loss.detach() / n
+    return total
+
+
+def world_mean(local: torch.Tensor, divisor: int) -> torch.Tensor:
+    """Sum over all ranks / divisor (the identity for one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    total = local.clone()
+    dist.all_reduce(total)
+    return total / divisor
+
+
 class ParallelLayout:
     def __init__(self, cfg: ExperimentConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
@@ -92,16 +115,7 @@ class ParallelLayout:
             batch = torch.cat(micro).to(device, non_blocking=True)
             with autocast():
                 return self.runner.step(batch, device)
-        n = len(micro)
-        model.set_aux_loss_scale(1.0 / n)
-        total = torch.zeros((), device=device)
-        for batch in micro:
-            if device.type == "cuda":
-                batch = batch.pin_memory()
-            loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast)
-            (loss / n).backward()
-            total += loss.detach() / n
-        return total
+        return accumulate(model, micro, autocast, device)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
         for p in opt.params:  # every rank must bring the same tensors to the collectives
@@ -118,11 +132,7 @@ class ParallelLayout:
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's global mean loss on every rank (pipeline: only last stages hold one)."""
-        if self.env.world_size == 1:
-            return local
-        total = local.clone()
-        dist.all_reduce(total)
-        return total / self.mesh.dp
+        return world_mean(local, self.mesh.dp)
 
 
 class FsdpLayout:
@@ -158,14 +168,7 @@ class FsdpLayout:
         return MasterWeightAdamW(model, cfg, master_weights=False)
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
-        n = len(micro)
-        model.set_aux_loss_scale(1.0 / n)
-        total = torch.zeros((), device=self.env.device)
-        for batch in micro:
-            loss = _micro_loss(model, batch.to(self.env.device, non_blocking=True), autocast)
-            (loss / n).backward()
-            total += loss.detach() / n
-        return total
+        return accumulate(model, micro, autocast, self.env.device)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
         params = [p.grad_holder for p in opt.params if p.grad is not None]
@@ -176,11 +179,7 @@ class FsdpLayout:
         return None
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
-        if self.env.world_size == 1:
-            return local
-        total = local.clone()
-        dist.all_reduce(total)
-        return total / self.env.world_size
+        return world_mean(local, self.env.world_size)
 
 
 def build_layout(cfg: ExperimentConfig, env: DistEnv) -> Layout:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.model import Transformer
+from moe.model import Transformer, run_stack
 from moe.parallel.mesh import Mesh
 
 
@@ -35,12 +35,7 @@ class StageView(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return run_stack(self, x)
 
 
 def stage_indices(mesh: Mesh, virtual: int) -> list[int]:
