@@ -31,7 +31,7 @@ class ExperimentConfig(Config):
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
 
     @classmethod
-    def load(cls, data: Mapping[str, Any], overrides: Iterable[str] = ()) -> "ExperimentConfig":
+    def load(cls, data: Mapping[str, Any], overrides: Iterable[str] = ()) -> ExperimentConfig:
         """Build from params.yaml sections plus ``a.b=c`` overrides, and validate."""
         return cls.from_dict(apply_overrides(data, overrides)).validate()
 
@@ -75,7 +75,7 @@ class ExperimentConfig(Config):
             f"{self.schedule.warmup_steps} is longer than train.max_steps={tr.max_steps}",
         )
 
-    def check_world(self, world_size: int) -> "ResolvedLayout":
+    def check_world(self, world_size: int) -> ResolvedLayout:
         """Validate the layout against a world size; return the resolved sizes."""
         par, tr = self.parallel, self.train
         if world_size % par.pp:

@@ -18,7 +18,7 @@ class StopRequest:
         self.signum: int | None = None
         self._group: dist.ProcessGroup | None = None
 
-    def install(self, signals: Iterable[int] = (signal.SIGUSR2,)) -> "StopRequest":
+    def install(self, signals: Iterable[int] = (signal.SIGUSR2,)) -> StopRequest:
         for s in signals:
             signal.signal(s, self._handler)
         return self

@@ -27,7 +27,7 @@ from moe.parallel.layout import Layout, build_layout
 from moe.precision import resolve_recipe
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
-from moe.train.optim import MasterWeightAdamW, build_scheduler
+from moe.train.optim import build_scheduler
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
 from moe.train.sinks import MetricsSink

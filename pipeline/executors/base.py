@@ -31,7 +31,7 @@ class TrainJob:
         return self.spec_path
 
     @classmethod
-    def read(cls, path: str | Path) -> "TrainJob":
+    def read(cls, path: str | Path) -> TrainJob:
         return cls(**json.loads(Path(path).read_text()))
 
     @property

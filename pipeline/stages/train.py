@@ -79,7 +79,7 @@ def container_tags(cfg: PipelineConfig) -> dict[str, str]:
 def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, Any]:
     """Read a finished job's summary and metrics; write the DVC metrics and plots."""
     if not job.summary_path.is_file():
-        raise PipelineError(f"training job ended without a summary ({job.summary_path}); log: {result.log_path}")
+        raise PipelineError(f"training job ended without a summary ({job.summary_path}); logs: {Path(job.run_dir) / 'logs'}")
     summary = json.loads(job.summary_path.read_text())
     rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)

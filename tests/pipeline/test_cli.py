@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 COMMANDS = [[], ["tokenize"], ["train"], ["convert"], ["evaluate"], ["params"], ["repro"], ["ui"], ["bench"], ["bench", "layer"]]
 
