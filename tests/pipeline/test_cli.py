@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-COMMANDS = [[], ["tokenize"], ["train"], ["convert"], ["evaluate"], ["params"], ["repro"], ["ui"], ["bench"], ["bench", "layer"]]
+COMMANDS = [[], ["tokenize"], ["train"], ["convert"], ["evaluate"], ["params"], ["repro"], ["ui"], ["bench"], ["submit"],
+            ["status"], ["logs"], ["cancel"], ["job"], ["mlflow-server"], ["mlflow-sync"], ["image-digest"], ["bench", "log"]]
 
 
 def moe(*args, cwd=None, env=None):
@@ -18,16 +19,15 @@ def moe(*args, cwd=None, env=None):
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "moe")
 def test_help_everywhere(cmd):
-    if cmd == ["bench", "layer"]:
-        pytest.skip("bench layer forwards its own --help (argparse); checked below")
     r = moe(*cmd, "--help")
     assert r.returncode == 0, r.stderr
     assert "Usage" in r.stdout
 
 
-def test_bench_layer_help():
-    r = moe("bench", "layer", "--help")
-    assert r.returncode == 0 and "--tokens" in r.stdout
+@pytest.mark.parametrize("cmd, flag", [("layer", "--tokens"), ("experts", "--tokens"), ("model", "--layers")])
+def test_bench_commands_forward_their_own_help(cmd, flag):
+    r = moe("bench", cmd, "--help")
+    assert r.returncode == 0 and flag in r.stdout
 
 
 def assert_one_error_line(r, code, text):
