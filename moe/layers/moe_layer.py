@@ -23,6 +23,7 @@ class MoEStats:
     tokens_per_expert: torch.Tensor  # [E] int64
     lb_loss: torch.Tensor
     z_loss: torch.Tensor
+    rows_received: torch.Tensor | None = None  # int64 rows this rank's experts computed
 
 
 class MoELayer(nn.Module):
@@ -50,7 +51,9 @@ class MoELayer(nn.Module):
             aux = self.lb_loss_weight * routing.lb_loss + self.z_loss_weight * routing.z_loss
             if aux.requires_grad:
                 out = attach_aux_loss(out, aux, self.aux_loss_scale)
-        self.last_stats = MoEStats(routing.tokens_per_expert, routing.lb_loss.detach(), routing.z_loss.detach())
+        self.last_stats = MoEStats(
+            routing.tokens_per_expert, routing.lb_loss.detach(), routing.z_loss.detach(), rows_per_expert.sum()
+        )
         return out.view(shape)
 
     def reset_parameters(self, std: float) -> None:

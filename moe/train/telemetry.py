@@ -3,16 +3,26 @@
 Forward hooks on the MoE layers fold in every forward (micro-batches and pipeline schedules
 alike). The load numbers are real token counts per expert, summed over data-parallel ranks
 (not the balancing loss, which can improve while the real load gets worse: the paper's
-"token gerrymandering"). With pipeline stages, every stage reduces its own layers and the
-logging rank gathers them."""
+"token gerrymandering"); their figures are in :mod:`moe.train.load_stats`. Under expert
+parallelism each rank also counts the rows its experts received at the all-to-all, and the
+log point reports the busiest rank over the mean (what makes the others wait). The time
+ranks actually wait at the all-to-all is not measured: it cannot be told apart from the
+transfer without a barrier (a host sync), so the row ratio stands in for it. With pipeline
+stages, every stage reduces its own layers and the logging rank gathers them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moe.layers.moe_layer import MoELayer
+from moe.train.load_stats import LOAD_STATS, load_stats, max_over_mean, relative_load
+
+# Per-expert relative loads (``expert_load/layer_L/expert_E``): the heatmap's data.
+PER_EXPERT_PREFIX = "expert_load/"
 
 
 class MoETelemetry:
@@ -22,9 +32,11 @@ class MoETelemetry:
         n = len(self.layers)
         num_experts = self.layers[0][1].router.num_experts if self.layers else 0
         self.counts = torch.zeros(n, num_experts, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(n, dtype=torch.int64, device=device)
         self.lb = torch.zeros(n, device=device)
         self.z = torch.zeros(n, device=device)
         self.forwards = torch.zeros(n, device=device)
+        self.expert_parallel = any(getattr(m.dispatcher, "ep", 1) > 1 for _, m in self.layers)
         for i, (_, layer) in enumerate(self.layers):
             layer.register_forward_hook(self._hook(i))
 
@@ -34,33 +46,55 @@ class MoETelemetry:
                 return
             s = module.last_stats
             self.counts[i] += s.tokens_per_expert
+            if s.rows_received is not None:
+                self.rows[i] += s.rows_received
             self.lb[i] += s.lb_loss
             self.z[i] += s.z_loss
             self.forwards[i] += 1
 
         return hook
 
+    def _reduce_local(self, distributed: bool) -> dict[str, dict[str, Any]]:
+        """This process's layers: figures computed on the device, one copy to the host."""
+        counts = self.counts.clone()
+        lb = self.lb / self.forwards.clamp_min(1)
+        z = self.z / self.forwards.clamp_min(1)
+        rank_rows = None
+        if distributed and self.dp_group is not None:
+            dist.all_reduce(counts, group=self.dp_group)
+            size = dist.get_world_size(self.dp_group)
+            dist.all_reduce(lb, group=self.dp_group)
+            dist.all_reduce(z, group=self.dp_group)
+            lb, z = lb / size, z / size
+            if self.expert_parallel:
+                gathered = [torch.empty_like(self.rows) for _ in range(size)]
+                dist.all_gather(gathered, self.rows, group=self.dp_group)
+                rank_rows = max_over_mean(torch.stack(gathered))
+        n, num_experts = counts.shape
+        parts = [load_stats(counts).flatten(), relative_load(counts).flatten(), lb.double(), z.double()]
+        if rank_rows is not None:
+            parts.append(rank_rows)
+        host = torch.cat(parts).tolist()  # the one device-to-host copy
+        stats, host = host[: n * len(LOAD_STATS)], host[n * len(LOAD_STATS) :]
+        loads, host = host[: n * num_experts], host[n * num_experts :]
+        per_layer = {}
+        for i, (name, _) in enumerate(self.layers):
+            per_layer[name] = {
+                "stats": stats[i * len(LOAD_STATS) : (i + 1) * len(LOAD_STATS)],
+                "load": loads[i * num_experts : (i + 1) * num_experts],
+                "lb": host[i],
+                "z": host[n + i],
+                "ep_rows": host[2 * n + i] if rank_rows is not None else None,
+            }
+        for t in (self.counts, self.rows, self.lb, self.z, self.forwards):
+            t.zero_()
+        return per_layer
+
     def reduce(self) -> dict[str, float]:
         """Host floats since the last reduce; then reset. Collective when distributed: every
         rank must call it at the same step."""
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        per_layer: dict[str, tuple[list[int], float, float]] = {}
-        if self.layers:
-            counts = self.counts.clone()
-            lb = self.lb / self.forwards.clamp_min(1)
-            z = self.z / self.forwards.clamp_min(1)
-            if distributed and self.dp_group is not None:
-                dist.all_reduce(counts, group=self.dp_group)
-                size = dist.get_world_size(self.dp_group)
-                dist.all_reduce(lb, group=self.dp_group)
-                dist.all_reduce(z, group=self.dp_group)
-                lb, z = lb / size, z / size
-            for (name, _), c, lb_v, z_v in zip(self.layers, counts.tolist(), lb.tolist(), z.tolist(), strict=True):
-                per_layer[name] = (c, lb_v, z_v)
-            self.counts.zero_()
-            self.lb.zero_()
-            self.z.zero_()
-            self.forwards.zero_()
+        per_layer = self._reduce_local(distributed) if self.layers else {}
         if distributed:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, per_layer)
@@ -69,15 +103,33 @@ class MoETelemetry:
         if not per_layer:
             return {}
         out: dict[str, float] = {}
-        ratios, lbs, zs = [], [], []
+        by_stat: dict[str, list[float]] = {s: [] for s in LOAD_STATS}
+        lbs, zs, ep_rows = [], [], []
         for name in sorted(per_layer, key=int):
-            c, lb_v, z_v = per_layer[name]
-            mean = sum(c) / len(c)
-            ratio = max(c) / mean if mean > 0 else 0.0
-            out[f"expert_load_max_over_mean/layer_{name}"] = ratio
-            out[f"lb_loss/layer_{name}"] = lb_v
-            ratios.append(ratio)
-            lbs.append(lb_v)
-            zs.append(z_v)
-        out.update({"lb_loss": sum(lbs) / len(lbs), "z_loss": sum(zs) / len(zs), "expert_load_max_over_mean": max(ratios)})
+            layer = per_layer[name]
+            for stat, value in zip(LOAD_STATS, layer["stats"], strict=True):
+                out[f"expert_load_{stat}/layer_{name}"] = value
+                by_stat[stat].append(value)
+            for e, value in enumerate(layer["load"]):
+                out[f"{PER_EXPERT_PREFIX}layer_{name}/expert_{e}"] = value
+            out[f"lb_loss/layer_{name}"] = layer["lb"]
+            lbs.append(layer["lb"])
+            zs.append(layer["z"])
+            if layer["ep_rows"] is not None:
+                out[f"ep_rows_max_over_mean/layer_{name}"] = layer["ep_rows"]
+                ep_rows.append(layer["ep_rows"])
+        # Over layers: the worst layer for each figure, the total of idle experts.
+        out.update(
+            {
+                "lb_loss": sum(lbs) / len(lbs),
+                "z_loss": sum(zs) / len(zs),
+                "expert_load_max_over_mean": max(by_stat["max_over_mean"]),
+                "expert_load_min_over_mean": min(by_stat["min_over_mean"]),
+                "expert_load_cv": max(by_stat["cv"]),
+                "expert_load_idle": sum(by_stat["idle"]),
+                "expert_load_entropy": min(by_stat["entropy"]),
+            }
+        )
+        if ep_rows:
+            out["ep_rows_max_over_mean"] = max(ep_rows)
         return out
