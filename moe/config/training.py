@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from moe.config.base import Config, require
+from moe.config.load_alarm import LoadAlarmConfig
 
 
 def _k(p: str, name: str) -> str:
@@ -79,6 +80,8 @@ class TrainConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Dense bf16 TFLOP/s of one device for MFU; null: look it up from the device name.
     peak_tflops: float | None = None
+    # The token-gerrymandering alarm over the logged expert load (moe.train.load_alarm).
+    load_alarm: LoadAlarmConfig = dataclasses.field(default_factory=LoadAlarmConfig)
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):

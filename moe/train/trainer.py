@@ -27,6 +27,8 @@ from moe.parallel.layout import Layout, build_layout
 from moe.precision import resolve_recipe
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
+from moe.train.load_alarm import TAG as LOAD_ALARM_TAG
+from moe.train.load_alarm import LoadAlarm
 from moe.train.optim import build_scheduler
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
@@ -100,6 +102,7 @@ class Trainer:
         )
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
+        self.load_alarm = LoadAlarm(cfg.train.load_alarm) if cfg.train.load_alarm.enabled else None
 
         counts = param_counts(cfg.model)
         self.params_total, self.params_active = counts.total, counts.active
@@ -293,12 +296,26 @@ class Trainer:
         else:
             metrics["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(self.telemetry.reduce())
-        self.last_metrics = metrics
         last_step = steps_and_losses[-1][0]
+        if self.load_alarm is not None:
+            self._check_load(last_step, metrics)
+        self.last_metrics = metrics
         for sink in self.sinks:
             for (s, _), v in zip(steps_and_losses[:-1], values[:-1], strict=True):
                 sink.log(s, {"loss": v})
             sink.log(last_step, metrics)
+
+
+    def _check_load(self, step: int, metrics: dict[str, float]) -> None:
+        """The token-gerrymandering alarm: a warning line and an MLflow tag per layer entering it."""
+        for event in self.load_alarm.update(step, metrics):
+            if self.env.is_main:
+                log.warning("%s", event.message())
+            tags = {LOAD_ALARM_TAG: "fired", f"{LOAD_ALARM_TAG}.layer_{event.layer}": event.message()}
+            for sink in self.sinks:
+                if hasattr(sink, "set_tags"):
+                    sink.set_tags(tags)
+        metrics.update(self.load_alarm.metrics())
 
 
 def _check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Any) -> None:
