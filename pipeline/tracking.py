@@ -289,7 +289,8 @@ class MlflowSink:
         return self._client
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.buffer.append((step, {k: v for k, v in metrics.items() if _finite(v)}))
+        # Per-expert loads go to the heatmap artifact, not one metric per expert.
+        self.buffer.append((step, {k: v for k, v in metrics.items() if _finite(v) and not k.startswith("expert_load/")}))
         if "lr" in metrics or len(self.buffer) >= self.flush_every:
             self.flush()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import ConfigError, ExperimentConfig
+from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
@@ -21,6 +22,7 @@ from pipeline.stages.tokenize import read_manifest
 METRICS_FILE = Path("metrics/train.json")
 LOSS_PLOT = Path("plots/train_loss.csv")
 THROUGHPUT_PLOT = Path("plots/train_throughput.csv")
+EXPERT_LOAD_PLOT = Path("plots/expert_load.csv")
 
 
 def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
@@ -84,9 +86,15 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
+    table = expert_load.load_table(rows)
+    expert_load.write_csv(EXPERT_LOAD_PLOT, table)
+    heatmap = Path(job.run_dir) / "expert_load.png"
+    expert_load.write_png(heatmap, table)
     if tracker:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(job.metrics_path)
+        tracker.log_artifact(heatmap)
+        tracker.set_tags({"moe.load_alarm": "fired" if metrics["load_alarm"] else "quiet"})
     return metrics
 
 
@@ -119,11 +127,27 @@ def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[s
         "lb_loss": last.get("lb_loss"),
         "z_loss": last.get("z_loss"),
         "expert_load_max_over_mean": last.get("expert_load_max_over_mean"),
+        "expert_load_min_over_mean": last.get("expert_load_min_over_mean"),
+        "expert_load_cv": last.get("expert_load_cv"),
+        "expert_load_entropy": last.get("expert_load_entropy"),
+        **load_alarm_metrics(rows),
         "skipped_steps": last.get("skipped_steps", 0),
     }
     if any("mfu" in r for r in steady):
         out["mfu"] = mean("mfu")
     return out
+
+
+def load_alarm_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``load_alarm``: how many layers the token-gerrymandering alarm fired for at any log
+    point; ``load_alarm_first_step``: the first such step (null: it never fired)."""
+    layers, first = set(), None
+    for r in rows:
+        hit = [k for k, v in r.items() if k.startswith("load_alarm/layer_") and v]
+        layers.update(hit)
+        if hit and first is None:
+            first = r["step"]
+    return {"load_alarm": len(layers), "load_alarm_first_step": first}
 
 
 def write_outputs(metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -42,7 +42,14 @@ def test_mlflow_store_holds_every_param_and_the_metrics(in_trained):
     parent = client.get_run(run.data.tags["mlflow.parentRunId"])
     assert parent.data.tags["moe.stage"] == "pipeline"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"params.yaml", "metrics.jsonl"} <= artifacts
+    assert {"params.yaml", "metrics.jsonl", "expert_load.png"} <= artifacts
+    # the expert-load figures and the alarm; per-expert loads go to the heatmap, not metrics
+    for key in ("expert_load_entropy/layer_0", "expert_load_cv/layer_0", "load_alarm", "load_alarm/layer_0", "final/load_alarm"):
+        assert key in run.data.metrics, key
+    assert not any(k.startswith("expert_load/") for k in run.data.metrics)
+    assert run.data.tags["moe.load_alarm"] == "quiet"
+    assert json.loads(Path("metrics/train.json").read_text())["load_alarm"] == 0
+    assert Path("plots/expert_load.csv").read_text().startswith("step,layer,expert,row,load\n")
 
 
 def test_long_param_values_are_capped(tmp_path, monkeypatch):
