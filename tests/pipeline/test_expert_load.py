@@ -1,9 +1,19 @@
 """The expert-load heatmap data (CSV), its PNG, and the alarm fields of the final metrics."""
 
 import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from pipeline import expert_load
 from pipeline.stages.train import load_alarm_metrics
+
+REPO = Path(__file__).resolve().parents[2]
 
 ROWS = [
     {"step": 10, "loss": 5.0, "expert_load/layer_0/expert_0": 1.5, "expert_load/layer_0/expert_1": 0.5,
@@ -33,3 +43,22 @@ def test_png_is_written_and_nothing_without_data(tmp_path):
 def test_final_metrics_count_the_layers_that_fired():
     assert load_alarm_metrics(ROWS) == {"load_alarm": 1, "load_alarm_first_step": 20}
     assert load_alarm_metrics(ROWS[:2]) == {"load_alarm": 0, "load_alarm_first_step": None}
+
+
+@pytest.mark.slow
+def test_default_params_run_is_quiet_and_draws_the_heatmap(tmp_path):
+    """`moe tokenize` + `moe train` with the repository's params.yaml as shipped: the alarm stays
+    quiet on this healthy run, and the heatmap data and PNG are written."""
+    shutil.copy2(REPO / "params.yaml", tmp_path / "params.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    moe = [sys.executable, "-m", "pipeline.cli"]
+    for cmd in (["tokenize"], ["train", "--no-mlflow"]):
+        r = subprocess.run([*moe, *cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, f"{cmd}: {r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+        assert "token gerrymandering alarm" not in r.stdout + r.stderr
+    metrics = json.loads((tmp_path / "metrics/train.json").read_text())
+    assert metrics["steps"] == 150 and metrics["load_alarm"] == 0 and metrics["load_alarm_first_step"] is None
+    table = list(csv.DictReader(open(tmp_path / "plots/expert_load.csv")))
+    assert len(table) == 15 * 2 * 8  # log points x layers x experts of the default model
+    assert (tmp_path / "runs/train/expert_load.png").is_file()
