@@ -83,3 +83,26 @@ def test_ep2_per_rank_rows_and_load_match_single_process():
     assert "ep_rows_max_over_mean" not in want and got["ep_rows_max_over_mean"] == max(
         got[f"ep_rows_max_over_mean/layer_{i}"] for i in range(LAYERS)
     )
+
+
+def trainer_rank(rank, world, corpus, ckpt):
+    from pathlib import Path
+
+    from moe.train.trainer import Trainer
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(Path(corpus), Path(ckpt), model={"n_layers": 4}, parallel={"pp": 2, "ep": 2},
+                      train={"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 2, "log_every": 1})
+    return Trainer(cfg).fit().last_metrics
+
+
+def test_pipeline_and_expert_parallel_trainer_reports_every_layer(tmp_path, corpus):
+    """pp=2 x dp=2 (ep=2): each stage reduces its own layers, rows per rank come from the
+    all-to-all, and the logging rank sees all four layers."""
+    results = run_ranks(trainer_rank, 4, str(corpus), str(tmp_path / "ck"))
+    m = results[0]
+    for i in range(4):
+        assert m[f"ep_rows_max_over_mean/layer_{i}"] >= 1.0
+        assert 0 < m[f"expert_load_entropy/layer_{i}"] <= 1
+        assert sum(m[f"expert_load/layer_{i}/expert_{e}"] for e in range(8)) == pytest.approx(8.0)
+    assert all(r["load_alarm"] == 0 for r in results)
