@@ -305,7 +305,6 @@ class Trainer:
                 sink.log(s, {"loss": v})
             sink.log(last_step, metrics)
 
-
     def _check_load(self, step: int, metrics: dict[str, float]) -> None:
         """The token-gerrymandering alarm: a warning line and an MLflow tag per layer entering it."""
         for event in self.load_alarm.update(step, metrics):
