@@ -373,6 +373,9 @@ def ui(
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
 app.add_typer(bench_app, name="bench")
+from pipeline.paper.cli import paper_app  # noqa: E402
+
+app.add_typer(paper_app, name="paper")
 
 
 @bench_app.command("layer", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

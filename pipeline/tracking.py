@@ -163,10 +163,11 @@ def param_value(value: Any) -> str:
 class Tracker:
     """Creates and writes one stage's nested run through MlflowClient (no global state)."""
 
-    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml")) -> None:
+    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"), parent_name: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         self.cfg, self.stage, self.params_path = cfg, stage, params_path
+        self.parent_name = parent_name
         self.uri = tracking_uri(cfg)
         self.client = MlflowClient(tracking_uri=self.uri)
         self.experiment_id = self._experiment()
@@ -201,7 +202,7 @@ class Tracker:
         )
         if found:
             return found[0].info.run_id
-        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": f"pipeline-{key[:8]}", **git_info()}
+        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": self.parent_name or f"pipeline-{key[:8]}", **git_info()}
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
             self.client.log_artifact(run_id, str(self.params_path))

@@ -293,6 +293,8 @@ class Trainer:
             metrics["mfu"] = tp.mfu
         if self.device.type == "cuda":
             metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            # Between steps: weights, masters, optimizer states (peak minus this ~ activations).
+            metrics["mem_at_rest_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
         else:
             metrics["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(self.telemetry.reduce())

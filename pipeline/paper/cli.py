@@ -1,0 +1,154 @@
+"""`moe paper ...`: the paper-reproduction pipeline's commands (bench/paper/dvc.yaml)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+PIPELINE_DIR = Path("bench/paper")
+paper_app = typer.Typer(no_args_is_help=True, help="Reproduce the paper's system claims (bench/paper/dvc.yaml).")
+
+ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file (the paper pipeline's)")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. paper.steps=10 (repeatable)")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
+
+
+def _handle(fn):
+    from pipeline.cli import handle_errors
+
+    return handle_errors(fn)
+
+
+def _tracker(params, stage: str, enabled: bool):
+    if not (enabled and params.base.mlflow.enabled):
+        return None
+    from pipeline.tracking import Tracker
+
+    tracker = Tracker(params.base.mlflow, f"paper/{stage}", params.path, parent_name="paper reproduction")
+    flat = {f"paper.{k}": v for k, v in params.paper.flatten().items()}
+    flat.update({k: v for k, v in params.base.flatten().items() if k.split(".")[0] in ("executor", "slurm", "container", "tokenize")})
+    tracker.log_stage_start(flat)
+    return tracker
+
+
+@paper_app.command("tokenize")
+def tokenize_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
+    """Tokenise the corpus the learned-routing stage reads (tokenize: section)."""
+
+    @_handle
+    def go():
+        from pipeline.paper.config import load_paper_params
+        from pipeline.stages.tokenize import run_tokenize
+
+        p = load_paper_params(params, set_ or [])
+        run_tokenize(p.base.tokenize)
+
+    go()
+
+
+@paper_app.command("stage")
+def stage_cmd(
+    name: Annotated[str, typer.Argument(help="resident | experts | fp8 | recompute | ep | gerrymander")],
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    no_mlflow: NoTrackOpt = False,
+) -> None:
+    """Measure one claim; writes <paper.results>/<name>.json."""
+
+    @_handle
+    def go():
+        from pipeline.paper.config import load_paper_params
+        from pipeline.paper.stages import run_stage
+
+        p = load_paper_params(params, set_ or [])
+        tracker = _tracker(p, name, not no_mlflow)
+        ok = False
+        try:
+            path = run_stage(name, p, tracker)
+            ok = True
+        finally:
+            if tracker is not None:
+                tracker.end(ok)
+        typer.echo(f"wrote {path}")
+
+    go()
+
+
+@paper_app.command("report")
+def report_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """REPORT.md and plots/*.png from the stages' results."""
+
+    @_handle
+    def go():
+        from pipeline.paper.config import load_paper_params
+        from pipeline.paper.report import write_report
+
+        p = load_paper_params(params, set_ or [])
+        report = write_report(p.paper.results, Path(p.paper.results).parent if Path(p.paper.results).parent != Path("") else ".")
+        tracker = _tracker(p, "report", not no_mlflow)
+        if tracker is not None:
+            tracker.log_artifact(report)
+            for png in sorted((report.parent / "plots").glob("*.png")):
+                tracker.log_artifact(png, "plots")
+                tracker.client.log_artifact(tracker.parent_id, str(png), "plots")
+            tracker.client.log_artifact(tracker.parent_id, str(report))
+            _log_parent_metrics(tracker, Path(p.paper.results))
+            tracker.end(True)
+        typer.echo(f"wrote {report}")
+
+    go()
+
+
+def _log_parent_metrics(tracker, results: Path) -> None:
+    """The parent 'paper reproduction' run holds every stage's derived figures."""
+    import json
+
+    from mlflow.entities import Metric
+
+    import time
+
+    now = int(time.time() * 1000)
+    items = []
+    for path in sorted(results.glob("*.json")):
+        r = json.loads(path.read_text())
+        for k, v in r.get("derived", {}).items():
+            pairs = v.items() if isinstance(v, dict) else [(None, v)]
+            for kk, vv in pairs:
+                if isinstance(vv, (int, float)) and not isinstance(vv, bool):
+                    items.append(Metric(f"{r['stage']}/{k}" + (f"/{kk}" if kk else ""), float(vv), now, 0))
+    for i in range(0, len(items), 900):
+        tracker.client.log_batch(tracker.parent_id, metrics=items[i : i + 900])
+
+
+@paper_app.command("repro")
+def repro_cmd(
+    no_dvc: Annotated[bool, typer.Option("--no-dvc", help="run the stages in order here, without DVC (e.g. in a GPU image)")] = False,
+    set_: SetOpt = None,
+    no_mlflow: NoTrackOpt = False,
+) -> None:
+    """Run the whole paper pipeline: `dvc repro bench/paper/dvc.yaml` (or in order with --no-dvc)."""
+    if not PIPELINE_DIR.is_dir():
+        typer.echo(f"error: {PIPELINE_DIR}: not found (run from the repository root)", err=True)
+        raise typer.Exit(2)
+    if not no_dvc:
+        if set_:
+            typer.echo("error: --set applies with --no-dvc; with DVC edit bench/paper/params.yaml or use `dvc exp run -S`", err=True)
+            raise typer.Exit(2)
+        dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
+        raise typer.Exit(subprocess.call([dvc, "repro", str(PIPELINE_DIR / "dvc.yaml")]))
+    from pipeline.paper.claims import STAGES
+
+    root = str(Path.cwd().resolve())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)}
+    args = [a for s in (set_ or []) for a in ("--set", s)] + (["--no-mlflow"] if no_mlflow else [])
+    steps = [["tokenize", *[a for s in (set_ or []) for a in ("--set", s)]]] + [["stage", s, *args] for s in STAGES] + [["report", *args]]
+    for step in steps:
+        code = subprocess.call([sys.executable, "-m", "pipeline.paper", *step], cwd=PIPELINE_DIR, env=env)
+        if code:
+            raise typer.Exit(code)

@@ -1,0 +1,52 @@
+"""The hardware a stage measures on: CPU processes, or N GPUs of a known memory size.
+
+Local runs look at this machine; Slurm runs take the GPU count from ``slurm:`` and the model
+from ``paper.gpu`` (the submitting host may have no GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe.config import ConfigError
+from pipeline.executors import world_size
+from pipeline.paper.config import GPU_MEMORY_GB, PaperParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    kind: str  # "cpu" | "gpu"
+    name: str  # e.g. "NVIDIA H200" or "cpu"
+    count: int  # processes (one per GPU)
+    memory_gb: float | None  # per GPU
+    capability: tuple[int, int] | None = None
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return f"{self.count} CPU process{'es' if self.count > 1 else ''} (gloo)"
+        mem = f", {self.memory_gb:.0f} GB" if self.memory_gb else ""
+        return f"{self.count}x {self.name}{mem}"
+
+
+def detect(params: PaperParams) -> Hardware:
+    base, paper = params.base, params.paper
+    world = world_size(base)
+    if base.executor.kind == "slurm":
+        gpus = base.slurm.gpus_per_node > 0
+        if paper.scale == "gpu" and not gpus:
+            raise ConfigError("paper.scale: gpu needs slurm.gpus_per_node > 0")
+        if not gpus or paper.scale == "cpu":
+            return Hardware("cpu", "cpu", world, None)
+        if paper.gpu == "auto":
+            raise ConfigError("paper.gpu: name the GPU model (h100, h200, b200, b300) for Slurm runs")
+        cap = (10, 0) if paper.gpu.startswith("b") else (9, 0)
+        return Hardware("gpu", paper.gpu.upper(), world, GPU_MEMORY_GB[paper.gpu], cap)
+    import torch
+
+    if paper.scale == "cpu" or not torch.cuda.is_available():
+        if paper.scale == "gpu":
+            raise ConfigError("paper.scale: gpu, but no CUDA GPU is visible here")
+        return Hardware("cpu", "cpu", world, None)
+    if world > torch.cuda.device_count():
+        raise ConfigError(f"executor.nprocs: {world} processes but {torch.cuda.device_count()} GPUs visible")
+    props = torch.cuda.get_device_properties(0)
+    return Hardware("gpu", props.name, world, props.total_memory / 2**30, (props.major, props.minor))

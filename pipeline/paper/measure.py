@@ -1,0 +1,104 @@
+"""One measurement: a short training run of one configuration through the executor seam.
+
+The run is the library's own training step launched exactly as the train stage launches it
+(local processes or a Slurm job, per ``executor.kind``), on random token ids (never zeros)
+unless a corpus is given. The first ``steps`` steps are warm-up (one log interval); the
+figures come from the second interval of ``steps`` steps, which the trainer times between two
+device synchronisations.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moe.config import ExperimentConfig
+from moe.data import write_token_file
+from pipeline.errors import JobFailed, PipelineError
+from pipeline.executors import TrainJob, build_executor
+from pipeline.params import PipelineConfig
+
+MARKER = ".moe-paper-run"  # marks a run directory this module created (safe to replace)
+
+
+def random_tokens(directory: Path, tokens: int, vocab: int, seed: int = 0) -> Path:
+    """Random ids in [1, vocab) in the library's token format (cached by size)."""
+    path = directory / f"random-{vocab}-{tokens}" / "part-00000.npy"
+    if not path.with_suffix(".json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        write_token_file(path, rng.integers(1, vocab, size=tokens), vocab_size=vocab, eos_id=0)
+    return path.parent
+
+
+def fresh_run_dir(path: Path) -> Path:
+    """An empty run directory; replaces only one this module made before."""
+    if path.exists():
+        if not (path / MARKER).is_file():
+            raise PipelineError(f"{path}: exists and was not made by the paper pipeline; move it away")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MARKER).write_text("made by pipeline.paper.measure\n")
+    return path
+
+
+def measure(base: PipelineConfig, name: str, sections: dict[str, Any], work_dir: Path, steps: int,
+            data_dir: Path | None = None, tracker=None) -> dict[str, Any]:
+    """Run ``sections`` (model/train/parallel/precision/... overrides) and return its figures."""
+    world = base.slurm.nodes * base.slurm.tasks_per_node if base.executor.kind == "slurm" else base.executor.nprocs
+    run_dir = fresh_run_dir(work_dir / name)
+    model = sections["model"]
+    seq = sections["data"]["seq_len"]
+    train = sections["train"]
+    total_steps = 2 * steps if "max_steps" not in train else train["max_steps"]
+    if data_dir is None:
+        per_step = train["global_batch_size"] * (seq + 1)
+        data_dir = random_tokens(work_dir / "data", per_step * (total_steps + 2), model["vocab_size"])
+    cfg = {
+        **sections,
+        "data": {"verify_checksums": False, **sections["data"], "paths": [str(data_dir)]},
+        "train": {"log_every": steps, "max_steps": total_steps, **train},
+        "schedule": {"warmup_steps": 1, **sections.get("schedule", {})},
+        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1},
+    }
+    exp = ExperimentConfig.from_dict(cfg).validate()
+    layout = exp.check_world(world)
+    job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world)
+    result = build_executor(base).run(job)
+    if not result.ok:
+        raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
+    rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]
+    timed = [r for r in rows if "tokens_per_s_per_device" in r]
+    if not timed:
+        raise JobFailed(f"{name}: the job logged no throughput ({job.metrics_path})", 5)
+    last = timed[-1]
+    peak = last.get("peak_mem_gb")
+    out = {
+        "name": name,
+        "world": world,
+        "layout": {"pp": layout.pp, "dp": layout.dp, "ep": exp.parallel.ep, "data_parallel": exp.parallel.data_parallel,
+                   "shard_optimizer": exp.parallel.shard_optimizer},
+        "model": exp.model.to_dict(),
+        "seq_len": seq,
+        "micro_batch_size": exp.train.micro_batch_size,
+        "global_batch_size": exp.train.global_batch_size,
+        "precision": exp.precision.recipe,
+        "steps_timed": steps if len(timed) > 1 else total_steps,
+        "step_time_s": last["step_time_s"],
+        "tokens_per_s_per_device": last["tokens_per_s_per_device"],
+        "tflops_per_device": last["tflops_per_device"],
+        "mfu": last.get("mfu"),
+        "peak_mem_gb": peak,
+        "mem_at_rest_gb": last.get("mem_at_rest_gb"),
+        "activation_gb": (peak - last["mem_at_rest_gb"]) if peak is not None and "mem_at_rest_gb" in last else None,
+        "peak_rss_gb": last.get("peak_rss_gb"),
+        "final_loss": last["loss"],
+        "rows": rows,
+    }
+    if tracker is not None:
+        tracker.log_metrics({f"{name}/{k}": v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out

@@ -1,0 +1,191 @@
+"""The report stage: ``REPORT.md`` and PNG plots from the stages' result files.
+
+For every claim: the paper's number and hardware, ours with our hardware and the scaled
+configuration (the scaling rule's notes beside the figure), and the ratio of the two."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pipeline.paper.claims import CLAIMS, STAGES
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:+.1f}%"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
+    """Our headline figure for a claim and its ratio to the paper's."""
+    ref = CLAIMS[stage].reference
+    if not derived:
+        return "not measured", "n/a"
+    if stage == "resident":
+        s = derived.get("speedup")
+        return (f"{_fmt(derived.get('tokens_per_s_per_device'))} vs {_fmt(derived.get('baseline_tokens_per_s_per_device'))} "
+                f"tokens/s/device ({_fmt(s)}x)", _fmt(s / ref["speedup"]) if s else "n/a")
+    if stage == "experts":
+        d = derived.get("drop")
+        return (f"{_pct(-d if d is not None else None)} from {derived['experts_from']} to {derived['experts_to']} experts",
+                "within the paper's bound" if d is not None and d < ref["drop"] else f"drop {_pct(d)} vs < 5%")
+    if stage == "fp8":
+        s = derived.get("speedup")
+        return (f"{_pct(s - 1 if s else None)} throughput ({derived.get('recipe')}), peak {_fmt(derived.get('baseline_peak_gb'))} -> "
+                f"{_fmt(derived.get('peak_gb'))} GB", f"{_fmt((s - 1) / (ref['speedup'] - 1)) if s else 'n/a'} of the paper's gain")
+    if stage == "recompute":
+        parts, ratios = [], []
+        for mode, r in derived.items():
+            parts.append(f"{mode}: activations x{_fmt(r.get('activation_ratio'))}, peak x{_fmt(r.get('peak_ratio'))}, "
+                         f"throughput x{_fmt(r.get('throughput_ratio'))}")
+            if r.get("throughput_ratio"):
+                ratios.append(f"{mode}: throughput ratio {_fmt(r['throughput_ratio'] / ref['throughput_ratio'])} of the paper's")
+        return "; ".join(parts), "; ".join(ratios) or "n/a"
+    if stage == "ep":
+        return "; ".join(f"{k}: {_fmt(v['step_time_s'] * 1e3)} ms/step (x{_fmt(v['relative_to_ep1'])} of EP=1)" for k, v in derived.items()), "n/a (no paper figure)"
+    if stage == "gerrymander":
+        return (f"balance loss {_fmt(derived.get('lb_loss_first'))} -> {_fmt(derived.get('lb_loss_last'))}, busiest expert "
+                f"{_fmt(derived.get('max_over_mean_first'))} -> {_fmt(derived.get('max_over_mean_last'))}x mean; "
+                f"alarm: {derived.get('alarm', 'diverging' if derived.get('diverging') else 'quiet')}", "qualitative")
+    return "", ""
+
+
+def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def save(fig, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    def ok(stage: str) -> list[dict[str, Any]]:
+        return [v for v in results.get(stage, {}).get("variants", []) if v.get("status") == "ok"]
+
+    if v := ok("experts"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([x["model"]["moe"]["num_experts"] for x in v], [x["tokens_per_s_per_device"] for x in v], "o-")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="experts (top-4, constant active parameters)", ylabel="tokens/s/device", title="Throughput against experts")
+        save(fig, "experts.png")
+    for stage, fname, title in (("fp8", "fp8.png", "BF16 against FP8"), ("resident", "resident.png", "Resident experts against FSDP2")):
+        if v := ok(stage):
+            fig, (a1, a2) = plt.subplots(1, 2, figsize=(7, 3.5))
+            names = [x["name"] for x in v]
+            a1.bar(names, [x["tokens_per_s_per_device"] for x in v])
+            a1.set(ylabel="tokens/s/device")
+            a2.bar(names, [x.get("peak_mem_gb") or x.get("peak_rss_gb") or 0 for x in v])
+            a2.set(ylabel="peak memory (GB; RSS on CPU)")
+            for a in (a1, a2):
+                a.tick_params(axis="x", labelrotation=20, labelsize=7)
+            fig.suptitle(title)
+            save(fig, fname)
+    if v := ok("recompute"):
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(7, 3.5))
+        names = [x["name"].removeprefix("recompute-") for x in v]
+        a1.bar(names, [x.get("peak_mem_gb") or x.get("peak_rss_gb") or 0 for x in v], label="peak")
+        a1.bar(names, [x.get("activation_gb") or 0 for x in v], label="activations", alpha=0.7)
+        a1.set(ylabel="GB", title="memory per recompute mode")
+        a1.legend()
+        a2.bar(names, [x["tokens_per_s_per_device"] for x in v])
+        a2.set(ylabel="tokens/s/device", title="throughput")
+        save(fig, "recompute.png")
+    if v := ok("ep"):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar([x["name"] for x in v], [x["step_time_s"] * 1e3 for x in v])
+        ax.set(ylabel="ms per step", title="Expert parallelism: step time")
+        save(fig, "ep.png")
+    if v := ok("gerrymander"):
+        hist = v[0].get("history", [])
+        if hist:
+            fig, a1 = plt.subplots(figsize=(5.5, 3.5))
+            steps = [h["step"] for h in hist]
+            a1.plot(steps, [h["lb_loss"] for h in hist], color="tab:blue")
+            a1.set(xlabel="step", ylabel="balance loss", title="Balance loss against measured load")
+            a2 = a1.twinx()
+            a2.plot(steps, [h["expert_load_max_over_mean"] for h in hist], color="tab:red")
+            a2.set_ylabel("busiest expert / mean", color="tab:red")
+            save(fig, "gerrymander.png")
+    return made
+
+
+def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    results = {}
+    for stage in STAGES:
+        path = results_dir / f"{stage}.json"
+        if path.is_file():
+            results[stage] = json.loads(path.read_text())
+    missing = [s for s in STAGES if s not in results]
+    plots_dir = out_dir / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    plots = _plots(results, plots_dir)
+    hw = sorted({r["hardware"]["describe"] for r in results.values()})
+    lines = [
+        "# Reproducing the paper's system claims",
+        "",
+        f"Generated by `moe paper report` at commit `{_commit()}` on: {', '.join(hw) or 'nothing measured'}.",
+        "Source of the paper's numbers: `shared/docs/paper.md` (Olmo-core 3 technical report). Each stage is the library's",
+        "own training step launched through the executor seam; figures are medians over the second half of each run's",
+        "steps (the first half is warm-up). Where our hardware cannot hold the paper's shape, the scaling rule",
+        "(`pipeline/paper/scaling.py`) shrank it and the 'configuration' column says how.",
+        "",
+        "| claim | paper (hardware) | ours | ratio to the paper | our hardware and configuration |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for stage in STAGES:
+        claim = CLAIMS[stage]
+        if stage not in results:
+            lines.append(f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | not run | n/a | |")
+            continue
+        r = results[stage]
+        ours, ratio = ours_and_ratio(stage, r.get("derived", {}))
+        lines.append(f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | {ours} | {ratio} | "
+                     f"{r['hardware']['describe']}; {r['scaling']['shape']} |")
+    lines += ["", "## Every variant", ""]
+    for stage, r in results.items():
+        lines += [f"### {CLAIMS[stage].title}", ""]
+        if r.get("note"):
+            lines += [f"Note: {r['note']}.", ""]
+        lines += ["| variant | status | tokens/s/device | TFLOP/s/device | step (ms) | peak GB | activations GB | final loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for v in r["variants"]:
+            if v.get("status") != "ok":
+                lines.append(f"| {v['name']} | {v.get('status')}: {v.get('reason', '')} | | | | | | |")
+                continue
+            peak = v.get("peak_mem_gb")
+            peak_s = _fmt(peak) if peak is not None else f"{_fmt(v.get('peak_rss_gb'))} (RSS)"
+            lines.append(f"| {v['name']} | ok | {_fmt(v['tokens_per_s_per_device'])} | {_fmt(v['tflops_per_device'])} | "
+                         f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('activation_gb'))} | {_fmt(v.get('final_loss'))} |")
+        lines.append("")
+    if missing:
+        lines += [f"Stages without results: {', '.join(missing)}.", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    report = out_dir / "REPORT.md"
+    tmp = report.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(report)
+    return report

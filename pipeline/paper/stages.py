@@ -1,0 +1,279 @@
+"""One function per claim of the paper: build the variants, measure them, derive the figure.
+
+Each stage writes ``<results>/<stage>.json``: the claim, the hardware, the scaled shape and
+the rule's notes, every variant measured (or why it was not run), and the derived figures the
+report compares with the paper's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from moe.config import ConfigError
+from pipeline.errors import JobFailed, PipelineError
+from pipeline.paper.claims import CLAIMS
+from pipeline.paper.config import PaperParams
+from pipeline.paper.hardware import Hardware, detect
+from pipeline.paper.measure import measure
+from pipeline.paper.scaling import Scaled, paper_shape
+
+
+@dataclasses.dataclass
+class Context:
+    params: PaperParams
+    hw: Hardware
+    tracker: Any = None
+
+    @property
+    def work(self) -> Path:
+        return Path(self.params.paper.work_dir)
+
+    @property
+    def steps(self) -> int:
+        return self.params.paper.steps
+
+    def sections(self, shape: Scaled, parallel: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        micro = shape.micro_batch_size
+        train = {"micro_batch_size": micro, "global_batch_size": micro * self.hw.count,
+                 "device": "cuda" if self.hw.kind == "gpu" else "cpu", **extra.pop("train", {})}
+        return {"model": shape.model, "data": {"seq_len": shape.seq_len}, "train": train, "parallel": parallel,
+                "precision": {"recipe": extra.pop("recipe", "auto")}, **extra}
+
+    def run(self, name: str, sections: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        """Measure one variant; a variant this setup cannot run is recorded with the reason."""
+        try:
+            m = measure(self.params.base, name, sections, self.work, self.steps, tracker=self.tracker, **kw)
+        except ConfigError as exc:  # this setup cannot express the variant (e.g. FP8 on a CPU)
+            return {"name": name, "status": "not run", "reason": str(exc).splitlines()[0]}
+        except JobFailed as exc:  # recorded, and shown as a failure in the report
+            return {"name": name, "status": "failed", "reason": str(exc).splitlines()[0]}
+        m["status"] = "ok"
+        return m
+
+
+def _ok(v: dict[str, Any]) -> bool:
+    return v.get("status") == "ok"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or not math.isfinite(a) or not math.isfinite(b):
+        return None
+    return a / b
+
+
+def resident(ctx: Context) -> dict[str, Any]:
+    w = ctx.hw.count
+    ours = {"ep": w, "shard_optimizer": True}
+    fsdp = {"data_parallel": "fsdp"}
+    p = ctx.params.paper
+    shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, [ours, fsdp], p.memory_fraction)
+    a = ctx.run("resident-ddp-ep-zero1", ctx.sections(shape, ours))
+    b = ctx.run("resident-fsdp2", ctx.sections(shape, fsdp))
+    derived = {}
+    if _ok(a) and _ok(b):
+        derived = {"speedup": _ratio(a["tokens_per_s_per_device"], b["tokens_per_s_per_device"]),
+                   "tokens_per_s_per_device": a["tokens_per_s_per_device"],
+                   "baseline_tokens_per_s_per_device": b["tokens_per_s_per_device"],
+                   "peak_ratio": _ratio(a.get("peak_mem_gb"), b.get("peak_mem_gb"))}
+    note = "with one GPU both layouts hold everything; the comparison is meaningful from 2 GPUs on" if w == 1 else ""
+    return {"shape": shape, "variants": [a, b], "derived": derived, "note": note}
+
+
+def experts(ctx: Context) -> dict[str, Any]:
+    p = ctx.params.paper
+    w = ctx.hw.count
+    layout = {"ep": w, "shard_optimizer": True}
+    counts = sorted(e for e in p.experts if e % w == 0)
+    if not counts:
+        raise ConfigError(f"paper.experts: no count divisible by the {w} expert-parallel ranks")
+    # The largest count decides the shape; every count then runs that same shape.
+    shape = paper_shape(ctx.hw, counts[-1], p.seq_len, p.micro_batch_size, [layout], p.memory_fraction)
+    variants = []
+    for e in counts:
+        model = {**shape.model, "moe": {**shape.model["moe"], "num_experts": e}}
+        variants.append(ctx.run(f"experts-{e}", ctx.sections(dataclasses.replace(shape, model=model), layout)))
+    ok = [v for v in variants if _ok(v)]
+    derived = {}
+    if len(ok) >= 2:
+        first, last = ok[0], ok[-1]
+        derived = {"drop": 1 - first_last_ratio(first, last), "experts_from": first["model"]["moe"]["num_experts"],
+                   "experts_to": last["model"]["moe"]["num_experts"],
+                   "tokens_per_s_per_device": {str(v["model"]["moe"]["num_experts"]): v["tokens_per_s_per_device"] for v in ok}}
+    return {"shape": shape, "variants": variants, "derived": derived}
+
+
+def first_last_ratio(first: dict[str, Any], last: dict[str, Any]) -> float:
+    return last["tokens_per_s_per_device"] / first["tokens_per_s_per_device"]
+
+
+def fp8_recipe(ctx: Context) -> tuple[str | None, str]:
+    choice = ctx.params.paper.fp8_recipe
+    if ctx.hw.kind != "gpu":
+        return None, "FP8 needs a CUDA GPU (compute capability >= 8.9); this run is on CPUs"
+    if choice != "auto":
+        return choice, ""
+    cap = ctx.hw.capability or (0, 0)
+    if cap >= (10, 0):
+        return "mxfp8", ""
+    if cap >= (8, 9):
+        return "fp8_rowwise", ""
+    return None, f"FP8 needs compute capability >= 8.9; {ctx.hw.name} has {cap[0]}.{cap[1]}"
+
+
+def fp8(ctx: Context) -> dict[str, Any]:
+    p = ctx.params.paper
+    layout = {"ep": ctx.hw.count, "shard_optimizer": True}
+    shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, [layout], p.memory_fraction)
+    base_recipe = "bf16" if ctx.hw.kind == "gpu" else "auto"
+    a = ctx.run("fp8-baseline-" + base_recipe, ctx.sections(shape, layout, recipe=base_recipe))
+    recipe, why = fp8_recipe(ctx)
+    if recipe is None:
+        b = {"name": "fp8", "status": "not run", "reason": why}
+    else:
+        b = ctx.run(f"fp8-{recipe}", ctx.sections(shape, layout, recipe=recipe))
+    derived = {}
+    if _ok(a) and _ok(b):
+        derived = {"speedup": _ratio(b["tokens_per_s_per_device"], a["tokens_per_s_per_device"]),
+                   "peak_ratio": _ratio(b.get("peak_mem_gb"), a.get("peak_mem_gb")), "recipe": recipe,
+                   "peak_gb": b.get("peak_mem_gb"), "baseline_peak_gb": a.get("peak_mem_gb")}
+    return {"shape": shape, "variants": [a, b], "derived": derived}
+
+
+def recompute(ctx: Context) -> dict[str, Any]:
+    p = ctx.params.paper
+    layout = {"ep": ctx.hw.count, "shard_optimizer": True}
+    shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, [layout], p.memory_fraction)
+    variants = [ctx.run(f"recompute-{mode}", ctx.sections(shape, layout, train={"recompute": mode})) for mode in p.recompute]
+    base = variants[0]
+    derived: dict[str, Any] = {}
+    if _ok(base):
+        for v in variants[1:]:
+            if _ok(v):
+                mode = v["name"].removeprefix("recompute-")
+                derived[mode] = {"activation_ratio": _ratio(v.get("activation_gb"), base.get("activation_gb")),
+                                 "peak_ratio": _ratio(v.get("peak_mem_gb"), base.get("peak_mem_gb")),
+                                 "throughput_ratio": _ratio(v["tokens_per_s_per_device"], base["tokens_per_s_per_device"])}
+    return {"shape": shape, "variants": variants, "derived": derived}
+
+
+def ep(ctx: Context) -> dict[str, Any]:
+    p = ctx.params.paper
+    w = ctx.hw.count
+    sizes = [e for e in range(1, w + 1) if w % e == 0]
+    layouts = [{"ep": e, "shard_optimizer": True} for e in sizes]
+    shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, layouts, p.memory_fraction)
+    variants = []
+    for e in sizes:
+        for backend in (p.ep_backends if e > 1 else p.ep_backends[:1]):
+            par = {"ep": e, "shard_optimizer": True, "ep_backend": backend}
+            variants.append(ctx.run(f"ep{e}-{backend}", ctx.sections(shape, par)))
+    ok = {v["name"]: v for v in variants if _ok(v)}
+    base = ok.get(f"ep1-{p.ep_backends[0]}")
+    derived = {name: {"step_time_s": v["step_time_s"], "relative_to_ep1": _ratio(v["step_time_s"], base["step_time_s"]) if base else None}
+               for name, v in ok.items()}
+    return {"shape": shape, "variants": variants, "derived": derived}
+
+
+def gerrymander(ctx: Context) -> dict[str, Any]:
+    """Learned routing on the tokenised corpus: the balance loss and the measured load together."""
+    p, base = ctx.params.paper, ctx.params.base
+    manifest = json.loads((Path(base.tokenize.output) / "manifest.json").read_text())
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if ctx.hw.kind == "gpu":
+        model = {"preset": "olmoe-1b-7b", "n_layers": 4, "vocab_size": max(vocab, 256), "max_seq_len": 1024}
+        seq, micro = 1024, 8
+        note = "OLMoE-1B-7B width, 4 layers, sequence 1024, on the tokenised corpus"
+    else:
+        model = {"preset": "tiny", "vocab_size": vocab, "max_seq_len": 64}
+        seq, micro = 64, 4
+        note = "CPU scale: the tiny model on the tokenised corpus"
+    shape = Scaled(model, seq, micro, [note])
+    steps = p.gerrymander_steps
+    sections = ctx.sections(shape, {"ep": 1}, train={"max_steps": steps})
+    sections["schedule"] = {"warmup_steps": max(1, steps // 10)}
+    sections["optim"] = {"lr": 3e-3 if ctx.hw.kind == "cpu" else 4e-4}
+    from pipeline.paper.measure import measure as _measure
+
+    log_every = max(1, steps // 20)
+    sections["train"]["log_every"] = log_every
+    v = _measure(base, "gerrymander", sections, ctx.work, log_every, data_dir=Path(base.tokenize.output) / "train", tracker=ctx.tracker)
+    v["status"] = "ok"
+    rows = [r for r in v["rows"] if "lb_loss" in r]
+    derived = load_trends(rows)
+    v["history"] = [{k: r.get(k) for k in ("step", "loss", "lb_loss", "expert_load_max_over_mean")} for r in rows]
+    return {"shape": shape, "variants": [v], "derived": derived}
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else None
+
+
+def load_trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Least-squares trends (per 1000 steps) of the balance loss and the busiest expert's load
+    over the second half of the run; 'diverging' when the loss improves while the load worsens."""
+    half = rows[len(rows) // 2:]
+    steps = [float(r["step"]) for r in half]
+    lb = [r["lb_loss"] for r in half]
+    load = [r.get("expert_load_max_over_mean") for r in half]
+    lb_slope = _slope(steps, lb)
+    load_slope = _slope(steps, load) if all(x is not None for x in load) else None
+    out: dict[str, Any] = {
+        "lb_loss_first": rows[0]["lb_loss"] if rows else None, "lb_loss_last": rows[-1]["lb_loss"] if rows else None,
+        "max_over_mean_first": rows[0].get("expert_load_max_over_mean") if rows else None,
+        "max_over_mean_last": rows[-1].get("expert_load_max_over_mean") if rows else None,
+        "lb_loss_trend_per_1k": lb_slope * 1000 if lb_slope is not None else None,
+        "max_over_mean_trend_per_1k": load_slope * 1000 if load_slope is not None else None,
+    }
+    out["diverging"] = bool(lb_slope is not None and load_slope is not None and lb_slope <= 0 < load_slope)
+    return out
+
+
+STAGE_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "resident": resident, "experts": experts, "fp8": fp8, "recompute": recompute, "ep": ep, "gerrymander": gerrymander,
+}
+
+
+def run_stage(stage: str, params: PaperParams, tracker=None) -> Path:
+    if stage not in STAGE_FUNCS:
+        raise ConfigError(f"stage: unknown stage {stage!r}; known: {', '.join(STAGE_FUNCS)}")
+    hw = detect(params)
+    ctx = Context(params, hw, tracker)
+    try:
+        out = STAGE_FUNCS[stage](ctx)
+    except ValueError as exc:  # the scaling rule found no shape that fits
+        if isinstance(exc, ConfigError):
+            raise
+        raise PipelineError(f"paper stage {stage}: {exc}") from None
+    claim = CLAIMS[stage]
+    shape: Scaled = out.pop("shape")
+    result = {
+        "stage": stage, "claim": dataclasses.asdict(claim), "hardware": dataclasses.asdict(hw) | {"describe": hw.describe()},
+        "scaling": {"shape": shape.describe(), "notes": shape.notes, "model": shape.model,
+                    "seq_len": shape.seq_len, "micro_batch_size": shape.micro_batch_size},
+        "steps_per_measurement": ctx.steps, **out,
+    }
+    for v in result["variants"]:
+        v.pop("rows", None)  # the per-step rows stay in the run directory (metrics.jsonl)
+    path = Path(params.paper.results) / f"{stage}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    if tracker is not None:
+        flat = {}
+        for k, v in result["derived"].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                flat[f"derived/{k}"] = v
+            elif isinstance(v, dict):
+                flat.update({f"derived/{k}/{kk}": vv for kk, vv in v.items() if isinstance(vv, (int, float)) and not isinstance(vv, bool)})
+        tracker.log_metrics(flat)
+        tracker.set_tags({"paper.hardware": hw.describe(), "paper.scaling": shape.describe()[:4900]})
+        tracker.log_artifact(path)
+    return path
