@@ -203,6 +203,13 @@ def gerrymander(ctx: Context) -> dict[str, Any]:
     v["status"] = "ok"
     rows = [r for r in v["rows"] if "lb_loss" in r]
     derived = load_trends(rows)
+    fired = sorted({k.removeprefix("load_alarm/layer_") for r in v["rows"] for k, x in r.items()
+                    if k.startswith("load_alarm/layer_") and x > 0}, key=int)
+    derived["alarm"] = f"fired (layers {', '.join(fired)})" if fired else "quiet"
+    logs = Path(ctx.work) / "gerrymander" / "logs"
+    derived["alarm_lines"] = [line.split("token gerrymandering alarm: ", 1)[1].strip()
+                              for f in sorted(logs.glob("*.log")) for line in f.read_text(errors="replace").splitlines()
+                              if "token gerrymandering alarm: " in line]
     v["history"] = [{k: r.get(k) for k in ("step", "loss", "lb_loss", "expert_load_max_over_mean")} for r in rows]
     return {"shape": shape, "variants": [v], "derived": derived}
 
