@@ -72,12 +72,13 @@ RECIPES = {
 MIN_CAPABILITY = {"fp8_rowwise": (9, 0), "mxfp8": (10, 0)}
 
 
-def _expert_gemm_factory(name: str, emulate: bool) -> Callable[[], object]:
-    from moe.layers.gemm_fp8 import Fp8GroupedGemm, MxFp8GroupedGemm
+def _expert_gemm_factory(name: str, emulate: bool, min_dim: int | None) -> Callable[[], object]:
+    from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, MxFp8GroupedGemm
 
     if name == "mxfp8":
         return MxFp8GroupedGemm
-    return lambda: Fp8GroupedGemm(emulate=emulate)
+    rule = Fp8Rule() if min_dim is None else Fp8Rule(min_dim)
+    return lambda: Fp8GroupedGemm(rule, emulate=emulate)
 
 
 def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> None:
@@ -100,7 +101,7 @@ def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> 
         )
 
 
-def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False) -> PrecisionRecipe:
+def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None) -> PrecisionRecipe:
     """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
@@ -110,5 +111,5 @@ def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False) ->
         raise ConfigError(f"precision.recipe: unknown recipe {name!r}; known: auto, {', '.join(RECIPES)}") from None
     if name in MIN_CAPABILITY:
         check_fp8_device(name, device, emulate)
-        recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate))
+        recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate, fp8_min_dim))
     return recipe
