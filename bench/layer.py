@@ -2,6 +2,7 @@
 
     python -m bench.layer                      # the two reference shapes, 16384 tokens, bf16
     python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
+    python -m bench.layer --peers ours,ours_fp8,ours_fp8_all   # FP8 rowwise against our bf16
 
 Every peer gets the same router and expert weights and the same random input, so the routing
 distribution is identical; outputs and input gradients are checked against an fp32 run of our
@@ -115,8 +116,20 @@ def build_titan(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) ->
     return moe.to(dtype).train()
 
 
+def build_ours_fp8(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype, min_dim: int | None = None) -> nn.Module:
+    """Our layer under the fp8_rowwise recipe's expert GEMM (min_dim=0: every GEMM in FP8)."""
+    from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule
+
+    layer = build_ours(shape, w, dtype)
+    layer.experts.gemm = Fp8GroupedGemm(Fp8Rule() if min_dim is None else Fp8Rule(min_dim))
+    layer.bench_note = f"fp8_min_dim={layer.experts.gemm.rule.min_dim}"
+    return layer
+
+
 PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "ours": ("moe (this repo)", build_ours),
+    "ours_fp8": ("moe, fp8_rowwise (per-shape rule)", build_ours_fp8),
+    "ours_fp8_all": ("moe, fp8_rowwise (every GEMM FP8)", lambda s, w, d: build_ours_fp8(s, w, d, min_dim=0)),
     "hf": ("transformers OlmoeSparseMoeBlock", build_hf),
     "titan": ("torchtitan 0.3.0 MoE", build_titan),
 }
