@@ -136,6 +136,8 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
 
             def clear():
                 xs.grad = ws.grad = None
+                with torch.no_grad():
+                    ws.mul_(1.0)  # a weight update between calls: FP8 weight copies are remade
 
             row = {"shape": f"d={d}/h={hdim}/E={e}/k={k}", "proj": proj, "gemm": "fwd+bwd", "rows_per_expert": n // e}
             row["bf16_ms"] = time_cuda(fb(GroupedMM()), iters=iters, before=clear)["median_ms"]

@@ -48,20 +48,28 @@ if HAVE_TRITON:
         return tl.clamp(r, -448.0, 448.0).to(dtype)
 
     @triton.jit
-    def _quant_rows_kernel(x, q, s, C, stride_x, BLOCK: tl.constexpr):
+    def _quant_rows_kernel(x, q, s, C, stride_x, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, C, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            v = tl.load(x + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(v))
-        enc = _pow2_encode_scale(tl.max(acc, axis=0))
-        tl.store(s + row, 1.0 / enc)
-        for start in range(0, C, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if ONE_PASS:  # the whole row in registers: one read
+            cols = tl.arange(0, BLOCK)
             mask = cols < C
             v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            enc = _pow2_encode_scale(tl.max(tl.abs(v), axis=0))
+            tl.store(s + row, 1.0 / enc)
             tl.store(q + row * C + cols, _to_e4m3(tl.clamp(v * enc, -448.0, 448.0), q.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                v = tl.load(x + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(v))
+            enc = _pow2_encode_scale(tl.max(acc, axis=0))
+            tl.store(s + row, 1.0 / enc)
+            for start in range(0, C, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < C
+                v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(q + row * C + cols, _to_e4m3(tl.clamp(v * enc, -448.0, 448.0), q.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _quant_cols_grouped_kernel(x, ends, dst_ends, q, s, C, stride_x, stride_g, stride_c,
@@ -99,24 +107,34 @@ if HAVE_TRITON:
                 tl.store(out + j[:, None], zeros, mask=(j < dst_end)[:, None] & cmask[None, :])
 
     @triton.jit
-    def _swiglu_quant_kernel(h, q, s, H, BLOCK: tl.constexpr):
+    def _swiglu_quant_kernel(h, q, s, H, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, H, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
             mask = cols < H
             g = tl.load(h + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(h + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(g * tl.sigmoid(g) * u))
-        enc = _pow2_encode_scale(tl.max(acc, axis=0))
-        tl.store(s + row, 1.0 / enc)
-        for start in range(0, H, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < H
-            g = tl.load(h + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(h + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
-            a = tl.clamp(g * tl.sigmoid(g) * u * enc, -448.0, 448.0)
-            tl.store(q + row * H + cols, _to_e4m3(a, q.dtype.element_ty), mask=mask)
+            a = g * tl.sigmoid(g) * u
+            enc = _pow2_encode_scale(tl.max(tl.abs(a), axis=0))
+            tl.store(s + row, 1.0 / enc)
+            tl.store(q + row * H + cols, _to_e4m3(tl.clamp(a * enc, -448.0, 448.0), q.dtype.element_ty), mask=mask)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, H, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < H
+                g = tl.load(h + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(h + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(g * tl.sigmoid(g) * u))
+            enc = _pow2_encode_scale(tl.max(acc, axis=0))
+            tl.store(s + row, 1.0 / enc)
+            for start in range(0, H, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < H
+                g = tl.load(h + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(h + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
+                a = tl.clamp(g * tl.sigmoid(g) * u * enc, -448.0, 448.0)
+                tl.store(q + row * H + cols, _to_e4m3(a, q.dtype.element_ty), mask=mask)
 
 
 def pow2_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -129,8 +147,14 @@ def _cast(x: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
     return (x.float() * enc).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _block(c: int) -> int:
-    return min(1024, triton.next_power_of_2(max(c, 16)))
+ONE_PASS_MAX = 8192  # rows up to this many elements are quantised from registers (one read)
+
+
+def _row_launch(c: int) -> dict:
+    block = triton.next_power_of_2(max(c, 16))
+    if block <= ONE_PASS_MAX:
+        return {"BLOCK": block, "ONE_PASS": True, "num_warps": 8 if block >= 2048 else 4}
+    return {"BLOCK": 1024, "ONE_PASS": False, "num_warps": 4}
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +167,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, cols, dtype=E4M3, device=x.device)
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        _quant_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), BLOCK=_block(cols))
+        _quant_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), **_row_launch(cols))
     return q, s
 
 
@@ -152,9 +176,8 @@ def padded_group_ends(ends: torch.Tensor, width: int) -> torch.Tensor:
     group is a block of zeros); the last group also takes the slack up to ``width``."""
     counts = torch.diff(ends.long(), prepend=ends.new_zeros(1).long())
     padded = (counts.clamp_min(1) + ALIGN - 1) // ALIGN * ALIGN
-    out = padded.cumsum(0)
-    out[-1] = width
-    return out.to(torch.int32)
+    # (no item assignment: writing a Python number into a CUDA tensor is a host-to-device copy)
+    return torch.cat([padded[:-1].cumsum(0), padded.new_full((1,), width)]).to(torch.int32)
 
 
 def padded_width(rows: int, groups: int) -> int:
@@ -226,5 +249,5 @@ def swiglu_quantize(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, hidden, dtype=E4M3, device=h.device)
     s = torch.empty(rows, dtype=torch.float32, device=h.device)
     if rows:
-        _swiglu_quant_kernel[(rows,)](h, q, s, hidden, BLOCK=_block(hidden))
+        _swiglu_quant_kernel[(rows,)](h, q, s, hidden, **_row_launch(hidden))
     return q, s

@@ -100,19 +100,56 @@ def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, groups + 1, device=device, dtype=torch.int32) * size
 
 
-def _forward_fp8(xq, sx, w, offsets, emulate):
-    groups, m, k = w.shape
-    wq, sw = quantize_rows(w.reshape(groups * m, k))
-    return scaled_grouped_mm(xq, wq.view(groups, m, k).transpose(-2, -1), sx, sw.view(groups, m), offsets, emulate)
+class WeightCache:
+    """FP8 copies of expert weights, made once per weight version.
+
+    Weights change only at the optimizer step (which bumps the parameter's version counter), so
+    the micro-batches of a step (gradient accumulation, pipeline micro-batches) share one
+    rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
+    shape and version: no host sync, never stale. Costs 2 bytes per expert parameter."""
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+        self._cols: dict = {}
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), tuple(w.shape), w._version)
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, M, K], decode scales [G, M]), scales along K."""
+        key = self._key(w)
+        hit = self._rows.get(key[0])
+        if hit is None or hit[0] != key:
+            groups, m, k = w.shape
+            wq, sw = quantize_rows(w.reshape(groups * m, k))
+            hit = (key, wq.view(groups, m, k), sw.view(groups, m))
+            self._rows[key[0]] = hit
+        return hit[1], hit[2]
+
+    def cols(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, K, M], decode scales [G, K]), scales along M."""
+        key = self._key(w)
+        hit = self._cols.get(key[0])
+        if hit is None or hit[0] != key:
+            groups, m, k = w.shape
+            wt, swt, _ = quantize_cols_grouped(w.reshape(groups * m, k), _uniform_ends(groups, m, w.device), pad=False)
+            hit = (key, wt, swt)
+            self._cols[key[0]] = hit
+        return hit[1], hit[2]
 
 
-def _dgrad(grad, w, offsets, fp8: bool, emulate: bool):
+def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
+    wq, sw = (cache or WeightCache()).rows(w)
+    return scaled_grouped_mm(xq, wq.transpose(-2, -1), sx, sw, offsets, emulate)
+
+
+def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None = None):
     """grad [N, M] @ w[g] [M, K] -> [N, K]."""
     if not fp8:
         return _grouped_mm(grad, w, offs=offsets)
-    groups, m, k = w.shape
     gq, sg = quantize_rows(grad)
-    wt, swt, _ = quantize_cols_grouped(w.reshape(groups * m, k), _uniform_ends(groups, m, w.device), pad=False)
+    wt, swt = (cache or WeightCache()).cols(w)
     return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
 
 
@@ -129,34 +166,34 @@ class _Fp8Linear(torch.autograd.Function):
     """x_g @ w[g].T with each of the three GEMMs in FP8 or bf16 as the plan says."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, plan: Plan, emulate: bool):
+    def forward(ctx, x, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
         ctx.save_for_backward(x, w, offsets)
-        ctx.plan, ctx.emulate = plan, emulate
+        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
         if plan.fwd:
             xq, sx = quantize_rows(x)
-            return _forward_fp8(xq, sx, w, offsets, emulate)
+            return _forward_fp8(xq, sx, w, offsets, emulate, cache)
         return _grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate) if ctx.needs_input_grad[0] else None
+        grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache) if ctx.needs_input_grad[0] else None
         grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class _Fp8SwiGLULinear(torch.autograd.Function):
     """swiglu(h)_g @ w[g].T; forward quantises inside the SwiGLU kernel and keeps only h."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, plan: Plan, emulate: bool):
+    def forward(ctx, h, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
         h = h.contiguous()
         ctx.save_for_backward(h, w, offsets)
-        ctx.plan, ctx.emulate = plan, emulate
+        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
         if plan.fwd:
             aq, sa = swiglu_quantize(h)
-            return _forward_fp8(aq, sa, w, offsets, emulate)
+            return _forward_fp8(aq, sa, w, offsets, emulate, cache)
         return _grouped_mm(swiglu(h), w.transpose(-2, -1), offs=offsets)
 
     @staticmethod
@@ -166,10 +203,10 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
         with torch.enable_grad():
             hh = h.detach().requires_grad_(True)
             a = swiglu(hh)
-        grad_a = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate)
+        grad_a = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
         grad_w = _wgrad(grad, a.detach(), offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
         (grad_h,) = torch.autograd.grad(a, hh, grad_a)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 class Fp8GroupedGemm:
@@ -178,25 +215,32 @@ class Fp8GroupedGemm:
 
     def __init__(self, rule: Fp8Rule | None = None, *, emulate: bool = False) -> None:
         self.rule, self.emulate = rule or Fp8Rule(), emulate
+        self.cache = WeightCache()
 
     def _plan(self, x: torch.Tensor, w: torch.Tensor) -> Plan:
         groups, out_dim, in_dim = w.shape
         return self.rule.plan(x.shape[0], groups, out_dim, in_dim)
 
+    def _cache_for(self, w: torch.Tensor) -> WeightCache:
+        # only the parameter itself has a meaningful version; a converted copy is new each call
+        return self.cache if w.dtype == torch.bfloat16 else WeightCache()
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        cache = self._cache_for(w)
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(x, w)
         if not plan.any:
             return _GroupedLinear.apply(x, w, offsets)
-        return _Fp8Linear.apply(x, w, offsets, plan, self.emulate)
+        return _Fp8Linear.apply(x, w, offsets, plan, self.emulate, cache)
 
     def swiglu_linear(self, h: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """self(swiglu(h), w, offsets), with the SwiGLU writing FP8 when the GEMM is FP8."""
+        cache = self._cache_for(w)
         h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(h, w)
         if not plan.any:
             return _GroupedLinear.apply(swiglu(h), w, offsets)
-        return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate)
+        return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate, cache)
 
 
 class _MxFakeQuant(torch.autograd.Function):

@@ -13,7 +13,7 @@ from moe.config import MoEConfig
 from moe.kernels.fp8 import pow2_encode_scale
 from moe.layers import MoELayer
 from moe.layers.gemm import GroupedMM
-from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, Plan
+from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, Plan, WeightCache
 
 FP8_VS_BF16 = 0.10  # measured 6.4-6.8% at these sizes (two FP8 GEMMs in series)
 
@@ -119,3 +119,17 @@ def test_fp8_moe_layer_matches_the_bf16_layer_forward_and_backward(shared):
     for name, a, b in zip(names, grads[1], grads[0], strict=True):
         assert a is not None and torch.isfinite(a).all(), name
         assert rel(a, b) < FP8_VS_BF16, (name, rel(a, b))
+
+
+def test_weight_copies_are_reused_within_a_version_and_remade_after_an_update():
+    cache = WeightCache()
+    w = torch.nn.Parameter(torch.randn(2, 32, 16).bfloat16())
+    q1, s1 = cache.rows(w)
+    assert cache.rows(w)[0] is q1 and cache.cols(w)[0] is cache.cols(w)[0]
+    with torch.no_grad():
+        w.mul_(2)  # what the optimizer's in-place copy does to the version counter
+    q2, s2 = cache.rows(w)
+    assert q2 is not q1 and torch.equal(s2, s1 * 2)
+    t2, st2 = cache.cols(w)
+    wt = w.detach().float().transpose(1, 2)
+    assert ((t2.float() * st2[:, :, None] - wt).abs() <= wt.abs() * 2.0**-4 + st2[:, :, None] * 2.0**-9).all()
