@@ -7,8 +7,8 @@ Router logits and the loss are computed in fp32 by the model and trainer whateve
 fp8_rowwise and mxfp8 are bf16 plus FP8 expert GEMMs (moe.layers.gemm_fp8 says which tensors
 and which scaling, and why): weights stay bf16 parameters with fp32 masters, so a checkpoint
 written under one recipe loads under any other. The dense projections (attention, shared
-experts, LM head) stay bf16: at OLMoE width they are a minority of the FLOPs and an FP8 dense
-path has not been measured to pay here. Both FP8 recipes are refused before anything runs
+experts, LM head) stay bf16: no FP8 dense path (torch._scaled_mm) is wired yet; it would face
+the same per-call quantisation cost that the expert GEMMs measured (bench/NOTES.md). Both FP8 recipes are refused before anything runs
 where they cannot: fp8_rowwise needs compute capability >= 9.0 (torch._scaled_grouped_mm),
 mxfp8 >= 10.0 (an MX kernel launched on sm90 once broke the CUDA context of the process).
 ``emulate`` runs their quantisation with an emulated GEMM on any device (tests, CPU).

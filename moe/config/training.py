@@ -146,8 +146,8 @@ class PrecisionConfig(Config):
     # fp8_rowwise/mxfp8 with an emulated GEMM on any device (slow; tests and CPU checks).
     emulate: bool = False
     # fp8_rowwise: an expert GEMM runs in FP8 only if its rows per expert, output columns and
-    # contraction are all >= this (thinner GEMMs stay bf16: FP8 does not pay there); 0 = always.
-    fp8_min_dim: int = 1024
+    # contraction are all >= this (thinner GEMMs stay bf16: FP8 measured slower there); 0 = always.
+    fp8_min_dim: int = 4096
 
     def _check(self, p: str) -> None:
         require(self.fp8_min_dim >= 0, _k(p, "fp8_min_dim"), f"must be >= 0, got {self.fp8_min_dim}")

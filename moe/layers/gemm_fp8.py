@@ -17,6 +17,10 @@ costs a mantissa bit). Accumulation is fp32 and outputs are bf16 (torch._scaled_
 Quantisation is fused where the data is produced: SwiGLU writes the down projection's FP8
 input and its scales directly (moe.kernels.fp8), and the bf16 product is never stored (the
 backward recomputes it from the saved gate/up activations, which the SwiGLU backward keeps).
+Weights are quantised once per weight version (:class:`WeightCache`: the micro-batches of a
+step share the copies). Not fused yet: the gathered rows are quantised by a separate one-pass
+kernel (the dispatcher's gather writes bf16), and the wgrad operands by a two-pass grouped
+column kernel; those passes are what FP8 loses to bf16 at 16K-token micro-batches (NOTES.md).
 
 Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
 thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
@@ -64,9 +68,16 @@ class Fp8Rule:
     are at least ``min_dim`` (and the FP8 operands' dimensions are multiples of 16).
 
     Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
-    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks)."""
+    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
 
-    min_dim: int = 1024
+    The default, 4096, comes from the H200 measurements in bench/NOTES.md (FP8 issue): with
+    16K-token micro-batches (1024-2048 rows per expert) every measured layer shape ran slower
+    in FP8 than in bf16 (0.76-0.90x; the quantisation passes cost more than the GEMMs save),
+    so those stay bf16; FP8 is used only for GEMMs with >= 4096 rows per expert, output
+    columns and contraction (large micro-batches at the paper's width), where the GEMM itself
+    is >= 1.5x faster and the per-row quantisation cost is amortised over a longer row."""
+
+    min_dim: int = 4096
 
     def use(self, rows: float, n: int, k: int) -> bool:
         return n % 16 == 0 and k % 16 == 0 and min(rows, n, k) >= self.min_dim
