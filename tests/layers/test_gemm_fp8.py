@@ -136,3 +136,21 @@ def test_weight_copies_are_reused_within_a_version_and_remade_after_an_update():
     t2, st2 = cache.cols(w)
     wt = w.detach().float().transpose(1, 2)
     assert ((t2.float() * st2[:, :, None] - wt).abs() <= wt.abs() * 2.0**-4 + st2[:, :, None] * 2.0**-9).all()
+
+
+def test_mxfp8_fake_quantised_gemm_agrees_with_bf16():
+    from moe.layers.gemm_fp8 import MxFp8GroupedGemm
+
+    torch.manual_seed(2)
+    counts = [9, 0, 23, 32]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    grad = torch.randn(sum(counts), 32).bfloat16()
+    x0, w0 = torch.randn(sum(counts), 64).bfloat16(), (torch.randn(4, 32, 64) * 0.1).bfloat16()
+    results = []
+    for gemm in (GroupedMM(), MxFp8GroupedGemm()):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        out = gemm(x, w, offsets)
+        out.backward(grad)
+        results.append((out, x.grad, w.grad))
+    for a, b in zip(results[1], results[0], strict=True):
+        assert rel(a, b) < FP8_VS_BF16
