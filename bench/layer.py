@@ -2,6 +2,7 @@
 
     python -m bench.layer                      # the two reference shapes, 16384 tokens, bf16
     python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
+    python -m bench.layer --peers ours,ours_fp8,ours_fp8_all   # FP8 rowwise against our bf16
 
 Every peer gets the same router and expert weights and the same random input, so the routing
 distribution is identical; outputs and input gradients are checked against an fp32 run of our
@@ -115,14 +116,29 @@ def build_titan(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) ->
     return moe.to(dtype).train()
 
 
+def build_ours_fp8(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype, min_dim: int | None = None) -> nn.Module:
+    """Our layer under the fp8_rowwise recipe's expert GEMM (min_dim=0: every GEMM in FP8)."""
+    from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule
+
+    layer = build_ours(shape, w, dtype)
+    layer.experts.gemm = Fp8GroupedGemm(Fp8Rule() if min_dim is None else Fp8Rule(min_dim))
+    layer.bench_note = f"fp8_min_dim={layer.experts.gemm.rule.min_dim}"
+    return layer
+
+
 PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "ours": ("moe (this repo)", build_ours),
+    "ours_fp8": ("moe, fp8_rowwise (per-shape rule)", build_ours_fp8),
+    "ours_fp8_all": ("moe, fp8_rowwise (every GEMM FP8)", lambda s, w, d: build_ours_fp8(s, w, d, min_dim=0)),
     "hf": ("transformers OlmoeSparseMoeBlock", build_hf),
     "titan": ("torchtitan 0.3.0 MoE", build_titan),
 }
 
 
-def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: torch.device) -> list[dict[str, Any]]:
+def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: torch.device,
+              args_weights_change: bool = True) -> list[dict[str, Any]]:
+    """args_weights_change: each timed call sees new weights (one layer call per optimizer step);
+    False: the same weights every call (gradient accumulation, where FP8 weight copies are reused)."""
     dtype = torch.bfloat16
     w = make_weights(shape, device)
     g = torch.Generator(device=device).manual_seed(1)
@@ -164,6 +180,10 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
         def clear(module=module, x=x) -> None:
             x.grad = None
             module.zero_grad(set_to_none=True)
+            if args_weights_change:
+                with torch.no_grad():  # an optimizer step: new weight versions (FP8 copies are remade)
+                    for p in module.parameters():
+                        p.mul_(1.0)
 
         timing = time_cuda(step, iters=iters, before=clear)
         row.update(timing)
@@ -185,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--peers", default="ours,hf,titan")
+    p.add_argument("--same-weights", action="store_true",
+                   help="keep the weights between timed calls (accumulation); default: a weight update before each")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -203,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_tflops()
     rows = []
     for shape in shapes:
-        rows += run_shape(shape, args.tokens, peers, args.iters, device)
+        rows += run_shape(shape, args.tokens, peers, args.iters, device, not args.same_weights)
     for r in rows:
         if "tflops" in r:
             r["fraction_of_matmul_peak"] = r["tflops"] / peak
@@ -221,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "moe_layer_fwd_bwd",
         "environment": environment(),
         "config": {"tokens": args.tokens, "dtype": "bfloat16", "iters": args.iters, "warmup": 5,
+                   "weights_change_between_calls": not args.same_weights,
                    "shapes": [dataclasses.asdict(s) for s in shapes], "flops_formula": "6*T*(k*3*d*h + d*E)"},
         "matmul_peak_tflops": peak,
         "results": rows,

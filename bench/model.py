@@ -2,10 +2,11 @@
 peak memory.
 
     python -m bench.model --layers 8 --seq 4096 --micro 4 --steps 10
+    python -m bench.model --layers 8 --recipe fp8_rowwise
 
 The model is OLMoE-1B-7B's width (d=2048, 16 heads, 64 experts of 1024, top-8) with as many
 layers as fit; data are random token ids (never zeros) in the library's token format; the
-step is the library's own (bf16 weights, fp32 master weights, fused AdamW, clipping). MFU is
+step is the library's own (--recipe, default bf16: bf16 weights, fp32 master weights, fused AdamW, clipping). MFU is
 against both the measured bf16 matmul ceiling of this GPU and the datasheet peak. One step
 runs under torch.cuda.set_sync_debug_mode("error") to prove it makes no host sync.
 """
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--routing", default="learned", choices=["learned", "random"])
     p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--width", default="olmoe", choices=["olmoe", "paper"],
+                   help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads")
+    p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
+    p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -56,13 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = ExperimentConfig.load({
             "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
-                      "moe": {"routing": args.routing, "num_experts": args.experts}},
+                      **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
+                      "moe": {"routing": args.routing, "num_experts": args.experts,
+                              **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {})}},
             "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
             "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": total_steps,
                       "log_every": 1000, "device": "cuda"},
             "schedule": {"warmup_steps": 1},
             "checkpoint": {"dir": str(Path(tmp) / "ck")},
-            "precision": {"recipe": "bf16"},
+            "precision": {"recipe": args.recipe,
+                          **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
         })
         trainer = Trainer(cfg)
         for _ in range(args.warmup):
@@ -98,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     tflops = tokens * fpt / step / 1e12
     datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
     row = {
-        "layers": args.layers, "seq": args.seq, "accum": args.accum, "tokens_per_step": tokens, "step_s": step,
+        "recipe": args.recipe, "width": args.width, "layers": args.layers, "seq": args.seq, "accum": args.accum, "tokens_per_step": tokens, "step_s": step,
         "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    print_table([row], ["recipe", "width", "layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
     if sync_error:
         print(f"host sync found: {sync_error}")
     payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},

@@ -1,15 +1,24 @@
 """Precision recipes (a seam: FP8 / MXFP8 recipes plug in here).
 
-A recipe says how weights are stored, whether the optimizer keeps fp32 master copies, and
-which autocast context wraps forward and backward. Router logits and the loss are computed in
-fp32 by the model and trainer whatever the recipe.
+A recipe says how weights are stored, whether the optimizer keeps fp32 master copies, which
+autocast context wraps forward and backward, and (FP8) which expert GEMM the MoE layers use.
+Router logits and the loss are computed in fp32 by the model and trainer whatever the recipe.
+
+fp8_rowwise and mxfp8 are bf16 plus FP8 expert GEMMs (moe.layers.gemm_fp8 says which tensors
+and which scaling, and why): weights stay bf16 parameters with fp32 masters, so a checkpoint
+written under one recipe loads under any other. The dense projections (attention, shared
+experts, LM head) stay bf16: no FP8 dense path (torch._scaled_mm) is wired yet; it would face
+the same per-call quantisation cost that the expert GEMMs measured (bench/NOTES.md). Both FP8 recipes are refused before anything runs
+where they cannot: fp8_rowwise needs compute capability >= 9.0 (torch._scaled_grouped_mm),
+mxfp8 >= 10.0 (an MX kernel launched on sm90 once broke the CUDA context of the process).
+``emulate`` runs their quantisation with an emulated GEMM on any device (tests, CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +31,8 @@ class PrecisionRecipe:
     name: str
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
+    # Builds the expert GEMM that replaces every MoE layer's (None: keep the model's own).
+    expert_gemm: Callable[[], object] | None = None
 
     @property
     def master_weights(self) -> bool:
@@ -33,6 +44,12 @@ class PrecisionRecipe:
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != self.param_dtype:
                 param.data = param.data.to(self.param_dtype)
+        if self.expert_gemm is not None:
+            from moe.layers.experts import GroupedExperts
+
+            for module in model.modules():
+                if isinstance(module, GroupedExperts):
+                    module.gemm = self.expert_gemm()
         return model
 
     @contextlib.contextmanager
@@ -48,14 +65,51 @@ RECIPES = {
     "fp32": PrecisionRecipe("fp32", torch.float32, None),
     "bf16": PrecisionRecipe("bf16", torch.bfloat16, torch.bfloat16),
     "amp_bf16": PrecisionRecipe("amp_bf16", torch.float32, torch.bfloat16),
+    "fp8_rowwise": PrecisionRecipe("fp8_rowwise", torch.bfloat16, torch.bfloat16),
+    "mxfp8": PrecisionRecipe("mxfp8", torch.bfloat16, torch.bfloat16),
 }
+# The compute capability each FP8 recipe's kernels need.
+MIN_CAPABILITY = {"fp8_rowwise": (9, 0), "mxfp8": (10, 0)}
 
 
-def resolve_recipe(name: str, device: torch.device) -> PrecisionRecipe:
-    """``auto`` is bf16 on CUDA and fp32 on CPU."""
+def _expert_gemm_factory(name: str, emulate: bool, min_dim: int | None) -> Callable[[], object]:
+    from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, MxFp8GroupedGemm
+
+    if name == "mxfp8":
+        return MxFp8GroupedGemm
+    rule = Fp8Rule() if min_dim is None else Fp8Rule(min_dim)
+    return lambda: Fp8GroupedGemm(rule, emulate=emulate)
+
+
+def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> None:
+    """Refuse an FP8 recipe where its kernels cannot run, before any kernel is launched
+    (reads the device's properties only)."""
+    need = MIN_CAPABILITY.get(name)
+    if need is None or emulate:
+        return
+    if device.type != "cuda":
+        raise ConfigError(
+            f"precision.recipe: {name} needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}, "
+            f"but the device is {device.type} (use bf16, or precision.emulate=true for a slow emulation)"
+        )
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < need:
+        hint = " (use fp8_rowwise on Hopper)" if name == "mxfp8" else ""
+        raise ConfigError(
+            f"precision.recipe: {name} needs compute capability >= {need[0]}.{need[1]}, "
+            f"but {torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}{hint}"
+        )
+
+
+def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None) -> PrecisionRecipe:
+    """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     try:
-        return RECIPES[name]
+        recipe = RECIPES[name]
     except KeyError:
         raise ConfigError(f"precision.recipe: unknown recipe {name!r}; known: auto, {', '.join(RECIPES)}") from None
+    if name in MIN_CAPABILITY:
+        check_fp8_device(name, device, emulate)
+        recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate, fp8_min_dim))
+    return recipe

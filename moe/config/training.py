@@ -142,6 +142,15 @@ class PrecisionConfig(Config):
     fp32: everything fp32. bf16: weights stored and computed in bf16, fp32 master weights and
     fp32 gradient accumulation in the optimizer. amp_bf16: fp32 weights, bf16 autocast.
     auto: bf16 on CUDA, fp32 on CPU. Router logits and the loss are fp32 in every recipe.
+    fp8_rowwise (sm90+) / mxfp8 (sm100+): bf16 with FP8 expert GEMMs (moe.layers.gemm_fp8).
     """
 
-    recipe: Literal["auto", "fp32", "bf16", "amp_bf16"] = "auto"
+    recipe: Literal["auto", "fp32", "bf16", "amp_bf16", "fp8_rowwise", "mxfp8"] = "auto"
+    # fp8_rowwise/mxfp8 with an emulated GEMM on any device (slow; tests and CPU checks).
+    emulate: bool = False
+    # fp8_rowwise: an expert GEMM runs in FP8 only if its rows per expert, output columns and
+    # contraction are all >= this (thinner GEMMs stay bf16: FP8 measured slower there); 0 = always.
+    fp8_min_dim: int = 4096
+
+    def _check(self, p: str) -> None:
+        require(self.fp8_min_dim >= 0, _k(p, "fp8_min_dim"), f"must be >= 0, got {self.fp8_min_dim}")

@@ -24,7 +24,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [N, D] rows grouped by expert (group sizes tokens_per_expert, on the device)."""
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        return self.gemm(swiglu(self.gemm(x, self.gate_up, offsets)), self.down, offsets)
+        h = self.gemm(x, self.gate_up, offsets)
+        # A GEMM may fuse the activation into its input (FP8: SwiGLU writes the FP8 operand).
+        fused = getattr(self.gemm, "swiglu_linear", None)
+        if fused is not None:
+            return fused(h, self.down, offsets)
+        return self.gemm(swiglu(h), self.down, offsets)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up, mean=0.0, std=std)

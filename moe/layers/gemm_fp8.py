@@ -1,0 +1,285 @@
+"""FP8 expert GEMMs behind the expert-GEMM seam (selected by precision.recipe, not by the model).
+
+Rowwise FP8 (``fp8_rowwise``, Hopper and later), for out = x_g @ w[g].T of every expert g:
+
+| GEMM | A (row-major, e4m3) | B (column-major, e4m3) | scales (fp32, powers of two) |
+| --- | --- | --- | --- |
+| forward | x [N, K] | w [G, M, K] viewed [G, K, M] | per row of x; per (g, row of w) |
+| dgrad | grad [N, M] | w transposed [G, K, M] viewed [G, M, K] | per row of grad; per (g, column of w) |
+| wgrad | grad^T [M, N'] | x^T [K, N'] viewed [N', K] | per (g, column) of grad and of x |
+
+Every scale runs along the GEMM's contraction dimension, so one outlier only coarsens its own
+row/column (tensorwise scales let one token's outlier flush everyone else's small values).
+Scales are powers of two (exact rescaling). wgrad contracts over each expert's tokens, so its
+scales are per expert and its token groups are padded to multiples of 16 (N' >= N) with zeros.
+Everything is e4m3 (also gradients: with per-row scales e5m2's extra range buys nothing and
+costs a mantissa bit). Accumulation is fp32 and outputs are bf16 (torch._scaled_grouped_mm).
+Quantisation is fused where the data is produced: SwiGLU writes the down projection's FP8
+input and its scales directly (moe.kernels.fp8), and the bf16 product is never stored (the
+backward recomputes it from the saved gate/up activations, which the SwiGLU backward keeps).
+Weights are quantised once per weight version (:class:`WeightCache`: the micro-batches of a
+step share the copies). Not fused yet: the gathered rows are quantised by a separate one-pass
+kernel (the dispatcher's gather writes bf16), and the wgrad operands by a two-pass grouped
+column kernel; those passes are what FP8 loses to bf16 at 16K-token micro-batches (NOTES.md).
+
+Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
+thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
+rest run in bf16 through torch's grouped GEMM. The router, norms, softmax, loss and optimizer
+never see FP8; weights stay bf16 parameters with fp32 master copies in the optimizer, so
+checkpoints do not depend on the recipe.
+
+``mxfp8`` (Blackwell, compute capability >= 10) quantises with 32-element e8m0 blocks
+(moe.kernels.mxfp8). Its native MX grouped GEMM has not been run on sm100 hardware here, so
+this module runs it as MX fake quantisation (quantise-dequantise, then the bf16 grouped GEMM)
+for forward and dgrad, wgrad in bf16: MXFP8 numerics, not MXFP8 speed.
+
+``emulate=True`` replaces torch._scaled_grouped_mm by dequantise + fp32 grouped GEMM: the same
+quantised operands and scale layouts, runnable on CPU (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe.kernels.fp8 import quantize_cols_grouped, quantize_rows, swiglu_quantize
+from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
+from moe.kernels.swiglu import swiglu
+from moe.layers.gemm import _grouped_mm, _GroupedLinear
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which of a projection's three GEMMs run in FP8."""
+
+    fwd: bool
+    dgrad: bool
+    wgrad: bool
+
+    @property
+    def any(self) -> bool:
+        return self.fwd or self.dgrad or self.wgrad
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rule:
+    """FP8 for a GEMM of (rows per expert) x (output columns) x (contraction) only when all three
+    are at least ``min_dim`` (and the FP8 operands' dimensions are multiples of 16).
+
+    Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
+    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
+
+    The default, 4096, comes from the H200 measurements in bench/NOTES.md (FP8 issue): with
+    16K-token micro-batches (1024-2048 rows per expert) every measured layer shape ran slower
+    in FP8 than in bf16 (0.76-0.90x; the quantisation passes cost more than the GEMMs save),
+    so those stay bf16; FP8 is used only for GEMMs with >= 4096 rows per expert, output
+    columns and contraction (large micro-batches at the paper's width), where the GEMM itself
+    is >= 1.5x faster and the per-row quantisation cost is amortised over a longer row."""
+
+    min_dim: int = 4096
+
+    def use(self, rows: float, n: int, k: int) -> bool:
+        return n % 16 == 0 and k % 16 == 0 and min(rows, n, k) >= self.min_dim
+
+    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+        rows = tokens / max(groups, 1)
+        return Plan(
+            fwd=self.use(rows, out_dim, in_dim),
+            dgrad=self.use(rows, in_dim, out_dim),
+            # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need)
+            wgrad=out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim, rows) >= self.min_dim,
+        )
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.Tensor:
+    """torch._scaled_grouped_mm (bf16 out, fp32 accumulation), or its emulation on any device."""
+    if not emulate:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
+    if b.dim() == 3:  # 2d x 3d: per-row scales of a, per (group, column) scales of b
+        a32 = a.float() * scale_a[:, None]
+        b32 = b.float() * scale_b[:, None, :]
+    else:  # 2d x 2d, groups along the contraction: per (group, row) of a and (group, column) of b
+        groups = offsets.numel()
+        group = torch.searchsorted(offsets.long(), torch.arange(a.shape[1], device=a.device), right=True).clamp_max(groups - 1)
+        a32 = a.float() * scale_a.view(groups, a.shape[0])[group].t()
+        b32 = b.float() * scale_b.view(groups, b.shape[1])[group]
+    return _grouped_mm(a32, b32, offs=offsets).to(torch.bfloat16)
+
+
+def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, groups + 1, device=device, dtype=torch.int32) * size
+
+
+class WeightCache:
+    """FP8 copies of expert weights, made once per weight version.
+
+    Weights change only at the optimizer step (which bumps the parameter's version counter), so
+    the micro-batches of a step (gradient accumulation, pipeline micro-batches) share one
+    rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
+    shape and version: no host sync, never stale. Costs 2 bytes per expert parameter."""
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+        self._cols: dict = {}
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), tuple(w.shape), w._version)
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, M, K], decode scales [G, M]), scales along K."""
+        key = self._key(w)
+        hit = self._rows.get(key[0])
+        if hit is None or hit[0] != key:
+            groups, m, k = w.shape
+            wq, sw = quantize_rows(w.reshape(groups * m, k))
+            hit = (key, wq.view(groups, m, k), sw.view(groups, m))
+            self._rows[key[0]] = hit
+        return hit[1], hit[2]
+
+    def cols(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, K, M], decode scales [G, K]), scales along M."""
+        key = self._key(w)
+        hit = self._cols.get(key[0])
+        if hit is None or hit[0] != key:
+            groups, m, k = w.shape
+            wt, swt, _ = quantize_cols_grouped(w.reshape(groups * m, k), _uniform_ends(groups, m, w.device), pad=False)
+            hit = (key, wt, swt)
+            self._cols[key[0]] = hit
+        return hit[1], hit[2]
+
+
+def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
+    wq, sw = (cache or WeightCache()).rows(w)
+    return scaled_grouped_mm(xq, wq.transpose(-2, -1), sx, sw, offsets, emulate)
+
+
+def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None = None):
+    """grad [N, M] @ w[g] [M, K] -> [N, K]."""
+    if not fp8:
+        return _grouped_mm(grad, w, offs=offsets)
+    gq, sg = quantize_rows(grad)
+    wt, swt = (cache or WeightCache()).cols(w)
+    return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
+
+
+def _wgrad(grad, x, offsets, fp8: bool, emulate: bool):
+    """grad_g^T [M, n_g] @ x_g [n_g, K] -> [G, M, K] (w's own layout)."""
+    if not fp8:
+        return _grouped_mm(grad.t(), x, offs=offsets)
+    gt, sgt, padded = quantize_cols_grouped(grad, offsets, pad=True)
+    xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True)
+    return scaled_grouped_mm(gt, xt.t(), sgt, sxt, padded, emulate)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """x_g @ w[g].T with each of the three GEMMs in FP8 or bf16 as the plan says."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
+        ctx.save_for_backward(x, w, offsets)
+        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
+        if plan.fwd:
+            xq, sx = quantize_rows(x)
+            return _forward_fp8(xq, sx, w, offsets, emulate, cache)
+        return _grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache) if ctx.needs_input_grad[0] else None
+        grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None, None
+
+
+class _Fp8SwiGLULinear(torch.autograd.Function):
+    """swiglu(h)_g @ w[g].T; forward quantises inside the SwiGLU kernel and keeps only h."""
+
+    @staticmethod
+    def forward(ctx, h, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
+        h = h.contiguous()
+        ctx.save_for_backward(h, w, offsets)
+        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
+        if plan.fwd:
+            aq, sa = swiglu_quantize(h)
+            return _forward_fp8(aq, sa, w, offsets, emulate, cache)
+        return _grouped_mm(swiglu(h), w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        with torch.enable_grad():
+            hh = h.detach().requires_grad_(True)
+            a = swiglu(hh)
+        grad_a = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
+        grad_w = _wgrad(grad, a.detach(), offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
+        (grad_h,) = torch.autograd.grad(a, hh, grad_a)
+        return grad_h, grad_w, None, None, None, None
+
+
+class Fp8GroupedGemm:
+    """The ``fp8_rowwise`` expert GEMM (see the module docstring). Weights and activations arrive
+    in bf16 (or fp32) and leave in bf16; the FP8 copies live only inside the GEMM calls."""
+
+    def __init__(self, rule: Fp8Rule | None = None, *, emulate: bool = False) -> None:
+        self.rule, self.emulate = rule or Fp8Rule(), emulate
+        self.cache = WeightCache()
+
+    def _plan(self, x: torch.Tensor, w: torch.Tensor) -> Plan:
+        groups, out_dim, in_dim = w.shape
+        return self.rule.plan(x.shape[0], groups, out_dim, in_dim)
+
+    def _cache_for(self, w: torch.Tensor) -> WeightCache:
+        # only the parameter itself has a meaningful version; a converted copy is new each call
+        return self.cache if w.dtype == torch.bfloat16 else WeightCache()
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        cache = self._cache_for(w)
+        x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        plan = self._plan(x, w)
+        if not plan.any:
+            return _GroupedLinear.apply(x, w, offsets)
+        return _Fp8Linear.apply(x, w, offsets, plan, self.emulate, cache)
+
+    def swiglu_linear(self, h: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """self(swiglu(h), w, offsets), with the SwiGLU writing FP8 when the GEMM is FP8."""
+        cache = self._cache_for(w)
+        h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
+        plan = self._plan(h, w)
+        if not plan.any:
+            return _GroupedLinear.apply(swiglu(h), w, offsets)
+        return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate, cache)
+
+
+class _MxFakeQuant(torch.autograd.Function):
+    """x_g @ w[g].T with forward and dgrad operands MX-quantised along their contraction."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return _grouped_mm(_mx(x), _mx(w).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = _grouped_mm(_mx(grad), _mx(w.transpose(-2, -1).contiguous()).transpose(-2, -1), offs=offsets)
+        grad_w = _grouped_mm(grad.t(), x, offs=offsets)
+        return grad_x, grad_w, None
+
+
+def _mx(t: torch.Tensor) -> torch.Tensor:
+    return mx_dequantize(*mx_quantize(t)).to(t.dtype)
+
+
+class MxFp8GroupedGemm:
+    """The ``mxfp8`` expert GEMM: MX fake quantisation (see the module docstring)."""
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        if x.shape[1] % 32 or w.shape[1] % 32:
+            return _GroupedLinear.apply(x, w, offsets)
+        return _MxFakeQuant.apply(x, w, offsets)

@@ -1,0 +1,112 @@
+"""Run under TRITON_INTERPRET=1: the FP8 quantisation kernels against a torch reference written
+here from the definition (power-of-two scale 2^floor(log2(448/amax)) per row or per
+(group, column), clamp to +-448, round to nearest e4m3).
+
+Scales must match exactly. The interpreter's float->e4m3 cast is not the GPU's (it flushes
+subnormals and breaks some ties away from even), so codes are compared within one e4m3 step
+(2^-3 relative, or 2^-6 x the decode scale near zero) and most must agree exactly.
+"""
+
+import math
+import os
+import sys
+
+import torch
+
+from moe.kernels import fp8
+
+E4M3 = torch.float8_e4m3fn
+
+
+def ref_scale(amax: torch.Tensor) -> torch.Tensor:
+    amax = amax.double().clamp_min(1e-12)
+    return torch.exp2(torch.floor(torch.log2(448.0 / amax))).float()  # encode scale
+
+
+def ref_rows(x: torch.Tensor):
+    enc = ref_scale(x.float().abs().amax(1))
+    return (x.float() * enc[:, None]).clamp(-448, 448).to(E4M3), 1.0 / enc
+
+
+def close(q, s, rq, rs, name):
+    assert torch.equal(s, rs), f"{name}: scales differ"
+    dq, rdq = q.float() * s, rq.float() * rs
+    tol = rdq.abs() * 2.0**-3 + 2.0**-6 * rs
+    assert ((dq - rdq).abs() <= tol).all(), f"{name}: {((dq - rdq).abs() - tol).max().item()} over"
+    same = (q.float() == rq.float()).float().mean().item()
+    assert same > 0.97, f"{name}: only {same:.3f} of the codes agree"
+
+
+def check_rows() -> None:
+    for rows, cols, scale in [(7, 40, 1.0), (33, 1100, 1e-3), (3, 16, 1e4), (2, 8200, 1.0)]:  # 8200: two passes
+        x = (torch.randn(rows, cols) * scale).bfloat16()
+        x[0, 3] = 200 * scale  # an outlier: only its own row's scale moves
+        q, s = fp8.quantize_rows(x)
+        rq, rs = ref_rows(x)
+        close(q, s[:, None], rq, rs[:, None], f"rows {rows}x{cols}")
+        # round trip: every value within half an e4m3 step (2^-4 relative) of the input, or within
+        # a subnormal step of the decode scale
+        back = q.float() * s[:, None]
+        bound = x.float().abs() * 2.0**-4 + 2.0**-6 * s[:, None]
+        assert (back - x.float()).abs().le(bound).all(), "rows round trip"
+        assert q.float().abs().max() <= 448 and torch.isfinite(q.float()).all()
+    # saturation: the largest magnitude lands at most at 448 (scale is rounded down); an all-zero row
+    x = torch.zeros(2, 32)
+    x[0] = torch.linspace(-1e38, 1e38, 32)  # near the fp32 limit
+    q, s = fp8.quantize_rows(x)
+    assert torch.isfinite(q.float()).all() and q.float().abs().max() <= 448
+    assert q[1].float().abs().max() == 0 and torch.isfinite(s).all()
+
+
+def check_cols_grouped() -> None:
+    counts = [5, 0, 33, 17, 1]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows, cols = sum(counts), 72
+    x = torch.randn(rows, cols).bfloat16()
+    q, s, padded = fp8.quantize_cols_grouped(x, ends, pad=True)
+    width = fp8.padded_width(rows, len(counts))
+    assert q.shape == (cols, width) and s.shape == (len(counts) * cols,)
+    pstarts = [0] + padded.tolist()[:-1]
+    assert all(p % 16 == 0 for p in pstarts) and padded[-1].item() == width
+    start = 0
+    for g, n in enumerate(counts):
+        rq, rs = ref_rows(x[start:start + n].t().contiguous()) if n else (None, None)
+        sg = s[g * cols:(g + 1) * cols]
+        block = q[:, pstarts[g]:pstarts[g] + n]
+        if n:
+            close(block, sg[:, None], rq, rs[:, None], f"cols group {g}")
+        pad = q[:, pstarts[g] + n:padded[g].item()].float()
+        assert pad.abs().max().item() == 0 if pad.numel() else True, f"group {g} padding not zero"
+        start += n
+    # equal groups, no padding: the transposed weights of dgrad
+    w = torch.randn(3, 24, 40).bfloat16()
+    q, s, _ = fp8.quantize_cols_grouped(w.reshape(72, 40), torch.arange(1, 4, dtype=torch.int32) * 24, pad=False)
+    assert q.shape == (3, 40, 24) and s.shape == (3, 40)
+    for g in range(3):
+        rq, rs = ref_rows(w[g].t().contiguous())
+        close(q[g], s[g][:, None], rq, rs[:, None], f"weights {g}")
+
+
+def check_swiglu() -> None:
+    h = torch.randn(9, 2 * 48).bfloat16()
+    q, s = fp8.swiglu_quantize(h)
+    gate, up = h.float().chunk(2, dim=-1)
+    rq, rs = ref_rows(torch.nn.functional.silu(gate) * up)
+    close(q, s[:, None], rq, rs[:, None], "swiglu")
+
+
+def main() -> int:
+    """Checks whichever path moe.kernels.fp8 takes here: Triton under TRITON_INTERPRET=1 (run as a
+    script), the torch path otherwise (the CPU fallback, also checked in-process by pytest)."""
+    torch.manual_seed(0)
+    assert math.isclose(fp8.pow2_encode_scale(torch.tensor([1.0])).item(), 256.0)
+    check_rows()
+    check_cols_grouped()
+    check_swiglu()
+    print("fp8 kernels ok")
+    return 0
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
+    sys.exit(main())
