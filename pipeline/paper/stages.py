@@ -40,7 +40,7 @@ class Context:
         train = {"micro_batch_size": micro, "global_batch_size": micro * self.hw.count,
                  "device": "cuda" if self.hw.kind == "gpu" else "cpu", **extra.pop("train", {})}
         return {"model": shape.model, "data": {"seq_len": shape.seq_len}, "train": train, "parallel": parallel,
-                "precision": {"recipe": extra.pop("recipe", "auto")}, **extra}
+                "precision": {"recipe": extra.pop("recipe", "auto"), **extra.pop("precision", {})}, **extra}
 
     def run(self, name: str, sections: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """Measure one variant; a variant this setup cannot run is recorded with the reason."""
@@ -133,7 +133,9 @@ def fp8(ctx: Context) -> dict[str, Any]:
     if recipe is None:
         b = {"name": "fp8", "status": "not run", "reason": why}
     else:
-        b = ctx.run(f"fp8-{recipe}", ctx.sections(shape, layout, recipe=recipe))
+        # Every expert GEMM in FP8 (fp8_min_dim 0): the stage measures the format, not the
+        # per-shape fallback rule, which would keep these shapes in bf16 (moe/layers/gemm_fp8.py).
+        b = ctx.run(f"fp8-{recipe}", ctx.sections(shape, layout, recipe=recipe, precision={"fp8_min_dim": 0}))
     derived = {}
     if _ok(a) and _ok(b):
         derived = {"speedup": _ratio(b["tokens_per_s_per_device"], a["tokens_per_s_per_device"]),
