@@ -18,6 +18,7 @@ the rows the others (and itself) wrote. Buffer shapes are fixed and the same on 
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Protocol
 
@@ -101,6 +102,9 @@ def _nvshmem():
     if "nv" in _NV_STATE:
         return _NV_STATE["nv"]
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # NVLink multicast stays off (read by nv.init)
+    # The symmetric heap must hold the worst-case buffers (ep * T * k rows of d_model; 1.5 GB at
+    # the bench.ep shape); NVSHMEM's 1 GB default is too small. Address space, mapped on use.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")
     import nvshmem.core as nv
 
     try:
@@ -115,7 +119,27 @@ def _nvshmem():
     dist.broadcast_object_list(objs, src=0)  # the UniqueID pickles; a one-off at setup
     nv.init(device=dev, uid=objs[0], rank=rank, nranks=world, initializer_method="uid")
     _NV_STATE["nv"] = nv
+    _NV_STATE["transports"] = []
+    atexit.register(_finalize)
     return nv
+
+
+def _finalize() -> None:
+    nv = _NV_STATE.pop("nv", None)
+    if nv is None:
+        return
+    try:
+        torch.cuda.synchronize()
+        for t in _NV_STATE.pop("transports", []):
+            t.close()
+        nv.finalize()
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
+
+
+def symmetric_bytes() -> int:
+    """Bytes of NVSHMEM symmetric buffers this process holds (outside torch's allocator)."""
+    return sum(b.numel() * b.element_size() for t in _NV_STATE.get("transports", []) for b, _ in t.buffers.values())
 
 
 class NvshmemTransport:
@@ -129,6 +153,7 @@ class NvshmemTransport:
         self.peer_ranks = peer_ranks  # global (NVSHMEM PE) rank of each EP rank
         self.nv = _nvshmem()
         self.buffers: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        _NV_STATE["transports"].append(self)
 
     def _buffer(self, n: int, d: int, dtype: torch.dtype):
         key = (n, d, dtype)
