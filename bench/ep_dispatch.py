@@ -88,9 +88,35 @@ def _worker(rank: int, world: int, port: int, a: dict, out: str) -> None:
         dist.all_to_all_single(recv, send, group=group)
         dist.all_to_all_single(send, recv, group=group)
 
+    # the transport alone: the same two pushes a forward makes, rows already in expert order
+    with torch.no_grad():
+        _, _, st = nvshmem.dispatch(x, routing)
+    cap = st.to_sources.rank.numel()
+    rows_cap = torch.randn(cap, d, device="cuda", dtype=torch.bfloat16)
+    tr = nvshmem.transport
+
+    def pushes():
+        tr.push(send, None, st.to_experts.rank, st.to_experts.row, cap, st.received)
+        tr.push(rows_cap, None, st.to_sources.rank, st.to_sources.row, t * k)
+
+    if a["profile"]:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("nvshmem", lambda: run(nvshmem, True)), ("nccl", lambda: run(nccl, True))):
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+            if rank == 0:
+                print(f"--- profile {name} fwd+bwd x3 (rank 0)")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
     results = []
     for label, fn, moved in (
         ("nccl all_to_all_single x2 (same bytes)", a2a, nbytes),
+        ("nvshmem transport push x2 (same bytes)", pushes, nbytes),
         ("nccl dispatcher fwd", lambda: run(nccl, False), nbytes),
         ("nvshmem dispatcher fwd", lambda: run(nvshmem, False), nbytes),
         ("nccl dispatcher fwd+bwd", lambda: run(nccl, True), 2 * nbytes),
@@ -117,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--skew", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a kernel profile of both dispatchers first")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.nproc:

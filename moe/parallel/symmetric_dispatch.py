@@ -52,6 +52,7 @@ class SymmetricState:
     to_experts: Route  # [T*k] source slots (expert-sorted) -> receive rows of the owners
     to_sources: Route  # [capacity] receive rows -> source slots (rank -1 for empty rows)
     overflow: torch.Tensor  # bool scalar: some rank received more rows than its capacity
+    received: torch.Tensor  # int64 scalar: rows this rank received (the valid prefix of its buffer)
 
 
 # torch >= 2.12 renames all_gather_into_tensor; the GPU machine runs 2.11
@@ -110,18 +111,18 @@ class _Exchange(torch.autograd.Function):
     k gradient rows."""
 
     @staticmethod
-    def forward(ctx, x, fwd: Route, bwd: Route, n_out: int, transport: Transport, gather):
-        ctx.bwd, ctx.n_in, ctx.transport, ctx.gather = bwd, fwd.rank.numel(), transport, gather
+    def forward(ctx, x, fwd: Route, bwd: Route, n_out: int, transport: Transport, gather, valid: tuple):
+        ctx.bwd, ctx.n_in, ctx.transport, ctx.gather, ctx.valid = bwd, fwd.rank.numel(), transport, gather, valid
         index = gather[0] if gather is not None else None
-        return transport.push(x, index, fwd.rank, fwd.row, n_out)
+        return transport.push(x, index, fwd.rank, fwd.row, n_out, valid[0])
 
     @staticmethod
     def backward(ctx, grad):
-        back = ctx.transport.push(grad.contiguous(), None, ctx.bwd.rank, ctx.bwd.row, ctx.n_in)
+        back = ctx.transport.push(grad.contiguous(), None, ctx.bwd.rank, ctx.bwd.row, ctx.n_in, ctx.valid[1])
         if ctx.gather is not None:
             _, inverse, k = ctx.gather
             back = gather_reduce(back, inverse, None, k)
-        return back, None, None, None, None, None
+        return back, None, None, None, None, None, None
 
 
 class SymmetricDispatcher:
@@ -156,12 +157,16 @@ class SymmetricDispatcher:
         capacity = self.capacity(n_slots)
         to_experts, to_sources, rows_per_expert, received, overflow = plan_routes(counts_all, self.rank, n_slots, capacity)
         self._record(received, capacity, overflow)
-        rows = _Exchange.apply(x, to_experts, to_sources, capacity, self.transport, (order // top_k, inverse, top_k))
-        state = SymmetricState(LocalDispatchState(order, inverse, routing.weights), to_experts, to_sources, overflow)
+        # only the first `received` rows of a receive buffer hold data (no copy of the rest)
+        received = received.clamp(max=capacity)
+        rows = _Exchange.apply(x, to_experts, to_sources, capacity, self.transport, (order // top_k, inverse, top_k),
+                               (received, None))
+        state = SymmetricState(LocalDispatchState(order, inverse, routing.weights), to_experts, to_sources, overflow, received)
         return rows, rows_per_expert, state
 
     def combine(self, y: torch.Tensor, state: SymmetricState) -> torch.Tensor:
-        back = _Exchange.apply(y, state.to_sources, state.to_experts, state.to_experts.rank.numel(), self.transport, None)
+        back = _Exchange.apply(y, state.to_sources, state.to_experts, state.to_experts.rank.numel(), self.transport, None,
+                               (None, state.received))
         out = self.local.combine(back, state.local)
         # a capacity overflow poisons the output: the step is skipped on the device, never silently short
         return out.masked_fill(state.overflow, float("nan"))

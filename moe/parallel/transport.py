@@ -49,6 +49,27 @@ if HAVE_TRITON:
             tl.store(out + row * D + cols, v, mask=mask)
 
 
+    @triton.jit
+    def _copy_valid_rows_kernel(src, out, n_valid, D, BLOCK: tl.constexpr):
+        """out[i] = src[i] for i < *n_valid (a device scalar): only the rows that arrived."""
+        i = tl.program_id(0)
+        if i < tl.load(n_valid):
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < D
+            offs = i.to(tl.int64) * D + cols
+            tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def copy_valid_rows(src: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """A copy of src's first n_valid rows (count on the device); later rows unspecified."""
+    out = torch.empty_like(src)
+    n, d = src.shape
+    if n:
+        block = min(1024, triton.next_power_of_2(d))
+        _copy_valid_rows_kernel[(n, triton.cdiv(d, block))](src, out, n_valid, d, BLOCK=block)
+    return out
+
+
 def put_rows(src: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor,
              out: torch.Tensor, rank: int) -> None:
     """The row-store kernel on one target buffer (Triton; the interpreter runs it on CPU)."""
@@ -66,9 +87,10 @@ class Transport(Protocol):
     rank: int
 
     def push(self, x: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-             n_out: int) -> torch.Tensor:
+             n_out: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Row i (x[src_index[i]], or x[i]) goes to row dst_row[i] of rank dst_rank[i]'s buffer.
-        Collective. Returns this rank's [n_out, D] buffer; rows nobody wrote are unspecified."""
+        Collective. Returns this rank's [n_out, D] buffer; rows nobody wrote are unspecified
+        (``n_valid``, a device scalar, may say that only the first n_valid rows are written)."""
         ...
 
 
@@ -79,7 +101,7 @@ class EmulatedTransport:
         self.group, self.ep = group, ep
         self.rank = dist.get_rank(group) if group is not None else 0
 
-    def push(self, x, src_index, dst_rank, dst_row, n_out):
+    def push(self, x, src_index, dst_rank, dst_row, n_out, n_valid=None):
         rows = x if src_index is None else x.index_select(0, src_index)
         n, d = rows.shape
         peers = torch.arange(self.ep, device=x.device).unsqueeze(1)
@@ -165,7 +187,7 @@ class NvshmemTransport:
             self.nv.barrier_all(stream=torch.cuda.current_stream())
         return self.buffers[key]
 
-    def push(self, x, src_index, dst_rank, dst_row, n_out):
+    def push(self, x, src_index, dst_rank, dst_row, n_out, n_valid=None):
         x = x.contiguous()
         buf, peers = self._buffer(n_out, x.shape[1], x.dtype)
         stream = torch.cuda.current_stream()
@@ -173,7 +195,8 @@ class NvshmemTransport:
         for r, peer in enumerate(peers):
             put_rows(x, src_index, dst_rank, dst_row, peer, r)
         self.nv.barrier_all(stream=stream)  # every row for us has landed
-        return buf.clone()  # autograd keeps it; the symmetric buffer is reused by the next call
+        # autograd keeps the copy; the symmetric buffer is reused by the next call
+        return buf.clone() if n_valid is None else copy_valid_rows(buf, n_valid)
 
     def close(self) -> None:
         for buf, _ in self.buffers.values():

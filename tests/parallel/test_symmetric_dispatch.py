@@ -132,7 +132,7 @@ def test_capacity_overflow_poisons_the_output_and_is_counted():
 
 PUT_CHECK = """
 import torch
-from moe.parallel.transport import put_rows
+from moe.parallel.transport import copy_valid_rows, put_rows
 x = torch.randn(10, 24)
 idx, rank, row = torch.tensor([3, 1, 4, 1, 5, 9]), torch.tensor([0, 1, 0, -1, 1, 0]), torch.tensor([2, 0, 0, 0, 1, 1])
 outs = [torch.zeros(3, 24) for _ in range(2)]
@@ -142,6 +142,7 @@ assert torch.equal(outs[0][[2, 0, 1]], x[[3, 4, 9]]) and torch.equal(outs[1][:2]
 plain = torch.zeros(3, 24)
 put_rows(x, None, rank, row, plain, 1)
 assert torch.equal(plain[:2], x[[1, 4]])
+assert torch.equal(copy_valid_rows(x, torch.tensor(7))[:7], x[:7])
 print("put ok")
 """
 
