@@ -80,4 +80,16 @@ class MoETelemetry:
             lbs.append(lb_v)
             zs.append(z_v)
         out.update({"lb_loss": sum(lbs) / len(lbs), "z_loss": sum(zs) / len(zs), "expert_load_max_over_mean": max(ratios)})
+        out.update(self._dispatch_telemetry())
+        return out
+
+    def _dispatch_telemetry(self) -> dict[str, float]:
+        """This rank's symmetric EP dispatcher figures (parallel.ep_backend=nvshmem): peak
+        receive-buffer use and capacity overflows per layer (an overflow also turns the step's
+        loss NaN, so the non-finite policy skips or stops it; this names the layer)."""
+        out: dict[str, float] = {}
+        for name, layer in self.layers:
+            stats = getattr(layer.dispatcher, "telemetry", lambda: {})()
+            for key, value in stats.items():
+                out[f"{key}/layer_{name}"] = float(value)
         return out

@@ -165,3 +165,23 @@ def test_put_rows_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     r = subprocess.run([sys.executable, "-c", PUT_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "put ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_with_nvshmem_backend_matches_single_process(tmp_path, tmp_path_factory):
+    """The whole training step (dp2-ep2, ep_backend=nvshmem emulated): first-step gradients and
+    ten steps' losses against one process, as for every other layout (tests/parallel/test_layouts.py)."""
+    from tests.helpers import make_corpus
+    from tests.parallel.test_layouts import reference, train_rank
+
+    corpus = tmp_path_factory.mktemp("tokens")
+    make_corpus(corpus, files=2, tokens=6000)
+    ref_grads, ref_losses = reference(tmp_path, corpus, 8, 0.01)
+    results = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "run"), {"ep": 2, "ep_backend": "nvshmem"}, 4, 10, 0.01, None)
+    got = {k: g for r in results for k, g in r["grads"].items()}
+    assert got.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(got[k], ref_grads[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+    for step in ref_losses:
+        assert results[0]["losses"][step] == pytest.approx(ref_losses[step], rel=1e-4), step
