@@ -32,53 +32,32 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _put_rows_kernel(src, src_index, dst_rank, dst_row, out0, out1, out2, out3, first_peer, n, D,
-                         HAS_INDEX: tl.constexpr, PEERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """outP[dst_row[i]] = src[src_index[i]] for the rows i with dst_rank[i] == first_peer + P,
-        P < PEERS; outP may be a peer GPU's memory (an NVSHMEM peer tensor). A tile of BLOCK_R
-        rows per program, every target in one launch."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_range = rows < n
-        target = tl.load(dst_rank + rows, mask=in_range, other=-1) - first_peer
-        drow = tl.load(dst_row + rows, mask=in_range, other=0).to(tl.int64)
-        if HAS_INDEX:
-            srow = tl.load(src_index + rows, mask=in_range, other=0).to(tl.int64)
-        else:
-            srow = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        cmask = cols < D
-        sent = (target >= 0) & (target < PEERS)
-        v = tl.load(src + srow[:, None] * D + cols[None, :], mask=sent[:, None] & cmask[None, :])
-        offs = drow[:, None] * D + cols[None, :]
-        for p in tl.static_range(PEERS):
-            m = (target == p)[:, None] & cmask[None, :]
-            if p == 0:
-                tl.store(out0 + offs, v, mask=m)
-            elif p == 1:
-                tl.store(out1 + offs, v, mask=m)
-            elif p == 2:
-                tl.store(out2 + offs, v, mask=m)
+    def _put_rows_kernel(src, src_index, dst_rank, dst_row, out, rank, D, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+        """out[dst_row[i]] = src[src_index[i]] for the rows i with dst_rank[i] == rank; ``out``
+        may be a peer GPU's memory (an NVSHMEM peer tensor)."""
+        i = tl.program_id(0)
+        target = tl.load(dst_rank + i)
+        if target == rank:
+            row = tl.load(dst_row + i).to(tl.int64)
+            if HAS_INDEX:
+                s = tl.load(src_index + i).to(tl.int64)
             else:
-                tl.store(out3 + offs, v, mask=m)
+                s = i.to(tl.int64)
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < D
+            v = tl.load(src + s * D + cols, mask=mask)
+            tl.store(out + row * D + cols, v, mask=mask)
+
 
     @triton.jit
-    def _copy_valid_rows_kernel(src, out, n_valid, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _copy_valid_rows_kernel(src, out, n_valid, D, BLOCK: tl.constexpr):
         """out[i] = src[i] for i < *n_valid (a device scalar): only the rows that arrived."""
-        first = tl.program_id(0) * BLOCK_R
-        if first < tl.load(n_valid):
-            rows = first + tl.arange(0, BLOCK_R)
-            cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-            m = (rows < tl.load(n_valid))[:, None] & (cols < D)[None, :]
-            offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-            tl.store(out + offs, tl.load(src + offs, mask=m), mask=m)
-
-
-_ROWS = 4  # rows per program of the row-moving kernels
-_MAX_PEERS = 4  # output pointers per launch of the put kernel
-
-
-def _block_d(d: int) -> int:
-    return min(1024, triton.next_power_of_2(d))
+        i = tl.program_id(0)
+        if i < tl.load(n_valid):
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < D
+            offs = i.to(tl.int64) * D + cols
+            tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def copy_valid_rows(src: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
@@ -86,26 +65,21 @@ def copy_valid_rows(src: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(src)
     n, d = src.shape
     if n:
-        block = _block_d(d)
-        _copy_valid_rows_kernel[(triton.cdiv(n, _ROWS), triton.cdiv(d, block))](src, out, n_valid, d, BLOCK_R=_ROWS, BLOCK_D=block)
+        block = min(1024, triton.next_power_of_2(d))
+        _copy_valid_rows_kernel[(n, triton.cdiv(d, block))](src, out, n_valid, d, BLOCK=block)
     return out
 
 
 def put_rows(src: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-             outs: list[torch.Tensor]) -> None:
-    """Row i goes to outs[dst_rank[i]][dst_row[i]] (Triton; the interpreter runs it on CPU).
-    ``outs[r]`` is rank r's buffer: on GPUs a peer tensor, written over NVLink."""
+             out: torch.Tensor, rank: int) -> None:
+    """The row-store kernel on one target buffer (Triton; the interpreter runs it on CPU)."""
     n, d = dst_rank.numel(), src.shape[1]
     if n == 0:
         return
-    block = _block_d(d)
+    block = min(1024, triton.next_power_of_2(d))
     index = src_index if src_index is not None else dst_rank
-    grid = (triton.cdiv(n, _ROWS), triton.cdiv(d, block))
-    for first in range(0, len(outs), _MAX_PEERS):
-        group = outs[first : first + _MAX_PEERS]
-        ptrs = group + [group[0]] * (_MAX_PEERS - len(group))
-        _put_rows_kernel[grid](src, index, dst_rank, dst_row, *ptrs, first, n, d, HAS_INDEX=src_index is not None,
-                               PEERS=len(group), BLOCK_R=_ROWS, BLOCK_D=block)
+    _put_rows_kernel[(n, triton.cdiv(d, block))](src, index, dst_rank, dst_row, out, rank, d,
+                                                 HAS_INDEX=src_index is not None, BLOCK=block)
 
 
 class Transport(Protocol):
@@ -218,7 +192,8 @@ class NvshmemTransport:
         buf, peers = self._buffer(n_out, x.shape[1], x.dtype)
         stream = torch.cuda.current_stream()
         self.nv.barrier_all(stream=stream)  # every peer has copied out what we overwrite now
-        put_rows(x, src_index, dst_rank, dst_row, peers)  # one launch for up to 4 peers
+        for r, peer in enumerate(peers):
+            put_rows(x, src_index, dst_rank, dst_row, peer, r)
         self.nv.barrier_all(stream=stream)  # every row for us has landed
         # autograd keeps the copy; the symmetric buffer is reused by the next call
         return buf.clone() if n_valid is None else copy_valid_rows(buf, n_valid)

@@ -133,23 +133,16 @@ def test_capacity_overflow_poisons_the_output_and_is_counted():
 PUT_CHECK = """
 import torch
 from moe.parallel.transport import copy_valid_rows, put_rows
-for peers in (2, 6):  # 6: two launches (four outputs each at most)
-    x = torch.randn(11, 24)
-    idx = torch.randint(0, 11, (9,))
-    rank = torch.randint(-1, peers, (9,))
-    row = torch.randperm(9)
-    outs = [torch.zeros(9, 24) for _ in range(peers)]
-    put_rows(x, idx, rank, row, outs)
-    plain = [torch.zeros(9, 24) for _ in range(peers)]
-    put_rows(x, None, rank, row, plain)
-    for r in range(peers):
-        want, want_plain = torch.zeros(9, 24), torch.zeros(9, 24)
-        sel = rank == r
-        want[row[sel]] = x[idx[sel]]
-        want_plain[row[sel]] = x[:9][sel]
-        assert torch.equal(outs[r], want) and torch.equal(plain[r], want_plain), (peers, r)
-copied = copy_valid_rows(x, torch.tensor(7))
-assert torch.equal(copied[:7], x[:7])
+x = torch.randn(10, 24)
+idx, rank, row = torch.tensor([3, 1, 4, 1, 5, 9]), torch.tensor([0, 1, 0, -1, 1, 0]), torch.tensor([2, 0, 0, 0, 1, 1])
+outs = [torch.zeros(3, 24) for _ in range(2)]
+for r in range(2):
+    put_rows(x, idx, rank, row, outs[r], r)
+assert torch.equal(outs[0][[2, 0, 1]], x[[3, 4, 9]]) and torch.equal(outs[1][:2], x[[1, 5]]) and not outs[1][2].any()
+plain = torch.zeros(3, 24)
+put_rows(x, None, rank, row, plain, 1)
+assert torch.equal(plain[:2], x[[1, 4]])
+assert torch.equal(copy_valid_rows(x, torch.tensor(7))[:7], x[:7])
 print("put ok")
 """
 
