@@ -41,7 +41,8 @@ def _routing(a: dict, world: int, rank: int):
     pool = e // world if a["skew"] else e
     experts = torch.rand(t, pool, device="cuda", generator=g).topk(k, dim=-1).indices
     weights = torch.rand(t, k, device="cuda", generator=g).softmax(-1)
-    counts = torch.zeros(e, dtype=torch.int64, device="cuda").scatter_add_(0, experts.reshape(-1), torch.ones_like(experts.reshape(-1)))
+    flat = experts.reshape(-1)
+    counts = torch.zeros(e, dtype=torch.int64, device="cuda").scatter_add_(0, flat, torch.ones_like(flat))
     zero = torch.zeros((), device="cuda")
     return Routing(experts, weights, counts, zero, zero)
 

@@ -63,7 +63,8 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.cumsum(dim) - x
 
 
-def plan_routes(counts_all: torch.Tensor, me: int, n_slots: int, capacity: int) -> tuple[Route, Route, torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_routes(counts_all: torch.Tensor, me: int, n_slots: int,
+                capacity: int) -> tuple[Route, Route, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole offset arithmetic, on the device, from the all-gathered counts.
 
     counts_all: [ep, E] slots each source sends to each global expert (n_slots = T*k per
@@ -138,6 +139,17 @@ class SymmetricDispatcher:
         # telemetry, on the device: peak fraction of the receive buffer used, overflowing calls
         self.peak_buffer_use: torch.Tensor | None = None
         self.overflows: torch.Tensor | None = None
+        self._checked_slots: set[int] = set()
+
+    def _check_same_slots(self, n_slots: int) -> None:
+        """Symmetric buffers need the same token count on every EP rank. Checked on the host
+        once per new shape (like the buffer allocation itself), never in the steady state."""
+        sizes: list = [None] * self.ep
+        dist.all_gather_object(sizes, n_slots, group=self.group)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{self.name or 'moe layer'}: parallel.ep_backend=nvshmem needs the same tokens x top_k on every "
+                             f"expert-parallel rank, got {sizes}")
+        self._checked_slots.add(n_slots)
 
     def capacity(self, n_slots: int) -> int:
         worst = self.ep * n_slots
@@ -148,6 +160,8 @@ class SymmetricDispatcher:
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, SymmetricState]:
         n_tokens, top_k = routing.experts.shape
         n_slots = n_tokens * top_k
+        if n_slots not in self._checked_slots:
+            self._check_same_slots(n_slots)
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         counts = routing.tokens_per_expert

@@ -130,6 +130,22 @@ def test_capacity_overflow_poisons_the_output_and_is_counted():
         assert r["nan"] and r["overflows"] == 1
 
 
+def uneven_rank(rank, world):
+    layer = make_layer(False)
+    apply_expert_parallel(layer, build_mesh(1, world, world), "nvshmem")
+    try:
+        layer(torch.randn(T + rank, D))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_uneven_token_counts_fail_clearly():
+    for message in run_ranks(uneven_rank, 2):
+        assert "needs the same tokens x top_k on every expert-parallel rank, got [48, 50]" in message
+
+
 PUT_CHECK = """
 import torch
 from moe.parallel.transport import copy_valid_rows, put_rows
