@@ -96,7 +96,8 @@ def ep_rank(rank, world, skew, factor):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, skew", [(2, False), (2, True), (4, False), (4, True)],
+@pytest.mark.parametrize("world, skew", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow),
+                                         pytest.param(4, True, marks=pytest.mark.slow)],
                          ids=["ep2", "ep2-skewed", "ep4", "ep4-skewed"])
 def test_symmetric_ep_matches_single_process(world, skew):
     results = run_ranks(ep_rank, world, skew, None)
