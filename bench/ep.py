@@ -1,10 +1,15 @@
 """Training-step time of one layout on N local GPUs (NCCL): e.g. EP=2 against EP=1 on two H200s.
 
     python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2
+    python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2 --parallel ep=2,ep_backend=nvshmem --sync-debug
+    python -m bench.ep --nproc 2 --skew --parallel ep=1 --parallel ep=2 --parallel ep=2,ep_backend=nvshmem
 
 Each --parallel runs the same model (OLMoE-1B-7B width, --layers layers), the same per-GPU
 batch and the library's own training step, in fresh processes; step times are CUDA-event
 medians after warm-up on rank 0 (every rank runs the same number of collectives per step).
+--skew biases every router so that all tokens pick experts of EP rank 0 (the same routing
+at EP=1); --sync-debug runs one more step under torch.cuda.set_sync_debug_mode("error") and
+records whether it made a host sync. Peak memory includes NVSHMEM symmetric buffers.
 """
 
 from __future__ import annotations
@@ -50,6 +55,11 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
         "precision": {"recipe": args["recipe"]},
     })
     trainer = Trainer(cfg)
+    if args["skew"]:  # all top-k choices among the experts of EP rank 0 (no bias updates: rate 0)
+        for _, layer in trainer.model.moe_layers():
+            bias = torch.zeros(layer.router.num_experts, device=layer.router.weight.device)
+            bias[: layer.router.num_experts // world] = 100.0
+            layer.router.expert_bias = bias
     for _ in range(args["warmup"]):
         trainer.train_step()
         trainer.step += 1
@@ -70,14 +80,30 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
             times.append(start.elapsed_time(end) / 1e3)
         else:
             times.append(time.perf_counter() - t0)
-    losses = torch.stack([v for _, v in trainer._pending]).tolist()
+    sync = None
+    if args["sync_debug"] and device_type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            trainer.train_step()
+            sync = "none"
+        except RuntimeError as exc:
+            sync = str(exc).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        trainer.step += 1
+    losses = torch.stack([v for _, v in trainer._pending]).tolist()[: args["warmup"] + args["steps"]]
+    from moe.parallel.transport import symmetric_bytes
+
+    symmetric = symmetric_bytes()
     if rank == 0:
         tokens = args["micro"] * args["seq"]  # per GPU per step
         step = statistics.median(times)
         fpt = flops_per_token(cfg.model, args["seq"])
         result = {"parallel": parallel, "world": world, "step_s": step, "tokens_per_s_per_gpu": tokens / step,
                   "tflops_per_gpu": tokens * fpt / step / 1e12, "step_times_s": times, "losses": losses,
-                  "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None}
+                  "peak_mem_gb": (torch.cuda.max_memory_allocated() + symmetric) / 2**30 if device_type == "cuda" else None,
+                  "symmetric_gb": symmetric / 2**30, "host_sync": sync}
         torch.save(result, Path(out) / "result.pt")
     shutdown_distributed()
 
@@ -93,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--recipe", default="bf16")
+    p.add_argument("--skew", action="store_true", help="route every token to experts of EP rank 0")
+    p.add_argument("--sync-debug", action="store_true", help="one extra step with host syncs as errors")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
     if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
@@ -126,7 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]["step_s"]
     for r in rows:
         r["step_vs_first"] = r["step_s"] / base
-    print_table(rows, ["layout", "world", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_vs_first", "peak_mem_gb"])
+        # the same layout on the nccl backend: losses must agree (sync-free dispatcher parity)
+        peer = {**r["parallel"], "ep_backend": "nccl"}
+        match = [q for q in rows if {"ep_backend": "nccl", **q["parallel"]} == peer and q is not r]
+        if r["parallel"].get("ep_backend") == "nvshmem" and match:
+            ref = match[0]["losses"]
+            r["loss_rel_diff_vs_nccl"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True))
+    print_table(rows, ["layout", "world", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_vs_first", "peak_mem_gb",
+                       "host_sync", "loss_rel_diff_vs_nccl"])
     payload = {"benchmark": "layout_step", "environment": environment(), "config": {k: v for k, v in vars(a).items()},
                "results": rows}
     if not a.no_save:

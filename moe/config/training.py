@@ -127,12 +127,21 @@ class ParallelConfig(Config):
     # pipeline together; interleaved_1f1b runs pp_virtual_stages stages on every rank.
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_virtual_stages: int = 2
+    # Expert-parallel token transport: nccl (all-to-all, one host sync per layer call) or
+    # nvshmem (sync-free symmetric buffers; emulated over gloo on CPU).
+    ep_backend: Literal["nccl", "nvshmem"] = "nccl"
+    # nvshmem only: receive rows per rank = factor * tokens * top_k (null: worst case, ep * that).
+    ep_capacity_factor: float | None = None
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
         require(self.ep >= 1, _k(p, "ep"), f"must be >= 1, got {self.ep}")
         require(self.dp == -1 or self.dp >= 1, _k(p, "dp"), f"must be >= 1 or -1 (auto), got {self.dp}")
         require(self.pp_virtual_stages >= 1, _k(p, "pp_virtual_stages"), "must be >= 1")
+        require(self.ep_capacity_factor is None or self.ep_capacity_factor > 0, _k(p, "ep_capacity_factor"),
+                f"must be > 0 or null, got {self.ep_capacity_factor}")
+        require(self.ep_capacity_factor is None or self.ep_backend == "nvshmem", _k(p, "ep_capacity_factor"),
+                "only applies to ep_backend=nvshmem")
 
 
 @dataclasses.dataclass

@@ -87,14 +87,18 @@ class AllToAllDispatcher:
 
 
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
-    """Keep this EP rank's slice of every MoE layer's experts; route tokens with all-to-all.
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, backend: str = "nccl",
+                          capacity_factor: float | None = None) -> nn.Module:
+    """Keep this EP rank's slice of every MoE layer's experts; route tokens with all-to-all
+    (``backend="nccl"``) or the sync-free symmetric-buffer dispatcher (``"nvshmem"``: NVSHMEM
+    on GPUs, its gloo emulation on CPU; see moe.parallel.symmetric_dispatch).
 
     The full model must be initialised identically on every rank first (same seed), so the
     slices together are exactly the single-process model."""
     from moe.layers.moe_layer import MoELayer
 
-    for module in model.modules():
+    transport = None
+    for name, module in model.named_modules():
         if not isinstance(module, MoELayer):
             continue
         module.router.balance_group = mesh.dp_group
@@ -107,5 +111,12 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
         experts.gate_up = nn.Parameter(experts.gate_up.data[offset : offset + local].clone())
         experts.down = nn.Parameter(experts.down.data[offset : offset + local].clone())
         experts.num_experts, experts.expert_offset = local, offset
-        module.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, total)
+        if backend == "nvshmem":
+            from moe.parallel.symmetric_dispatch import SymmetricDispatcher
+            from moe.parallel.transport import build_transport
+
+            transport = transport or build_transport(mesh.ep_group, mesh.ep, mesh.ep_ranks)  # one per process
+            module.dispatcher = SymmetricDispatcher(mesh.ep_group, mesh.ep, total, transport, capacity_factor, name)
+        else:
+            module.dispatcher = AllToAllDispatcher(mesh.ep_group, mesh.ep, total)
     return model

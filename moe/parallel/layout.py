@@ -97,7 +97,8 @@ class ParallelLayout:
         self.sync: GradSync | None = None
 
     def parallelize(self, model: Transformer) -> Transformer:
-        model = apply_expert_parallel(model, self.mesh)
+        par = self.cfg.parallel
+        model = apply_expert_parallel(model, self.mesh, par.ep_backend, par.ep_capacity_factor)
         if self.resolved.pp > 1:
             model, views = prune_for_stages(model, self.mesh, self.virtual)
             self.runner = PipelineRunner(views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum,

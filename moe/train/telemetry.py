@@ -132,4 +132,16 @@ class MoETelemetry:
         )
         if ep_rows:
             out["ep_rows_max_over_mean"] = max(ep_rows)
+        out.update(self._dispatch_telemetry())
+        return out
+
+    def _dispatch_telemetry(self) -> dict[str, float]:
+        """This rank's symmetric EP dispatcher figures (parallel.ep_backend=nvshmem): peak
+        receive-buffer use and capacity overflows per layer (an overflow also turns the step's
+        loss NaN, so the non-finite policy skips or stops it; this names the layer)."""
+        out: dict[str, float] = {}
+        for name, layer in self.layers:
+            stats = getattr(layer.dispatcher, "telemetry", lambda: {})()
+            for key, value in stats.items():
+                out[f"{key}/layer_{name}"] = float(value)
         return out
