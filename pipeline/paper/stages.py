@@ -192,7 +192,9 @@ def gerrymander(ctx: Context) -> dict[str, Any]:
         model = {"preset": "tiny", "vocab_size": vocab, "max_seq_len": 64}
         seq, micro = 64, 4
         note = "CPU scale: the tiny model on the tokenised corpus"
-    shape = Scaled(model, seq, micro, [note])
+    from moe.config import ModelConfig
+
+    shape = Scaled(ModelConfig.from_dict(model).to_dict(), seq, micro, [note])
     steps = p.gerrymander_steps
     sections = ctx.sections(shape, {"ep": 1}, train={"max_steps": steps})
     sections["schedule"] = {"warmup_steps": max(1, steps // 10)}
