@@ -79,6 +79,8 @@ class TrainConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Dense bf16 TFLOP/s of one device for MFU; null: look it up from the device name.
     peak_tflops: float | None = None
+    # Activation recompute per block (moe.parallel.recompute): none | matmuls | selective | full.
+    recompute: Literal["none", "matmuls", "selective", "full"] = "none"
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
