@@ -179,6 +179,19 @@ def predict(rows: list, seq: int, calibration: dict) -> None:
         r["prediction_error"] = r["predicted_peak_gib"] / r["peak_gib"] - 1
 
 
+def predict_from(path: Path) -> int:
+    """Re-predict a measured sweep with this checkout's plan and calibration table (CPU only)."""
+    from moe.train.plan import load_calibration
+
+    result = json.loads(path.read_text())
+    rows = [r for r in result["rows"] if "peak_gib" in r]
+    predict(rows, result["config"]["seq"], load_calibration())
+    print_table(rows, ["layers", "micro", "accum", "mode", "peak_gib", "predicted_peak_gib", "prediction_error"])
+    worst = max(abs(r["prediction_error"]) for r in rows)
+    print(f"{len(rows)} configs; largest error {worst:.1%}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096)
@@ -188,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="skip configs once this many seconds have passed")
     p.add_argument("--write-calibration", action="store_true", help=f"write {CALIBRATION.name} next to moe/train/plan.py")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--predict", type=Path, metavar="RESULT_JSON",
+                   help="no GPU: the current plan's predictions against the peaks measured in an earlier result")
     args = p.parse_args(argv)
+    if args.predict:
+        return predict_from(args.predict)
     if not torch.cuda.is_available():
         print("bench.memory needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -70,6 +70,7 @@ class RankState:
     grads: int  # fp32 gradients (every parameter of the rank; ZeRO-1 reduces to the owner after backward)
     optimizer: int  # AdamW exp_avg + exp_avg_sq (owned parameters)
     layers: int  # transformer blocks on this rank
+    transient_grad: int  # the largest parameter's low-precision gradient before its fp32 accumulation
     first: bool
     last: bool
 
@@ -133,10 +134,12 @@ def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | No
             else:
                 owned = numel
             low = master_weights and param_dtype != torch.float32
+            largest = max((n for _, n, _ in params), default=0)
             out.append(RankState(
                 rank=stage * r.dp + dp_rank, stage=stage, params=numel, weights=numel * elem,
                 masters=owned * 4 if low else 0, grads=numel * 4, optimizer=owned * 8,
-                layers=len(model.layers), first=model.embed is not None, last=model.lm_head is not None,
+                layers=len(model.layers), transient_grad=largest * elem if low else 0,
+                first=model.embed is not None, last=model.lm_head is not None,
             ))
     return out
 
@@ -152,7 +155,7 @@ def _fsdp_states(cfg: ExperimentConfig, world: int) -> list[RankState]:
             shard += rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1))
     numel = shard
     return [RankState(rank=i, stage=0, params=numel, weights=numel * 4, masters=0, grads=numel * 4,
-                      optimizer=numel * 8, layers=cfg.model.n_layers, first=True, last=True) for i in range(world)]
+                      optimizer=numel * 8, layers=cfg.model.n_layers, transient_grad=0, first=True, last=True) for i in range(world)]
 
 
 def total_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -297,23 +300,26 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
     gathered = 0.0
     if fsdp and resolved.world_size > 1:  # FSDP2 unshards a block (and prefetches the next)
         gathered = 2 * 4 * max(1, _largest_block_params(m))
-    dynamic_start = acts + head + recompute + ep_buffers + (state.grads if accumulating else 0)
-    dynamic_end = state.grads + (tokens * per_layer[0] if per_layer else 0)
+    one_block = tokens * max((analytic_layer_bytes(m, "none", m.is_moe_layer(i)) * factors.get("none", 1.0) for i in layer_indices),
+                             default=0.0)
     lines = {
         "weights": state.weights,
         "fp32 masters": state.masters,
         "AdamW moments": state.optimizer,
-        "fp32 gradients": state.grads if (accumulating or dynamic_end > dynamic_start) else 0.0,
+        "fp32 gradients": state.grads if accumulating else 0.0,
         "activations": acts,
-        "head (logits, loss)": head,
-        "recompute (one block)": recompute,
+        # the head's logits and the first block recomputed in backward are not live together
+        "head or recomputed block": max(head, recompute),
         "EP buffers": ep_buffers,
         "FSDP gathered blocks": gathered,
         "CUDA workspace allowance": WORKSPACE_GIB * GIB,
     }
-    if not accumulating and dynamic_end > dynamic_start:  # the peak is at the end of backward
-        lines.update({"activations": tokens * per_layer[0] if per_layer else 0.0, "head (logits, loss)": 0.0,
-                      "recompute (one block)": 0.0, "EP buffers": 0.0})
+    # End of backward: every gradient, the last block's activations (saved or recomputed) and
+    # the low-precision gradient of the largest parameter before it is added to its fp32 one.
+    end = {**lines, "fp32 gradients": state.grads, "activations": one_block, "head or recomputed block": state.transient_grad,
+           "EP buffers": 0.0}
+    if sum(end.values()) > sum(lines.values()):
+        lines = end
     return {k: v / GIB for k, v in lines.items()}
 
 
