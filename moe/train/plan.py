@@ -414,8 +414,8 @@ def format_plan(plan: Plan) -> str:
     for k, v in plan.memory_gib.items():
         lines.append(f"  {k.ljust(width)}  {v:8.2f}")
     lines.append(f"  {'peak'.ljust(width)}  {plan.peak_gib:8.2f}   of {plan.capacity_gib:.1f}")
-    lines.append(f"FLOPs/token {plan.flops_per_token / 1e9:.2f} G; {plan.tokens_per_step} tokens/step; "
-                 f"predicted step {plan.step_time_s:.3f} s at {plan.mfu:.0%} MFU "
+    lines.append(f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
+                 f"predicted step {plan.step_time_s:.3g} s at {plan.mfu:.0%} MFU "
                  f"({GPUS[plan.gpu].peak_tflops:.0f} TFLOP/s dense bf16 per GPU)")
     lines.append(f"verdict: {plan.verdict()}")
     for k in plan.knobs[1:4]:
