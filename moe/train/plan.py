@@ -111,6 +111,8 @@ def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | No
         param_dtype, master_weights = _param_dtype(cfg)
     r = cfg.check_world(world)
     if cfg.parallel.data_parallel == "fsdp":
+        if master_weights:  # as FsdpLayout.optimizer refuses it
+            raise ConfigError("parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 (FSDP keeps fp32 shards)")
         return _fsdp_states(cfg, world)
     virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" and r.pp > 1 else 1
     elem = torch.empty((), dtype=param_dtype).element_size()
