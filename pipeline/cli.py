@@ -32,6 +32,7 @@ console = Console(stderr=True)
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
 NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan: h100, h200, b200 or b300")]
 
 
 def fail(message: str, code: int) -> None:
@@ -138,9 +139,12 @@ def submit(
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm.gpus_per_node")] = None,
     partition: Annotated[str | None, typer.Option(help="slurm.partition")] = None,
     time_min: Annotated[int | None, typer.Option(help="slurm.time_min")] = None,
+    gpu: GpuOpt = "h200",
+    ignore_plan: Annotated[bool, typer.Option("--ignore-plan", help="submit even when the plan predicts it does not fit")] = False,
     no_mlflow: NoTrackOpt = False,
 ) -> None:
-    """Submit the training job to Slurm (submitit); prints the job id."""
+    """Submit the training job to Slurm (submitit); prints the job id. GPU jobs are planned
+    first (`moe plan`) and refused when predicted not to fit (--ignore-plan overrides)."""
     from pipeline.executors.slurm import SlurmExecutor
     from pipeline.stages.train import container_tags, finish_train, make_job
 
@@ -149,6 +153,8 @@ def submit(
     overrides = [*(set_ or []), "executor.kind=slurm", *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     cfg = _load(params, overrides)
     executor = SlurmExecutor(cfg.slurm, cfg.container)
+    if cfg.slurm.gpus_per_node:
+        _check_plan(cfg, gpu, cfg.slurm.nodes * cfg.slurm.tasks_per_node, show=dry_run, ignore=ignore_plan or dry_run)
     if dry_run:
         job = make_job(cfg, resolve_data=False)
         print(executor.sbatch_script(job), end="")
@@ -179,6 +185,41 @@ def submit(
             raise JobFailed(f"{result.message}; log: {result.log_path}", result.exit_code)
         metrics = finish_train(cfg, job, tracker)
     console.print(f"slurm job {job_id} done: final loss {metrics['final_loss']:.4f}")
+
+
+def _check_plan(cfg, gpu: str, gpus: int, show: bool, ignore: bool) -> None:
+    """Plan the job; refuse one predicted not to fit unless told to go ahead."""
+    from moe.train.plan import format_plan, make_plan
+
+    plan = make_plan(cfg, gpu, gpus)
+    if show:
+        console.print(format_plan(plan), highlight=False, soft_wrap=True)
+    if not plan.fits and not ignore:
+        fail(f"moe plan: {plan.verdict()} (--ignore-plan submits anyway)", 2)
+
+
+@app.command()
+@handle_errors
+def plan(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    gpu: GpuOpt = "h200",
+    gpus: Annotated[int | None, typer.Option(help="GPUs of the job (default: slurm.nodes x slurm.tasks_per_node for "
+                                                  "executor.kind=slurm, else executor.nprocs)")] = None,
+    mfu: Annotated[float, typer.Option(help="model FLOPs utilisation for the predicted step time")] = 0.4,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Parameters, per-GPU memory, FLOPs and step time of a config; does it fit, and what helps."""
+    from moe.train.plan import format_plan, make_plan
+
+    cfg = _load(params, set_)
+    if gpus is None:
+        gpus = cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.executor.kind == "slurm" else cfg.executor.nprocs
+    result = make_plan(cfg, gpu, gpus, mfu)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_plan(result))
 
 
 @app.command()

@@ -82,6 +82,8 @@ class TrainConfig(Config):
     peak_tflops: float | None = None
     # The token-gerrymandering alarm over the logged expert load (moe.train.load_alarm).
     load_alarm: LoadAlarmConfig = dataclasses.field(default_factory=LoadAlarmConfig)
+    # Activation recompute per block (moe.parallel.recompute): none | matmuls | selective | full.
+    recompute: Literal["none", "matmuls", "selective", "full"] = "none"
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):

@@ -24,6 +24,7 @@ from moe.data import BatchLoader, TokenDataError, TokenDataset
 from moe.model import Transformer
 from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
+from moe.parallel.recompute import apply_recompute
 from moe.precision import resolve_recipe
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
@@ -78,6 +79,7 @@ class Trainer:
         with torch.device(self.device):
             model = Transformer(cfg.model)  # the full model, identical on every rank (same seed)
         self.recipe.prepare(model)
+        apply_recompute(model, cfg.train.recompute)  # per block, before the layout (FSDP2 wraps it)
         self.model = self.layout.parallelize(model)
         self.opt = self.layout.optimizer(self.model, cfg.optim, self.recipe.master_weights)
         self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)

@@ -72,3 +72,40 @@ def test_console_script_is_installed():
     exe = which("moe") or str(Path(sys.executable).parent / "moe")
     assert Path(exe).exists()
     assert subprocess.run([exe, "--help"], capture_output=True).returncode == 0
+
+
+# ------------------------------------------------------------------ moe plan and submit's plan
+
+def test_plan_prints_the_table_and_json(workspace):
+    r = moe("plan", "--gpu", "h100", "--set", "train.recompute=selective")
+    assert r.returncode == 0, r.stderr
+    for text in ("parameters:", "fp32 masters", "AdamW moments", "activations", "FLOPs/token", "verdict: fits"):
+        assert text in r.stdout, text
+    r = moe("plan", "--gpu", "b200", "--gpus", "2", "--set", "parallel.ep=2", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["fits"] and plan["gpus"] == 2 and plan["layout"]["ep"] == 2 and plan["params_total"] > plan["params_active"]
+
+
+def test_plan_errors(workspace):
+    assert moe("plan", "--help").returncode == 0
+    assert_one_error_line(moe("plan", "--gpu", "a100"), 2, "--gpu: unknown GPU 'a100'; known: h100, h200, b200, b300")
+    assert_one_error_line(moe("plan", "--gpus", "3", "--set", "parallel.pp=2"), 2, "parallel.pp: world size 3 is not divisible by pp=2")
+    assert_one_error_line(moe("plan", "--set", "train.recompute=most"), 2, "train.recompute")
+    assert_one_error_line(moe("plan", "--params", "nope.yaml"), 2, "nope.yaml: params file not found")
+
+
+BIG = ["--set", "model.preset=olmoe-1b-7b", "--set", "model.n_layers=16", "--set", "model.vocab_size=50304",
+       "--set", "model.d_model=2048", "--set", "model.n_heads=16",
+       "--set", "model.moe.num_experts=64", "--set", "model.moe.top_k=8", "--set", "model.moe.expert_hidden=1024",
+       "--set", "data.seq_len=4096", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
+       "--gpus-per-node", "1"]
+
+
+def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(workspace):
+    r = moe("submit", "--dry-run", "--gpu", "h200", *BIG)
+    assert r.returncode == 0, r.stderr
+    assert "verdict: does not fit" in r.stderr and "train.recompute=selective" in r.stderr
+    assert r.stdout.startswith("#!/bin/bash")
+    assert_one_error_line(moe("submit", "--no-mlflow", "--gpu", "h200", *BIG), 2, "moe plan: does not fit")
+    assert not Path("runs").exists()
