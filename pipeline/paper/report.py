@@ -170,7 +170,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         lines += [f"### {CLAIMS[stage].title}", ""]
         if r.get("note"):
             lines += [f"Note: {r['note']}.", ""]
-        lines += ["| variant | status | tokens/s/device | TFLOP/s/device | step (ms) | peak GB | activations GB | final loss |",
+        lines += ["| variant | status | tokens/s/device | TFLOP/s/device | step (ms) | peak GB (plan) | activations GB | final loss |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for v in r["variants"]:
             if v.get("status") != "ok":
@@ -178,6 +178,8 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
                 continue
             peak = v.get("peak_mem_gb")
             peak_s = _fmt(peak) if peak is not None else f"{_fmt(v.get('peak_rss_gb'))} (RSS)"
+            if v.get("predicted_peak_gb") is not None:
+                peak_s += f" ({_fmt(v['predicted_peak_gb'])})"
             lines.append(f"| {v['name']} | ok | {_fmt(v['tokens_per_s_per_device'])} | {_fmt(v['tflops_per_device'])} | "
                          f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('activation_gb'))} | {_fmt(v.get('final_loss'))} |")
         lines.append("")

@@ -10,10 +10,9 @@ report prints each step the rule took next to the figure (``Scaled.notes``).
 
 On CPUs the stages run a tiny shape of the same structure (it proves the plumbing, not speed).
 
-Memory prediction: bytes per parameter of the resident layout (bf16 weights, bf16 + fp32
-gradients, fp32 masters and AdamW moments, the latter two sharded by ZeRO-1) plus activations
-per token and layer and the fp32 logits, plus a fixed workspace allowance. It is a planning
-estimate with a safety margin, not a measurement; each stage reports the measured peak.
+Memory prediction: ``moe plan`` (moe/train/plan.py): exact weight, master, gradient and
+optimizer bytes of every rank from the model built on the meta device, calibrated activation
+bytes per token and layer for the recompute mode, and a workspace allowance.
 """
 
 from __future__ import annotations
@@ -21,12 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moe.config import ModelConfig
 from moe.config.presets import model_preset
-from moe.train.accounting import param_counts
 from pipeline.paper.hardware import Hardware
 
-WORKSPACE_GB = 4.0
 PAPER_MODEL = "paper-8l"
 PAPER_SEQ = 8192
 
@@ -46,40 +42,19 @@ class Scaled:
         return shape + ("; " + "; ".join(self.notes) if self.notes else "; the paper's shape")
 
 
-def _expert_params(cfg: ModelConfig) -> int:
-    moe_layers = sum(1 for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
-    return moe_layers * cfg.moe.num_experts * 3 * cfg.d_model * cfg.moe.expert_hidden
-
-
 def predict_peak_gb(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any],
                     recompute: str = "none") -> float:
-    """Predicted peak GPU memory (GB) of one rank of a training step (see the module docstring)."""
-    cfg = ModelConfig.from_dict(model).validate()
-    counts = param_counts(cfg)
-    expert = _expert_params(cfg)
-    dense = counts.total - expert
-    ep = layout.get("ep", 1)
-    if layout.get("data_parallel") == "fsdp":
-        resident = (dense + expert) / world
-        state = resident * (2 + 6 + 12)
-        # one gathered layer (weights + gradients) at a time
-        state += (dense + expert) / cfg.n_layers * 2 * 2
-    else:
-        resident = dense + expert / ep
-        shard_dense = world if layout.get("shard_optimizer") else 1
-        shard_expert = world // ep if layout.get("shard_optimizer") else 1
-        state = resident * (2 + 6) + 12 * (dense / shard_dense + expert / ep / shard_expert)
-    d, h, k, e = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.top_k, cfg.moe.num_experts
-    per_token_layer = 2 * (10 * d + k * (2 * d + 3 * h)) + 8 * e
-    if recompute == "full":
-        per_token_layer = 2 * d
-    elif recompute != "none":
-        per_token_layer -= 2 * k * 3 * h
-    tokens = seq_len * micro
-    act = tokens * (cfg.n_layers * per_token_layer + 10 * cfg.vocab_size)
-    if recompute == "full":
-        act += tokens * 2 * (10 * d + k * (2 * d + 3 * h))  # the one block being recomputed
-    return (state + act) / 2**30 + WORKSPACE_GB
+    """``moe plan``'s predicted peak (GiB) of the worst rank of one training step."""
+    from moe.config import ExperimentConfig
+    from moe.train.plan import make_plan
+
+    cfg = ExperimentConfig.from_dict({
+        "model": model, "data": {"seq_len": seq_len},
+        "train": {"micro_batch_size": micro, "global_batch_size": micro * world, "recompute": recompute},
+        "parallel": layout, "precision": {"recipe": "amp_bf16" if layout.get("data_parallel") == "fsdp" else "bf16"},
+    }).validate()
+    # The peak does not depend on the GPU kind (only the capacity, which the caller compares).
+    return make_plan(cfg, "h200", world, knobs=False).peak_gib
 
 
 def _halve_width(model: dict[str, Any]) -> dict[str, Any]:

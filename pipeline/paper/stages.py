@@ -18,7 +18,7 @@ from pipeline.paper.claims import CLAIMS
 from pipeline.paper.config import PaperParams
 from pipeline.paper.hardware import Hardware, detect
 from pipeline.paper.measure import measure
-from pipeline.paper.scaling import Scaled, paper_shape
+from pipeline.paper.scaling import Scaled, paper_shape, predict_peak_gb
 
 
 @dataclasses.dataclass
@@ -43,7 +43,19 @@ class Context:
                 "precision": {"recipe": extra.pop("recipe", "auto"), **extra.pop("precision", {})}, **extra}
 
     def run(self, name: str, sections: dict[str, Any], **kw: Any) -> dict[str, Any]:
-        """Measure one variant; a variant this setup cannot run is recorded with the reason."""
+        """Measure one variant; a variant this setup cannot run is recorded with the reason.
+
+        On GPUs `moe plan` checks the variant first: one predicted not to fit is not launched."""
+        predicted = None
+        if self.hw.kind == "gpu":
+            try:
+                predicted = predict_peak_gb(sections["model"], sections["data"]["seq_len"], sections["train"]["micro_batch_size"],
+                                            self.hw.count, sections["parallel"], sections["train"].get("recompute", "none"))
+            except ConfigError as exc:
+                return {"name": name, "status": "not run", "reason": str(exc).splitlines()[0]}
+            if predicted > self.hw.memory_gb:
+                return {"name": name, "status": "not run", "predicted_peak_gb": predicted,
+                        "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gb:.1f} GiB of one GPU"}
         try:
             m = measure(self.params.base, name, sections, self.work, self.steps, tracker=self.tracker, **kw)
         except ConfigError as exc:  # this setup cannot express the variant (e.g. FP8 on a CPU)
@@ -51,6 +63,7 @@ class Context:
         except JobFailed as exc:  # recorded, and shown as a failure in the report
             return {"name": name, "status": "failed", "reason": str(exc).splitlines()[0]}
         m["status"] = "ok"
+        m["predicted_peak_gb"] = predicted
         return m
 
 
@@ -71,7 +84,8 @@ def resident(ctx: Context) -> dict[str, Any]:
     p = ctx.params.paper
     shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, [ours, fsdp], p.memory_fraction)
     a = ctx.run("resident-ddp-ep-zero1", ctx.sections(shape, ours))
-    b = ctx.run("resident-fsdp2", ctx.sections(shape, fsdp))
+    # FSDP2 keeps fp32 shards and computes in bf16 under autocast (amp_bf16), as the paper's baseline did.
+    b = ctx.run("resident-fsdp2", ctx.sections(shape, fsdp, recipe="amp_bf16" if ctx.hw.kind == "gpu" else "auto"))
     derived = {}
     if _ok(a) and _ok(b):
         derived = {"speedup": _ratio(a["tokens_per_s_per_device"], b["tokens_per_s_per_device"]),

@@ -19,10 +19,10 @@ def test_paper_hardware_gets_the_paper_shape():
 
 
 def test_one_h200_scales_layers_first_and_says_so():
-    s = paper_shape(Hardware("gpu", "H200", 1, 141.0, (9, 0)), 64, None, None, [{"ep": 1}], 0.8)
+    s = paper_shape(Hardware("gpu", "H200", 1, 139.8, (9, 0)), 64, None, None, [{"ep": 1}], 0.8)
     assert s.model["d_model"] == 4096 and s.seq_len == 8192  # width and sequence kept
     assert 2 <= s.model["n_layers"] < 8 and s.notes == [f"layers 8 -> {s.model['n_layers']} (memory)"]
-    assert predict_peak_gb(s.model, s.seq_len, 1, 1, {"ep": 1}) <= 141 * 0.8
+    assert predict_peak_gb(s.model, s.seq_len, 1, 1, {"ep": 1}) <= 139.8 * 0.8
 
 
 def test_prediction_grows_with_layers_and_shrinks_with_sharding_and_recompute():
@@ -32,7 +32,7 @@ def test_prediction_grows_with_layers_and_shrinks_with_sharding_and_recompute():
     assert predict_peak_gb({**m, "n_layers": m["n_layers"] + 1}, 8192, 1, 2, {"ep": 1}) > base
     assert predict_peak_gb(m, 8192, 1, 2, {"ep": 2}) < base
     assert predict_peak_gb(m, 8192, 1, 2, {"ep": 2, "shard_optimizer": True}) < predict_peak_gb(m, 8192, 1, 2, {"ep": 2})
-    assert predict_peak_gb(m, 8192, 1, 2, {"ep": 1}, "full") < predict_peak_gb(m, 8192, 1, 2, {"ep": 1}, "selective") < base
+    assert predict_peak_gb(m, 8192, 1, 2, {"ep": 1}, "full") <= predict_peak_gb(m, 8192, 1, 2, {"ep": 1}, "selective") < base
 
 
 def test_cpu_scale_is_tiny_and_labelled():
