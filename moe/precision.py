@@ -22,6 +22,8 @@ class PrecisionRecipe:
     name: str
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
+    # Whether its kernels are fixed-order (train.deterministic refuses a recipe that is not).
+    deterministic = True
 
     @property
     def master_weights(self) -> bool:

@@ -79,6 +79,8 @@ class TrainConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Dense bf16 TFLOP/s of one device for MFU; null: look it up from the device name.
     peak_tflops: float | None = None
+    # Bitwise-identical reruns on CUDA at some cost in step time (moe.train.determinism).
+    deterministic: bool = False
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
