@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=8, help="steps per run (the kill/resume run checkpoints at half)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the step time")
-    p.add_argument("--ep", action="store_true", help="also EP=2 on two GPUs, twice per mode")
+    p.add_argument("--ep", action="store_true", help="also EP=2 on two GPUs, twice per mode (part 'ep')")
+    p.add_argument("--parts", default="pairs,resume,ep", help="which comparisons: pairs (reruns, cost), resume, ep")
     p.add_argument("--time-limit", type=float, default=1e9, help="start no new wave after this many seconds")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
@@ -256,14 +257,18 @@ def main(argv: list[str] | None = None) -> int:
         # Waves of runs started together. Timing comes from the runs alone on their GPU (on_a,
         # off_a on GPU 0; on_c, off_c on GPU 1); the rest only check equality, and some share a
         # GPU with another run (concurrency must not change the bits in the mode either).
-        waves = [
-            [spec("on_a", True, [0]), spec("on_c", True, [g1])],
-            [spec("off_a", False, [0]), spec("off_c", False, [g1])],
-            [spec("on_b", True, [0]), spec("off_b", False, [0]), spec("on_killed", True, [g1], checkpoint_at=half, kill_at=half + 1)],
-            [spec("on_resumed", True, [g1], resume=True)],
-        ]
-        waves[3][0]["ckpt"] = waves[2][2]["ckpt"]
-        if a.ep and (gpus >= 2 or a.device == "cpu"):
+        parts = set(a.parts.split(","))
+        waves: list[list[dict[str, Any]]] = []
+        if "pairs" in parts:
+            waves += [[spec("on_a", True, [0]), spec("on_c", True, [g1])], [spec("off_a", False, [0]), spec("off_c", False, [g1])]]
+        third = [spec("on_b", True, [0]), spec("off_b", False, [0])] if "pairs" in parts else []
+        if "resume" in parts:
+            killed = spec("on_killed", True, [g1], checkpoint_at=half, kill_at=half + 1)
+            third += [killed] if "pairs" in parts else [spec("on_c", True, [g1]), killed]
+            waves += [third, [spec("on_resumed", True, [g1], resume=True, ckpt=killed["ckpt"])]]
+        elif third:
+            waves.append(third)
+        if "ep" in parts and a.ep and (gpus >= 2 or a.device == "cpu"):
             waves += [[spec(f"ep2_{m}_{i}", m == "on", [0, 1]) for i in "ab"] for m in ("on", "off")]
         if a.device == "cpu":  # one at a time on the CPU
             waves = [[s] for w in waves for s in w]
@@ -321,9 +326,11 @@ def report(a: argparse.Namespace, results: dict[str, dict[str, Any]], t_start: f
         else:
             a.result_path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     if final:
-        print_table(rows, ["comparison", "bitwise_equal", "losses_equal", "weights_equal", "first_differing_step", "max_rel_loss_diff"])
-        print()
-        print_table(costs, ["layout", "step_s_off", "step_s_on", "cost"])
+        if rows:
+            print_table(rows, ["comparison", "bitwise_equal", "losses_equal", "weights_equal", "first_differing_step", "max_rel_loss_diff"])
+        if costs:
+            print()
+            print_table(costs, ["layout", "step_s_off", "step_s_on", "cost"])
         print(f"killed run exit codes: {killed.get('exit_codes')} (-9 = SIGKILL)")
         for name in ("on_a", "off_a", "ep2_on_a"):
             if name in results:
