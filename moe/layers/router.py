@@ -102,9 +102,9 @@ class Router(nn.Module):
 def count_per_expert(flat: torch.Tensor, num_experts: int, fixed_order: bool = False) -> torch.Tensor:
     """[N] expert ids -> [E] int64 counts, on the device.
 
-    ``fixed_order``: a compare-and-sum reduction ([N, E] booleans) instead of ``scatter_add_``,
-    whose CUDA kernel uses atomics (exact for integers, but under
-    ``torch.use_deterministic_algorithms`` it falls back to a sort-based path)."""
+    ``fixed_order`` (the deterministic mode): a compare-and-sum reduction ([N, E] booleans)
+    instead of ``scatter_add_``, whose CUDA kernel accumulates with atomics (exact for integers,
+    but not a fixed-order reduction, and rerouted by ``torch.use_deterministic_algorithms``)."""
     if fixed_order:
         return (flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)).sum(0)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)

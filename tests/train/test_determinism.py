@@ -172,3 +172,24 @@ def test_entry_point_refuses_a_conflicting_environment_in_one_line(corpus, tmp_p
     assert errors == ["error: train.deterministic: the environment sets NCCL_ALGO='Tree'; the deterministic mode "
                       "needs 'Ring' (unset it or set train.deterministic=false)"]
     assert not (tmp_path / "ck").exists()
+
+
+def _ep_twice(rank, world, corpus, root):
+    from moe.parallel.expert_parallel import AllToAllDispatcher
+
+    losses = []
+    for run in ("a", "b"):
+        trainer = Trainer(det_config(Path(corpus), Path(root) / run, train={"max_steps": 3}, parallel={"ep": 2}))
+        assert all(isinstance(m.dispatcher, AllToAllDispatcher) for _, m in trainer.model.moe_layers())
+        losses.append(trainer.fit().losses)
+    return {"losses": losses, "tags": trainer.determinism.tags()}
+
+
+def test_expert_parallel_on_two_gloo_ranks_runs_in_the_mode(corpus, tmp_path):
+    from tests.parallel.dist_utils import run_ranks
+
+    results = run_ranks(_ep_twice, 2, str(corpus), str(tmp_path))
+    for r in results:
+        assert r["losses"][0] == r["losses"][1]
+        assert r["tags"]["determinism.env.NCCL_ALGO"] == "Ring"
+    assert results[0]["losses"][0] == results[1]["losses"][0]
