@@ -33,6 +33,8 @@ class PrecisionRecipe:
     autocast_dtype: torch.dtype | None
     # Builds the expert GEMM that replaces every MoE layer's (None: keep the model's own).
     expert_gemm: Callable[[], object] | None = None
+    # Whether its kernels are fixed-order (train.deterministic refuses a recipe that is not).
+    deterministic = True
 
     @property
     def master_weights(self) -> bool:

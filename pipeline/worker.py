@@ -17,6 +17,7 @@ from moe.config import ConfigError, ExperimentConfig
 from moe.data import TokenDataError
 from moe.parallel.env import shutdown_distributed
 from moe.train.checkpoint import CheckpointError
+from moe.train.determinism import set_environment
 from moe.train.sinks import ConsoleSink, JsonlSink
 from moe.train.trainer import NonFiniteLossError, Trainer
 from pipeline.executors.base import TrainJob
@@ -25,6 +26,8 @@ from pipeline.executors.base import TrainJob
 def run(job: TrainJob, stop=None) -> dict:
     """Train; return the summary (rank 0 also writes it)."""
     cfg = ExperimentConfig.from_dict(job.config).validate()
+    if cfg.train.deterministic:  # before anything starts CUDA or NCCL
+        set_environment()
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
     if job.mlflow_run_id:
         from pathlib import Path

@@ -84,6 +84,8 @@ class TrainConfig(Config):
     load_alarm: LoadAlarmConfig = dataclasses.field(default_factory=LoadAlarmConfig)
     # Activation recompute per block (moe.parallel.recompute): none | matmuls | selective | full.
     recompute: Literal["none", "matmuls", "selective", "full"] = "none"
+    # Bitwise-identical reruns on CUDA at some cost in step time (moe.train.determinism).
+    deterministic: bool = False
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):

@@ -38,6 +38,9 @@ class LocalDispatcher:
     On CUDA the gather and the weighted combine are fused Triton kernels (moe.kernels) whose
     backwards need no atomics; elsewhere the same arithmetic runs as index_select and bmm."""
 
+    # Fixed-order arithmetic only (moe.train.determinism checks this flag).
+    deterministic = True
+
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
         top_k = routing.experts.shape[1]
         order = torch.argsort(routing.experts.reshape(-1), stable=True)

@@ -42,6 +42,8 @@ class Router(nn.Module):
         # Process group over which token counts are summed for global-batch balancing and
         # bias updates; set from outside by the parallel layout (None: this process only).
         self.balance_group: dist.ProcessGroup | None = None
+        # Count tokens per expert with a fixed-order reduction (set by the deterministic mode).
+        self.deterministic = False
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: [T, d_model] -> Routing."""
@@ -54,9 +56,7 @@ class Router(nn.Module):
                 experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
             else:
                 experts = scores.topk(self.top_k, dim=-1).indices
-            flat = experts.reshape(-1)
-            tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-            tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+            tokens_per_expert = count_per_expert(experts.reshape(-1), self.num_experts, self.deterministic)
         weights = scores.gather(-1, experts)
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -97,6 +97,18 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
             self.pending_load.zero_()
+
+
+def count_per_expert(flat: torch.Tensor, num_experts: int, fixed_order: bool = False) -> torch.Tensor:
+    """[N] expert ids -> [E] int64 counts, on the device.
+
+    ``fixed_order`` (the deterministic mode): a compare-and-sum reduction ([N, E] booleans)
+    instead of ``scatter_add_``, whose CUDA kernel accumulates with atomics (exact for integers,
+    but not a fixed-order reduction, and rerouted by ``torch.use_deterministic_algorithms``)."""
+    if fixed_order:
+        return (flat.unsqueeze(1) == torch.arange(num_experts, device=flat.device)).sum(0)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,9 @@ def _split_sizes(send_rows: torch.Tensor, recv_rows: torch.Tensor) -> tuple[list
 
 
 class AllToAllDispatcher:
+    # all-to-all moves rows without reducing them; the local permutation is LocalDispatcher's.
+    deterministic = True
+
     def __init__(self, group, ep_size: int, num_experts: int) -> None:
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
         self.local_experts = num_experts // ep_size

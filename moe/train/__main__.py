@@ -17,6 +17,7 @@ from moe.config import ConfigError, ExperimentConfig
 from moe.data import TokenDataError
 from moe.parallel.env import shutdown_distributed
 from moe.train.checkpoint import CheckpointError
+from moe.train.determinism import set_environment
 from moe.train.sinks import ConsoleSink, JsonlSink
 from moe.train.trainer import NonFiniteLossError, Trainer
 
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = json.loads(args.config.read_text())
         cfg = ExperimentConfig.load(data, args.overrides)
+        if cfg.train.deterministic:  # before anything starts CUDA or NCCL
+            set_environment()
         sinks = [ConsoleSink()]
         if args.metrics_jsonl:
             sinks.append(JsonlSink(args.metrics_jsonl))

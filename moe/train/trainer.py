@@ -26,6 +26,7 @@ from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
 from moe.precision import resolve_recipe
+from moe.train import determinism
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
 from moe.train.load_alarm import TAG as LOAD_ALARM_TAG
@@ -68,6 +69,8 @@ class Trainer:
         dataset: TokenDataset | None = None,
     ) -> None:
         self.cfg = cfg
+        # First: the mode's environment must be in place before CUDA and NCCL start.
+        self.determinism = determinism.configure(cfg.train.deterministic)
         self.env = env or init_distributed(cfg.train.device)
         self.device = self.env.device
         self.layout: Layout = build_layout(cfg, self.env)
@@ -81,6 +84,7 @@ class Trainer:
         self.recipe.prepare(model)
         apply_recompute(model, cfg.train.recompute)  # per block, before the layout (FSDP2 wraps it)
         self.model = self.layout.parallelize(model)
+        determinism.prepare_model(self.model, self.recipe, self.determinism)
         self.opt = self.layout.optimizer(self.model, cfg.optim, self.recipe.master_weights)
         self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)
 
@@ -123,6 +127,7 @@ class Trainer:
         self._lr = cfg.optim.lr
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint: Path | None = None
+        self._tag(self.determinism.tags())
 
     # ----------------------------------------------------------------- state
 
@@ -134,6 +139,7 @@ class Trainer:
             "skipped_steps": int(self._skipped.item()),
             "params_total": self.params_total,
             "params_active": self.params_active,
+            "determinism": self.determinism.to_meta(),
         }
         path = self.ckpt.save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
         self.last_checkpoint = path
@@ -144,6 +150,10 @@ class Trainer:
 
         meta = read_meta(path)
         _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
+        mismatch = determinism.resume_mismatch(meta.get("determinism"), self.determinism, path)
+        if mismatch:
+            log.warning(mismatch)
+            self._tag({"determinism.resume_mismatch": mismatch})
         targets, copies = load_targets(self.model, self.opt)
         meta, rng = CheckpointManager.load(path, targets)
         self._finish_load(copies)
@@ -261,6 +271,12 @@ class Trainer:
         return summary
 
     # --------------------------------------------------------------- logging
+    def _tag(self, tags: dict[str, str]) -> None:
+        """Run-level tags for the sinks that keep them (MLflow)."""
+        for sink in self.sinks:
+            if hasattr(sink, "set_tags"):
+                sink.set_tags(tags)
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
