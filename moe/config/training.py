@@ -107,6 +107,9 @@ class CheckpointConfig(Config):
     # Start a fresh run from these model weights (a checkpoint, e.g. from `moe convert --from-hf`);
     # ignored when <dir> already holds a checkpoint to resume.
     init_from: str | None = None
+    # false: write no checkpoint at all, not even the final one (benchmark runs of large
+    # models, where a save would dwarf the steps measured); a preempted run then loses its steps.
+    save: bool = True
 
     def _check(self, p: str) -> None:
         require(self.every >= 0, _k(p, "every"), "must be >= 0")

@@ -249,7 +249,7 @@ class Trainer:
                 self.save_checkpoint()
                 preempted = True
                 break
-            if last or (every and self.step % every == 0):
+            if self.cfg.checkpoint.save and (last or (every and self.step % every == 0)):
                 self._check_finite()
                 self.save_checkpoint()
         if self.step == self.start_step and self.step >= max_steps:

@@ -63,7 +63,7 @@ def measure(base: PipelineConfig, name: str, sections: dict[str, Any], work_dir:
         "data": {"verify_checksums": False, **sections["data"], "paths": [str(data_dir)]},
         "train": {"log_every": steps, "max_steps": total_steps, **train},
         "schedule": {"warmup_steps": 1, **sections.get("schedule", {})},
-        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1},
+        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1, "save": False},
     }
     exp = ExperimentConfig.from_dict(cfg).validate()
     layout = exp.check_world(world)

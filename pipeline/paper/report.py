@@ -6,6 +6,7 @@ configuration (the scaling rule's notes beside the figure), and the ratio of the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ def _pct(v: float | None) -> str:
 
 
 def _commit() -> str:
+    """This checkout's commit (MOE_GIT_COMMIT where the tree was copied without .git)."""
+    if os.environ.get("MOE_GIT_COMMIT"):
+        return os.environ["MOE_GIT_COMMIT"][:12]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
