@@ -94,7 +94,9 @@ def measure(base: PipelineConfig, name: str, sections: dict[str, Any], work_dir:
         "mfu": last.get("mfu"),
         "peak_mem_gb": peak,
         "mem_at_rest_gb": last.get("mem_at_rest_gb"),
-        "activation_gb": (peak - last["mem_at_rest_gb"]) if peak is not None and "mem_at_rest_gb" in last else None,
+        # Peak minus the memory held between steps: activations, gradients and transients (not
+        # activations alone; bench/memory.py measures those directly).
+        "above_rest_gb": (peak - last["mem_at_rest_gb"]) if peak is not None and "mem_at_rest_gb" in last else None,
         "peak_rss_gb": last.get("peak_rss_gb"),
         "final_loss": last["loss"],
         "rows": rows,

@@ -162,6 +162,14 @@ def recompute(ctx: Context) -> dict[str, Any]:
     p = ctx.params.paper
     layout = {"ep": ctx.hw.count, "shard_optimizer": True}
     shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, [layout], p.memory_fraction)
+    if ctx.hw.kind == "gpu" and p.micro_batch_size is None:
+        # Recompute trades activations for time: measure it where activations matter, at the
+        # largest micro-batch that `moe plan` says fits without recompute.
+        budget = ctx.hw.memory_gb * p.memory_fraction
+        for micro in (8, 4, 2):
+            if predict_peak_gb(shape.model, shape.seq_len, micro, ctx.hw.count, layout) <= budget:
+                shape = dataclasses.replace(shape, micro_batch_size=micro, notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"])
+                break
     variants = [ctx.run(f"recompute-{mode}", ctx.sections(shape, layout, train={"recompute": mode})) for mode in p.recompute]
     base = variants[0]
     derived: dict[str, Any] = {}
@@ -169,10 +177,15 @@ def recompute(ctx: Context) -> dict[str, Any]:
         for v in variants[1:]:
             if _ok(v):
                 mode = v["name"].removeprefix("recompute-")
-                derived[mode] = {"activation_ratio": _ratio(v.get("activation_gb"), base.get("activation_gb")),
+                derived[mode] = {"above_rest_ratio": _ratio(_above_rest(v), _above_rest(base)),
                                  "peak_ratio": _ratio(v.get("peak_mem_gb"), base.get("peak_mem_gb")),
                                  "throughput_ratio": _ratio(v["tokens_per_s_per_device"], base["tokens_per_s_per_device"])}
     return {"shape": shape, "variants": variants, "derived": derived}
+
+
+def _above_rest(v: dict[str, Any]) -> float | None:
+    """Peak minus memory between steps (named activation_gb in results of commit 65b8cc2)."""
+    return v.get("above_rest_gb", v.get("activation_gb"))
 
 
 def ep(ctx: Context) -> dict[str, Any]:
