@@ -67,16 +67,23 @@ class Planted:
 
 
 def plant_pickle(path: Path, marker: Path) -> None:
-    path.write_bytes(pickle.dumps(Planted(marker)))
+    """A torch.save file for .pt (what torch.load reads), a bare pickle for DCP's .metadata."""
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save(Planted(marker), path)
+    else:
+        path.write_bytes(pickle.dumps(Planted(marker)))
 
 
 def reseal(step_dir: Path) -> None:
     """Recompute meta.json's checksums, as an attacker who edits a checkpoint would."""
-    from moe.train.checkpoint import _sha256
+    import hashlib
 
     meta = json.loads((step_dir / "meta.json").read_text())
-    meta["files"] = {name: _sha256(step_dir / name) for name in meta["files"]}
-    (step_dir / "meta.json").write_text(json.dumps(meta))
+    if "files" in meta:
+        meta["files"] = {name: hashlib.sha256((step_dir / name).read_bytes()).hexdigest() for name in meta["files"]}
+        (step_dir / "meta.json").write_text(json.dumps(meta))
 
 
 def ckpt(ws: Path) -> Path:
