@@ -446,7 +446,7 @@ def run_cli(case: Case, ws: Path) -> tuple[str, str]:
     result = CliRunner().invoke(_app(), case.args, catch_exceptions=True)
     out = result.output
     lost = [p for p in before if not p.exists()]
-    if (ws / "injected").exists() or "\ntouch injected" in out:
+    if (ws / "injected").exists() or (ws / "EXECUTED").exists() or "\ntouch injected" in out:
         outcome = "executed"
     elif lost:
         outcome = "lost"
