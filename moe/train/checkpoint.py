@@ -213,12 +213,24 @@ class CheckpointManager:
 def load_plain(path: Path) -> Any:
     """A file of tensors and plain values; anything that needs unpickling code is refused."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        with torch.serialization.safe_globals(_numpy_array_globals()):  # RNG files of earlier versions
+            return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:  # weights_only found something that would need code to rebuild
         raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
                               "(loading it could run code)") from None
     except Exception as exc:  # RuntimeError/EOFError when truncated or not a torch file
         raise CheckpointError(f"{path}: refused: not a plain tensor file ({_first_line(exc)})") from None
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What rebuilds a plain numpy array (numbers only; no code): earlier RNG files hold one."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
 
 
 def _sha256(path: Path) -> str:

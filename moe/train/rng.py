@@ -40,6 +40,26 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     """Restore; ValueError when ``state`` is not what :func:`rng_state` returns."""
+    if "python" in state:  # written by an earlier version: tuples and a numpy array
+        _set_legacy(state)
+    else:
+        _set(state)
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _set_legacy(state: dict[str, Any]) -> None:
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise ValueError(f"not an RNG state of this version ({type(exc).__name__}: {exc})") from None
+
+
+def _set(state: dict[str, Any]) -> None:
     try:
         py = (state["python_version"], tuple(int(v) for v in state["python_state"].tolist()), state["python_gauss"])
         np_state = ("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]),
@@ -52,5 +72,3 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.set_rng_state(torch_state)
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise ValueError(f"not an RNG state of this version ({type(exc).__name__}: {exc})") from None
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)

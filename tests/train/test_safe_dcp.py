@@ -88,3 +88,19 @@ def test_a_checkpoint_dir_that_is_a_file_is_an_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(CheckpointError, match="not a directory"):
         latest_checkpoint(tmp_path / "f")
+
+
+def test_rng_files_of_earlier_versions_still_load(tmp_path):
+    """Earlier checkpoints stored tuples and a numpy array: plain numbers, loaded without unpickling code."""
+    import random
+
+    import numpy as np
+
+    path = save(tmp_path)
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(legacy, path / "rng-rank00000.pt")
+    reseal(path)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    _, rng = CheckpointManager.load(path, {"w": torch.zeros(6), "n": 0})
+    set_rng_state(rng, torch.device("cpu"))
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
