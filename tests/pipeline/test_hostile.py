@@ -31,10 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
-from tests.pipeline.conftest import REPO, TINY_PARAMS, write_corpus
+from tests.pipeline.conftest import REPO
 
 SECRET = "hunter2-s3cret"
 RESULTS: dict[str, tuple[str, str]] = {}
@@ -96,13 +95,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def set_params(ws: Path, **sections) -> None:
-    data = yaml.safe_load((ws / "params.yaml").read_text())
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    (ws / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def flip_byte(path: Path) -> None:
