@@ -308,7 +308,13 @@ def mlflow_sync(
 
     cfg = _load(params, []) if params.is_file() else None
     uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
-    n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
+    try:
+        n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
+    except PipelineError:
+        raise
+    except Exception as exc:  # unreachable or unsupported store: keep the spool, say so in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PipelineError(f"cannot upload to {uri} ({first[:300]}); the spool files are kept, sync again later") from None
     console.print(f"uploaded {n} metric values to {redact(uri)}", highlight=False, soft_wrap=True)
 
 

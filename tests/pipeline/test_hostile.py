@@ -347,6 +347,16 @@ def _unreachable_train_check(ws, result):
     return None
 
 
+def _spool_one_row(ws):
+    (ws / "mlflow-fallback.jsonl").write_text(json.dumps({"run_id": "r1", "step": 1, "metrics": {"loss": 1.0}}) + "\n")
+
+
+def _spool_kept(ws, result):
+    if SECRET in result.output:
+        return "leaked"
+    return None if (ws / "mlflow-fallback.jsonl").is_file() else "lost"
+
+
 def _nonfinite_final(ws, result):
     return None if result.exit_code == 3 else ("silent" if result.exit_code == 0 else "traceback")
 
@@ -403,6 +413,8 @@ CASES = [
     Case("mlflow-server-password-file", 7, call=_mlflow_server_banner, expect="ok"),
     Case("mlflow-unreachable-train-then-sync", 3, ["train", "--set", "train.max_steps=4", "--set", "checkpoint.dir=runs/train/c2"],
          env={"MLFLOW_TRACKING_URI": "unreachable"}, expect="ok", check=_unreachable_train_check, slow=True),
+    Case("mlflow-sync-bad-store-secret-masked", 7, ["mlflow-sync"], setup=_spool_one_row, check=_spool_kept,
+         env={"MLFLOW_TRACKING_URI": f"bogus://u:{SECRET}@h/x"}),
     # 5: a run ending on a non-finite loss does not exit 0, even under nonfinite=skip
     Case("nonfinite-final-loss-under-skip", 5, ["train", "--no-mlflow", "--set", "train.nonfinite=skip", "--set", "optim.lr=1e30",
                                                 "--set", "train.grad_clip=null", "--set", "checkpoint.dir=runs/nan",
