@@ -19,12 +19,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moe.config import ConfigError
 from moe.data import TokenDataError
 from moe.train.checkpoint import CheckpointError
 from pipeline.errors import PipelineError
+from pipeline.redact import redact
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
 console = Console(stderr=True)
@@ -36,8 +38,16 @@ GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan
 
 
 def fail(message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _unexpected(exc: BaseException) -> None:
+    """A bug, not bad input: the traceback (credentials masked) and exit code 1."""
+    import traceback
+
+    sys.stderr.write(redact("".join(traceback.format_exception(exc))))
+    fail(f"unexpected {type(exc).__name__}: {exc}", 1)
 
 
 def handle_errors(fn):
@@ -57,8 +67,14 @@ def handle_errors(fn):
             fail(str(exc), 4)
         except FileNotFoundError as exc:
             fail(f"{exc.filename}: not found", 2)
+        except OSError as exc:
+            if exc.filename is None:
+                _unexpected(exc)
+            fail(f"{exc.filename}: {exc.strerror or exc}", 2)
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except Exception as exc:
+            _unexpected(exc)
 
     return wrapper
 
@@ -74,7 +90,7 @@ def _tracker(cfg, stage: str, params: Path, enabled: bool):
         return None
     from pipeline.tracking import Tracker
 
-    tracker = Tracker(cfg.mlflow, stage, params)
+    tracker = Tracker(cfg.mlflow, stage, params)  # never fails on an unreachable server: spools
     tracker.log_stage_start(cfg.flatten())
     return tracker
 
@@ -112,6 +128,9 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
         f"tokenized {sp['train']['documents'] + sp['val']['documents']} documents: "
         f"{sp['train']['tokens']} train / {sp['val']['tokens']} val tokens -> {cfg.tokenize.output}"
     )
+    if manifest.get("skipped_files"):
+        console.print(f"[yellow]warning:[/] skipped {len(manifest['skipped_files'])} input file(s) that are not UTF-8 text "
+                      f"(listed in {cfg.tokenize.output}/manifest.json)")
 
 
 @app.command()
@@ -290,19 +309,31 @@ def image_digest(image: Annotated[Path, typer.Argument(help="a directory image (
 
 
 @app.command("mlflow-server")
+@handle_errors
 def mlflow_server(
-    backend: Annotated[str, typer.Option(help="backend store URI", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/mlflow",
+    backend: Annotated[str, typer.Option(help="backend store URI (user, no password: see --password-file)", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow",
+    password_file: Annotated[Path | None, typer.Option(help="file holding the backend's password (else $MOE_MLFLOW_BACKEND_PASSWORD)")] = None,
     artifacts: Annotated[Path, typer.Option(help="artifact root directory")] = Path("mlartifacts"),
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 5000,
     workers: Annotated[int, typer.Option(help="server worker processes")] = 2,
 ) -> None:
-    """A tracking server for many jobs (PostgreSQL backend); point jobs at it with MLFLOW_TRACKING_URI."""
+    """A tracking server for many jobs (PostgreSQL backend); point jobs at it with MLFLOW_TRACKING_URI.
+
+    The backend URI reaches the server through its environment, never its command line (`ps`)."""
+    from pipeline.redact import read_password, redact, with_password
+
+    password = read_password("MOE_MLFLOW_BACKEND_PASSWORD", password_file)
+    if password is not None:
+        try:
+            backend = with_password(backend, password)
+        except ValueError as exc:
+            fail(f"--backend: {exc}", 2)
     artifacts.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend, "--artifacts-destination",
+    cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination",
            str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
-    console.print(f"MLflow server on http://{host}:{port} (store {backend})")
-    raise typer.Exit(subprocess.call(cmd))
+    console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
 
 
 @app.command("mlflow-sync")
@@ -311,14 +342,21 @@ def mlflow_sync(
     run_dir: Annotated[Path, typer.Argument(help="a run directory holding mlflow-fallback.jsonl")] = Path("runs/train"),
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
-    """Upload metrics a job could not send (the tracking server was unreachable)."""
+    """Upload what a job or stage could not send (the tracking server was unreachable)."""
     from pipeline.params import MlflowConfig
-    from pipeline.tracking import sync_fallback, tracking_uri
+    from pipeline.redact import redact
+    from pipeline.tracking import STAGE_FALLBACK, sync_fallback, tracking_uri
 
     cfg = _load(params, []) if params.is_file() else None
     uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
-    n = sync_fallback(run_dir / "mlflow-fallback.jsonl", uri)
-    console.print(f"uploaded {n} metric values to {uri}")
+    try:
+        n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
+    except PipelineError:
+        raise
+    except Exception as exc:  # unreachable or unsupported store: keep the spool, say so in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PipelineError(f"cannot upload to {uri} ({first[:300]}); the spool files are kept, sync again later") from None
+    console.print(f"uploaded {n} metric values to {redact(uri)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -371,10 +409,13 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
 @app.command()
 @handle_errors
 def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """Validate params.yaml (+ overrides) and print the resolved, flattened values."""
+    """Validate params.yaml (+ overrides), check it as `moe train` would, print the flat values."""
+    from pipeline.stages.train import check_train
+
     cfg = _load(params, set_)
+    check_train(cfg, resolve_data=(Path(cfg.tokenize.output) / "manifest.json").is_file())
     for k, v in cfg.flatten().items():
-        print(f"{k} = {json.dumps(v)}")
+        print(redact(f"{k} = {json.dumps(v)}"))
 
 
 @app.command()
@@ -408,7 +449,9 @@ def ui(
     from pipeline.tracking import tracking_uri
 
     uri = tracking_uri(MlflowConfig())
-    console.print(f"MLflow UI for {uri} on http://{host}:{port}")
+    from pipeline.redact import redact
+
+    console.print(f"MLflow UI for {redact(uri)} on http://{host}:{port}", highlight=False, soft_wrap=True)
     raise typer.Exit(subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
 
 

@@ -87,6 +87,24 @@ def resolve_sources(inputs: list[str], key: str = "tokenize.inputs") -> list[Sou
     return sorted(unique.values(), key=lambda s: s.order)
 
 
+def is_text_source(source: Source) -> bool:
+    """A .txt/.py input must be UTF-8 text without NUL bytes (a binary renamed .txt, or
+    another encoding, would otherwise train as mojibake); other formats are checked as parsed."""
+    if _suffix(source.path) not in (".txt", ".py"):
+        return True
+    try:
+        data = source.path.read_bytes()
+    except OSError as exc:
+        raise PipelineError(f"{source.path}: cannot read ({exc.strerror})") from None
+    if b"\0" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def read_documents(source: Source, text_field: str = "text") -> Iterator[Document]:
     suffix = _suffix(source.path)
     path = source.path

@@ -8,6 +8,7 @@ parallel, precision) build a :class:`moe.config.ExperimentConfig`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,9 @@ import yaml
 from moe.config import ConfigError, ExperimentConfig, apply_overrides
 from moe.config.base import Config, require
 
+# A byte-level BPE with more entries than this is not a real tokenizer; far larger values
+# make the tokenizers library abort the process (Rust panic) instead of raising.
+MAX_VOCAB = 1 << 20
 LIBRARY_SECTIONS = ("model", "optim", "schedule", "data", "train", "checkpoint", "parallel", "precision")
 
 
@@ -41,6 +45,8 @@ class TokenizeConfig(Config):
         k = lambda n: f"{p}.{n}"  # noqa: E731
         require(bool(self.inputs), k("inputs"), "must name at least one input")
         require(self.vocab_size >= 260, k("vocab_size"), "must be >= 260 (256 bytes + special tokens)")
+        require(self.vocab_size <= MAX_VOCAB, k("vocab_size"), f"must be <= {MAX_VOCAB}, got {self.vocab_size}")
+        require(self.seed >= 0, k("seed"), f"must be >= 0, got {self.seed}")
         require(0 < self.val_fraction < 1, k("val_fraction"), "must lie strictly between 0 and 1")
         require(self.workers >= 1, k("workers"), "must be >= 1")
         require(self.shard_tokens >= 1024, k("shard_tokens"), "must be >= 1024")
@@ -59,6 +65,21 @@ class ExecutorConfig(Config):
 
     def _check(self, p: str) -> None:
         require(self.nprocs >= 1, f"{p}.nprocs", "must be >= 1")
+
+
+_SHELL_WORDS = re.compile(r"[A-Za-z0-9_./+=:@%,-]+( [A-Za-z0-9_./+=:@%,-]+)*")
+
+
+def check_script_values(section: Config, prefix: str) -> None:
+    """Every string of a section that reaches the generated sbatch script is one line: a
+    newline or other control character would start a new shell command in the script."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, str) and any(ord(c) < 32 or ord(c) == 127 for c in item):
+                where = f"{prefix}.{f.name}" + (f"[{i}]" if isinstance(value, list) else "")
+                raise ConfigError(f"{where}: {item!r} contains a newline or control character")
 
 
 @dataclasses.dataclass
@@ -101,8 +122,13 @@ class SlurmConfig(Config):
             )
         require(self.signal_delay_s >= 0, f"{p}.signal_delay_s", "must be >= 0")
         require(self.max_requeues >= 0, f"{p}.max_requeues", "must be >= 0")
+        require(self.poll_s > 0, f"{p}.poll_s", "must be > 0")
         for line in self.extra_sbatch:
             require(line.startswith("--"), f"{p}.extra_sbatch", f"{line!r} must be a long option like --reservation=x")
+        check_script_values(self, p)
+        for name in ("partition", "account", "qos", "mem", "job_name"):  # one sbatch word each
+            value = getattr(self, name)
+            require(value is None or not any(c.isspace() for c in value), f"{p}.{name}", f"{value!r} must not contain spaces")
 
 
 @dataclasses.dataclass
@@ -125,6 +151,9 @@ class ContainerConfig(Config):
             require(bool(self.image), f"{p}.image", f"must name an image when container.runtime is {self.runtime}")
         for m in self.mounts:
             require(":" in m, f"{p}.mounts", f"{m!r} must be host_path:container_path")
+        check_script_values(self, p)
+        require(bool(_SHELL_WORDS.fullmatch(self.python)), f"{p}.python",
+                f"{self.python!r} must be a command and plain arguments (letters, digits, ./_+=:@%,- and spaces)")
 
 
 @dataclasses.dataclass
@@ -132,6 +161,9 @@ class ConvertConfig(Config):
     output: str = "runs/hf"
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_shard_bytes: int = 2_000_000_000
+
+    def _check(self, p: str) -> None:
+        require(self.max_shard_bytes >= 1, f"{p}.max_shard_bytes", "must be >= 1")
 
 
 @dataclasses.dataclass
@@ -148,6 +180,8 @@ class EvaluateConfig(Config):
     def _check(self, p: str) -> None:
         require(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
         require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1")
+        require(self.generate_tokens >= 0, f"{p}.generate_tokens", f"must be >= 0, got {self.generate_tokens}")
+        require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
 
 
 @dataclasses.dataclass
@@ -158,6 +192,9 @@ class MlflowConfig(Config):
     enabled: bool = True
     # Metrics buffered per flush (one log_batch call).
     flush_every: int = 50
+
+    def _check(self, p: str) -> None:
+        require(self.flush_every >= 1, f"{p}.flush_every", "must be >= 1")
 
 
 @dataclasses.dataclass
@@ -183,7 +220,9 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

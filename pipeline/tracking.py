@@ -20,6 +20,7 @@ import platform
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from pipeline.params import MlflowConfig
+from pipeline.redact import redact
 
 log = logging.getLogger("pipeline.tracking")
 
@@ -34,6 +36,30 @@ MAX_PARAM_CHARS = 6000
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 PIPELINE_KEY_TAG = "moe.pipeline_key"
+
+
+# Training never waits long on tracking: a few quick retries, then spool to the fallback file.
+HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+STAGE_FALLBACK = Path("mlflow-fallback.jsonl")
+OFFLINE_PREFIX = "offline-"
+
+
+def bound_http() -> None:
+    """Bounded MLflow HTTP retries and timeouts for this process and the jobs it starts
+    (MLflow's defaults retry for minutes); values the user exported win."""
+    for k, v in HTTP_LIMITS.items():
+        os.environ.setdefault(k, v)
+
+
+def spool(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
@@ -152,7 +178,7 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def param_value(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
+    text = redact(value if isinstance(value, str) else json.dumps(value))
     if len(text) > MAX_PARAM_CHARS:
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         suffix = f"...[truncated; sha256 {digest}; full value in params.yaml artifact]"
@@ -161,19 +187,23 @@ def param_value(value: Any) -> str:
 
 
 class Tracker:
-    """Creates and writes one stage's nested run through MlflowClient (no global state)."""
+    """Creates and writes one stage's nested run through MlflowClient (no global state).
 
-    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"), parent_name: str | None = None) -> None:
+    Best effort: when the tracking server cannot be reached (at the start or mid-run), the
+    stage goes on and what it would have sent is spooled to ``fallback`` for
+    ``moe mlflow-sync``; an unreachable server at the start gives an ``offline-`` run id that
+    the sync creates."""
+
+    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"),
+                 fallback: Path = STAGE_FALLBACK, parent_name: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
-        self.cfg, self.stage, self.params_path = cfg, stage, params_path
+        bound_http()
+        self.cfg, self.stage, self.params_path, self.fallback = cfg, stage, params_path, fallback
         self.parent_name = parent_name
         self.uri = tracking_uri(cfg)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        self.experiment_id = self._experiment()
-        self.parent_id = self._parent()
+        self.failed = False
         tags = {
-            "mlflow.parentRunId": self.parent_id,
             "mlflow.runName": stage,
             "moe.stage": stage,
             PIPELINE_KEY_TAG: pipeline_key(params_path),
@@ -181,7 +211,34 @@ class Tracker:
             **environment_tags(),
             **dvc_dep_tags(stage),
         }
-        self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+            self.experiment_id = self._experiment()
+            self.parent_id = self._parent()
+            self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
+        except Exception as exc:  # unreachable server, database down, bad URI
+            self.parent_id = None
+            self.run_id = f"{OFFLINE_PREFIX}{uuid.uuid4().hex}"
+            self._fail(exc)
+            spool(self.fallback, {"run_id": self.run_id, "create": {"experiment": cfg.experiment, "tags": tags}})
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.failed:
+            self.failed = True
+            log.warning("MLflow at %s unreachable (%s); continuing; spooling to %s for `moe mlflow-sync`",
+                        redact(self.uri), redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__),
+                        self.fallback)
+
+    def _send(self, fn, row: dict[str, Any]) -> None:
+        """Run ``fn`` against the server; on failure (now or earlier) spool ``row`` instead."""
+        if not self.failed:
+            try:
+                fn()
+                return
+            except Exception as exc:
+                self._fail(exc)
+        if row:
+            spool(self.fallback, {"run_id": self.run_id, **row})
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.cfg.experiment)
@@ -213,25 +270,40 @@ class Tracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, param_value(v)) for k, v in sorted(params.items())]
-        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        values = {k: param_value(v) for k, v in sorted(params.items())}
+        items = [Param(k, v) for k, v in values.items()]
+
+        def send():
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+
+        self._send(send, {"params": values})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if _finite(v)]
-        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+        finite = {k: float(v) for k, v in metrics.items() if _finite(v)}
+        items = [Metric(k, v, now, step or 0) for k, v in finite.items()]
+
+        def send():
+            for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+                self.client.log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
+        self._send(send, {"step": step or 0, "metrics": finite})
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, str(v))
+        tags = {k: redact(str(v)) for k, v in tags.items()}
+
+        def send():
+            for k, v in tags.items():
+                self.client.set_tag(self.run_id, k, v)
+
+        self._send(send, {"tags": tags})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if Path(path).exists():
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            self._send(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path), {})
 
     def log_stage_start(self, flat_params: Mapping[str, Any]) -> None:
         self.log_params(flat_params)
@@ -239,15 +311,21 @@ class Tracker:
         self.log_artifact("dvc.lock")
 
     def end(self, ok: bool) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
-        if not ok:
-            self.client.set_terminated(self.parent_id, "FAILED")
+        status = "FINISHED" if ok else "FAILED"
+
+        def send():
+            self.client.set_terminated(self.run_id, status)
+            if not ok and self.parent_id:
+                self.client.set_terminated(self.parent_id, "FAILED")
+
+        self._send(send, {"status": status})
 
 
 def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.lock")) -> None:
     """After `moe repro`: tag the parent run with the final DVC hashes and attach dvc.lock."""
     from mlflow.tracking import MlflowClient
 
+    bound_http()
     client = MlflowClient(tracking_uri=tracking_uri(cfg))
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is None:
@@ -279,8 +357,9 @@ class MlflowSink:
     def __init__(self, uri: str, run_id: str, fallback: Path, flush_every: int = 50) -> None:
         self.uri, self.run_id, self.fallback, self.flush_every = uri, run_id, fallback, flush_every
         self.buffer: list[tuple[int, dict[str, float]]] = []
-        self.failed = False
+        self.failed = run_id.startswith(OFFLINE_PREFIX)  # the server was unreachable at the start
         self._client = None
+        bound_http()
 
     def _get_client(self):
         if self._client is None:
@@ -310,7 +389,7 @@ class MlflowSink:
                 return
             except Exception as exc:  # network, server or database down: keep training
                 self.failed = True
-                log.warning("MLflow unreachable (%s); metrics go to %s for `moe mlflow-sync`", exc, self.fallback)
+                log.warning("MLflow unreachable (%s); metrics go to %s for `moe mlflow-sync`", redact(str(exc)), self.fallback)
         self.fallback.parent.mkdir(parents=True, exist_ok=True)
         with open(self.fallback, "a") as f:
             for step, m in batch:
@@ -324,30 +403,65 @@ class MlflowSink:
                 self._get_client().set_tag(self.run_id, k, v)
         except Exception as exc:  # keep training without tracking
             self.failed = True
-            log.warning("MLflow unreachable (%s); continuing without tags", exc)
+            log.warning("MLflow unreachable (%s); continuing without tags", redact(str(exc)))
 
     def close(self, summary: dict[str, Any]) -> None:
         self.flush()
 
 
-def sync_fallback(path: Path, uri: str) -> int:
-    """Send the entries of a fallback file to their runs; rename it ``*.synced`` after."""
-    from mlflow.entities import Metric
+def sync_fallback(paths: Path | list[Path], uri: str) -> int:
+    """Send what jobs and stages spooled (metrics, params, tags, final status; runs created
+    offline) to the tracking server; rename each file ``*.synced`` after. Returns the number
+    of metric values sent."""
+    from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    if not path.is_file():
+    bound_http()
+    files = [p for p in ([paths] if isinstance(paths, Path) else paths) if p.is_file()]
+    if not files:
         return 0
+    rows = []
+    for path in files:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    from pipeline.errors import PipelineError
+
+                    raise PipelineError(f"{path}:{lineno}: not a JSON line; fix or remove it and sync again") from None
     client = MlflowClient(tracking_uri=uri)
+    ids: dict[str, str] = {}
+    for row in rows:  # runs that were created offline first
+        if "create" in row:
+            name = row["create"].get("experiment", "moe")
+            exp = client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else client.create_experiment(name)
+            ids[row["run_id"]] = client.create_run(exp_id, tags={**row["create"].get("tags", {}), "moe.synced_from": row["run_id"]}).info.run_id
     now = int(time.time() * 1000)
-    by_run: dict[str, list] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_run.setdefault(row["run_id"], []).extend(Metric(k, float(v), now, row["step"]) for k, v in row["metrics"].items())
+    metrics: dict[str, list] = {}
     n = 0
-    for run_id, items in by_run.items():
+    for row in rows:
+        run_id = ids.get(row["run_id"], row["run_id"])
+        if run_id.startswith(OFFLINE_PREFIX):
+            continue  # its creation row was lost; nothing to attach it to
+        if "metrics" in row:
+            metrics.setdefault(run_id, []).extend(Metric(k, float(v), now, row.get("step", 0)) for k, v in row["metrics"].items())
+        if "params" in row:
+            items = [Param(k, v) for k, v in row["params"].items()]
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        for k, v in (row.get("tags") or {}).items():
+            client.set_tag(run_id, k, v)
+    for run_id, items in metrics.items():
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             client.log_batch(run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
         n += len(items)
-    path.rename(path.with_suffix(path.suffix + ".synced"))
+    for row in rows:
+        if "status" in row:
+            run_id = ids.get(row["run_id"], row["run_id"])
+            if not run_id.startswith(OFFLINE_PREFIX):
+                client.set_terminated(run_id, row["status"])
+    for path in files:
+        path.rename(path.with_suffix(path.suffix + ".synced"))
     return n

@@ -34,7 +34,7 @@ def run(job: TrainJob, stop=None) -> dict:
 
         from pipeline.tracking import MlflowSink, inventory_tags
 
-        sink = MlflowSink(job.mlflow_uri, job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every)
+        sink = MlflowSink(job_uri(job), job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every)
         sinks.append(sink)
         if int(os.environ.get("RANK", "0")) == 0:
             sink.set_tags(inventory_tags())  # what this job actually ran in (its image)
@@ -68,18 +68,30 @@ def run_and_report(job: TrainJob, stop=None) -> tuple[int, dict]:
     return code, {}
 
 
+def job_uri(job: TrainJob) -> str | None:
+    """The tracking URI with its password, which job.json holds redacted: from the environment."""
+    from pipeline.redact import unredact
+
+    return unredact(job.mlflow_uri, os.environ.get("MOE_MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_TRACKING_URI"))
+
+
 def _finalize_mlflow(job: TrainJob, ok: bool) -> None:
-    if not (job.mlflow_finalize and job.mlflow_run_id):
+    if not (job.mlflow_finalize and job.mlflow_run_id) or job.mlflow_run_id.startswith("offline-"):
         return
     try:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(job.mlflow_uri)
+        from pipeline.tracking import bound_http
+
+        bound_http()
+        client = MlflowClient(job_uri(job))
         client.set_terminated(job.mlflow_run_id, "FINISHED" if ok else "FAILED")
         if job.summary_path.is_file():
             client.log_artifact(job.mlflow_run_id, str(job.summary_path))
     except Exception as exc:  # tracking is best effort from a job
-        print(f"warning: could not close MLflow run {job.mlflow_run_id}: {exc}", file=sys.stderr)
+        from pipeline.redact import redact
+
+        print(f"warning: could not close MLflow run {job.mlflow_run_id}: {redact(str(exc))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

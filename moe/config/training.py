@@ -60,6 +60,7 @@ class DataConfig(Config):
 
     def _check(self, p: str) -> None:
         require(self.seq_len >= 1, _k(p, "seq_len"), f"must be >= 1, got {self.seq_len}")
+        require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")
 
 
 @dataclasses.dataclass
@@ -90,6 +91,7 @@ class TrainConfig(Config):
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
             require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
+        require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")
         if self.grad_clip is not None:
             require(self.grad_clip > 0, _k(p, "grad_clip"), "must be > 0 (or null to disable)")
         if self.peak_tflops is not None:

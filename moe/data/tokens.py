@@ -143,6 +143,10 @@ def open_token_file(
         actual = file_sha256(path)
         if actual != info.sha256:
             raise TokenDataError(f"{path}: sha256 {actual} does not match the sidecar's {info.sha256}: corrupt file")
+        if info.num_tokens:  # read in full for the checksum anyway: ids must fit the vocabulary
+            top = int(np.memmap(path, dtype=dtype, mode="r", shape=(info.num_tokens,)).max())
+            if top >= info.vocab_size:
+                raise TokenDataError(f"{path}: token id {top} is outside the vocabulary of {info.vocab_size} (its sidecar)")
     if info.num_tokens == 0:
         return np.zeros(0, dtype=dtype), info
     return np.memmap(path, dtype=dtype, mode="r", shape=(info.num_tokens,)), info

@@ -8,15 +8,23 @@ Layout of ``<dir>``::
 
 A save writes into the temporary directory and renames it only once every rank's shards,
 RNG states and meta.json are on disk, then rewrites ``latest`` atomically; a crash at any
-moment leaves the previous checkpoint as the latest. Tensors are saved under their model
+moment leaves the previous checkpoint as the latest. meta.json records the sha256 of every
+other file, verified at load (flipped bytes are an error, not garbage weights); a step
+directory that lost a file is an error, never a silent fall-back to an older step.
+
+Checkpoints come from other people, so loading one never unpickles arbitrary objects: RNG
+files load with ``weights_only=True`` and DCP's pickled ``.metadata`` through a restricted
+unpickler (:mod:`moe.train.safe_dcp`); anything else is refused naming the file. Tensors are saved under their model
 parameter names (fp32 master weights and AdamW moments), so a checkpoint does not depend on
 the parallel layout that wrote it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -27,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+from moe.train.safe_dcp import SafeFileSystemReader, read_metadata
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
@@ -89,15 +99,32 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def _missing(path: Path) -> str:
+    return ", ".join(n for n in (META, ".metadata") if not (path / n).is_file()) or "nothing"
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``latest`` first, else a scan)."""
+    """The newest complete checkpoint under ``root`` (``latest`` first, else a scan).
+
+    Step directories only appear complete (renamed into place), so one that lost its
+    metadata was damaged afterwards: an error, not a reason to resume an older step."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory (checkpoint.dir)")
+    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), key=checkpoint_step) if root.is_dir() else []
+    if steps and not is_complete(steps[-1]):
+        raise CheckpointError(f"{steps[-1]}: damaged checkpoint (missing {_missing(steps[-1])}); "
+                              "restore it or move it away to resume from an older step")
     pointer = root / "latest"
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if is_complete(candidate):
-            newer = [p for p in list_checkpoints(root) if checkpoint_step(p) > checkpoint_step(candidate)]
-            return newer[-1] if newer else candidate
+        try:
+            name = pointer.read_text().strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{pointer}: not a text file naming a checkpoint") from None
+        candidate = root / name
+        if _STEP_DIR.match(name) and candidate.is_dir() and not is_complete(candidate):
+            raise CheckpointError(f"{candidate}: damaged checkpoint (missing {_missing(candidate)}); "
+                                  "restore it or move it away to resume from an older step")
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -109,6 +136,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         p = p.parent
     if is_complete(p):
         return p
+    if _STEP_DIR.match(p.name) and p.is_dir():
+        raise CheckpointError(f"{p}: damaged checkpoint (missing {_missing(p)})")
     found = latest_checkpoint(p)
     if found is None:
         raise CheckpointError(f"{path}: no complete checkpoint found")
@@ -147,7 +176,8 @@ class CheckpointManager:
         _barrier()
         if rank == 0:
             world = dist.get_world_size() if _distributed() else 1
-            _write_atomic(tmp / META, json.dumps({**meta, "step": step, "world_size": world}, indent=2, sort_keys=True))
+            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META}
+            _write_atomic(tmp / META, json.dumps({**meta, "step": step, "world_size": world, "files": files}, indent=2, sort_keys=True))
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. after resuming from it): replace it
                 trash = self.root / f".tmp-old-{final.name}"
@@ -173,23 +203,80 @@ class CheckpointManager:
         """Load tensors in place; return (meta, this rank's RNG state or None)."""
         path = resolve_checkpoint(path)
         load_tensors(path, tensors)
-        meta = json.loads((path / META).read_text())
+        meta = read_meta(path)
         rng_file = path / f"rng-rank{_rank():05d}.pt"
-        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() and meta.get("world_size") == (
-            dist.get_world_size() if _distributed() else 1
-        ) else None
+        same_world = meta.get("world_size") == (dist.get_world_size() if _distributed() else 1)
+        rng = load_plain(rng_file) if rng_file.is_file() and same_world else None
         return meta, rng
+
+
+def load_plain(path: Path) -> Any:
+    """A file of tensors and plain values; anything that needs unpickling code is refused."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):  # RNG files of earlier versions
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:  # weights_only found something that would need code to rebuild
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
+                              "(loading it could run code)") from None
+    except Exception as exc:  # RuntimeError/EOFError when truncated or not a torch file
+        raise CheckpointError(f"{path}: refused: not a plain tensor file ({_first_line(exc)})") from None
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What rebuilds a plain numpy array (numbers only; no code): earlier RNG files hold one."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(path: Path, meta: dict[str, Any]) -> None:
+    """Every file meta.json lists is present with its recorded sha256 (older checkpoints list none)."""
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path / META}: 'files' is not a mapping of file name to sha256")
+    for name, digest in sorted(files.items()):
+        f = path / name
+        if "/" in name or name.startswith(".."):
+            raise CheckpointError(f"{path / META}: bad file name {name!r}")
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: sha256 does not match meta.json: the file is corrupt")
 
 
 def load_tensors(path: str | os.PathLike, tensors: dict[str, Any]) -> None:
     """DCP-load (a subset of) a checkpoint's tensors in place; resharded to this layout."""
     path = resolve_checkpoint(path)
+    verify_files(path, read_meta(path))
+    try:
+        read_metadata(path / ".metadata")
+    except Exception as exc:  # a foreign object, or not a pickle at all
+        raise CheckpointError(f"{path / '.metadata'}: refused: not DCP checkpoint metadata ({_first_line(exc)})") from None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, checkpoint_id=path, no_dist=not _distributed())
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _cause(exc: BaseException) -> str:
@@ -203,4 +290,11 @@ def _cause(exc: BaseException) -> str:
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    return json.loads((resolve_checkpoint(path) / META).read_text())
+    file = resolve_checkpoint(path) / META
+    try:
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({_first_line(exc)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{file}: not a checkpoint's meta.json (no integer 'step')")
+    return meta

@@ -1,4 +1,9 @@
-"""Capture and restore every RNG a training step draws from."""
+"""Capture and restore every RNG a training step draws from.
+
+States are kept as tensors and plain numbers (no numpy arrays or tuples of Python objects),
+so a checkpoint's RNG file loads with ``torch.load(weights_only=True)``: loading a checkpoint
+never unpickles arbitrary objects.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,16 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python_version": int(version),
+        "python_state": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": gauss,
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_gauss": float(cached),
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -27,8 +39,36 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """Restore; ValueError when ``state`` is not what :func:`rng_state` returns."""
+    if "python" in state:  # written by an earlier version: tuples and a numpy array
+        _set_legacy(state)
+    else:
+        _set(state)
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _set_legacy(state: dict[str, Any]) -> None:
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise ValueError(f"not an RNG state of this version ({type(exc).__name__}: {exc})") from None
+
+
+def _set(state: dict[str, Any]) -> None:
+    try:
+        py = (state["python_version"], tuple(int(v) for v in state["python_state"].tolist()), state["python_gauss"])
+        np_state = ("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]),
+                    int(state["numpy_has_gauss"]), float(state["numpy_gauss"]))
+        torch_state = state["torch"]
+        if not (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8):
+            raise TypeError("torch state is not a uint8 tensor")
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise ValueError(f"not an RNG state of this version ({type(exc).__name__}: {exc})") from None

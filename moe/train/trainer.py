@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import resource
 import time
 from collections.abc import Sequence
@@ -164,7 +165,10 @@ class Trainer:
         self._skipped.fill_(int(meta.get("skipped_steps", 0)))
         self.step = self.start_step = int(meta["step"])
         if rng is not None:
-            set_rng_state(rng, self.device)
+            try:
+                set_rng_state(rng, self.device)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: its rng-rank{self.env.rank:05d}.pt is {exc}") from None
         else:  # resumed on another world size: a fresh, deterministic stream per rank
             seed_everything(self.cfg.train.seed + 1_000_003 * self.step + self.env.rank)
         log.info("resumed from %s at step %d", path, self.step)
@@ -268,6 +272,10 @@ class Trainer:
         )
         for sink in self.sinks:
             sink.close(dataclasses.asdict(summary))
+        if summary.final_loss is not None and not math.isfinite(summary.final_loss):
+            # even under nonfinite=skip: a run that ends on a non-finite loss did not succeed
+            raise NonFiniteLossError(f"final loss {summary.final_loss} at step {self.step} is not finite "
+                                     f"({int(self._skipped.item())} steps skipped); the checkpoint holds the last finite update")
         return summary
 
     # --------------------------------------------------------------- logging

@@ -28,20 +28,21 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 def launch_python(container: ContainerConfig, gpus: bool) -> tuple[str, list[str]]:
     """(python command, extra srun args) that start a task in the container runtime."""
     workdir = container.workdir or os.getcwd()
+    python = " ".join(shlex.quote(word) for word in container.python.split())  # validated; quoted again
     mounts = [f"{os.getcwd()}:{workdir}", *container.mounts]
     if container.runtime == "none":
         return shlex.quote(sys.executable), []
     if container.runtime == "pyxis":
         srun = [f"--container-image={container.image}", f"--container-mounts={','.join(mounts)}", f"--container-workdir={workdir}"]
-        return container.python, srun
+        return python, srun
     if container.runtime == "apptainer":
         binds = " ".join(f"-B {shlex.quote(m)}" for m in mounts)
         nv = "--nv " if gpus else ""
-        return f"apptainer exec {nv}{binds} --pwd {shlex.quote(workdir)} {shlex.quote(container.image)} {container.python}", []
+        return f"apptainer exec {nv}{binds} --pwd {shlex.quote(workdir)} {shlex.quote(container.image)} {python}", []
     if container.runtime == "charliecloud":
         binds = " ".join(f"-b {shlex.quote(m)}" for m in mounts)
         # --set-env: the image's ENV (its venv first on PATH) over the host's environment
-        return f"ch-run --set-env {binds} --cd {shlex.quote(workdir)} {shlex.quote(container.image)} -- {container.python}", []
+        return f"ch-run --set-env {binds} --cd {shlex.quote(workdir)} {shlex.quote(container.image)} -- {python}", []
     raise PipelineError(f"container.runtime: unknown runtime {container.runtime!r}")
 
 

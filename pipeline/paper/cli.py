@@ -94,11 +94,17 @@ def report_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_
         tracker = _tracker(p, "report", not no_mlflow)
         if tracker is not None:
             tracker.log_artifact(report)
-            for png in sorted((report.parent / "plots").glob("*.png")):
+            pngs = sorted((report.parent / "plots").glob("*.png"))
+            for png in pngs:
                 tracker.log_artifact(png, "plots")
-                tracker.client.log_artifact(tracker.parent_id, str(png), "plots")
-            tracker.client.log_artifact(tracker.parent_id, str(report))
-            _log_parent_metrics(tracker, Path(p.paper.results))
+            if not tracker.failed:  # the parent gets the report too (best effort, like the Tracker)
+                try:
+                    for png in pngs:
+                        tracker.client.log_artifact(tracker.parent_id, str(png), "plots")
+                    tracker.client.log_artifact(tracker.parent_id, str(report))
+                    _log_parent_metrics(tracker, Path(p.paper.results))
+                except Exception as exc:  # noqa: BLE001 - tracking never fails the stage
+                    typer.echo(f"warning: could not log the report to the parent MLflow run ({type(exc).__name__})", err=True)
             tracker.end(True)
         typer.echo(f"wrote {report}")
 

@@ -22,8 +22,10 @@ from moe.model import Transformer
 from moe.train.checkpoint import CheckpointManager, load_tensors, read_meta, resolve_checkpoint
 from moe.train.state import expert_param_layout, full_model_targets, split_experts
 from pipeline.errors import PipelineError
+from pipeline.outputs import check_own_output, replace_own_output
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
+MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -89,14 +91,13 @@ def _atomic_dir(out: Path) -> Path:
 
 
 def _commit_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    replace_own_output(tmp, out, MARKER, "convert.output (--out)")
 
 
 def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerInfo | None, *, dtype: str = "float32",
                   max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
     out = Path(out)
+    check_own_output(out, MARKER, "convert.output (--out)")  # before any work
     cfg, state, meta = load_checkpoint_weights(checkpoint)
     check_expressible(cfg)
     hf_state = {k: v.to(DTYPES[dtype]) for k, v in to_hf(cfg, state).items()}
@@ -116,7 +117,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerI
             "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,
             "dtype": dtype,
         }
-        (tmp / "moe_conversion.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
         _commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +146,8 @@ def read_hf_state(directory: Path) -> dict[str, torch.Tensor]:
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
     hf_dir, out = Path(hf_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PipelineError(f"{out}: already exists and is not an empty directory; refusing to write a checkpoint there")
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise PipelineError(f"{hf_dir}: no config.json; not a Hugging Face model directory")
@@ -165,8 +168,6 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
     extra = set(ours) - set(expected)
     if extra:
         raise ConversionError(f"{hf_dir}: unexpected tensor {sorted(extra)[0]}")
-    if out.exists() and any(out.iterdir()):
-        raise PipelineError(f"{out}: already exists and is not empty")
     meta = {"config": ExperimentConfig(model=cfg).to_dict(), "source": str(hf_dir), "weights_only": True}
     experts = expert_names(cfg)
     entries: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -18,12 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from moe.data import write_token_file
-from pipeline.corpus import Document, Source, is_validation, read_documents, resolve_sources
+from pipeline.corpus import Document, Source, is_text_source, is_validation, read_documents, resolve_sources
 from pipeline.errors import PipelineError
+from pipeline.outputs import check_own_output, replace_own_output
 from pipeline.params import TokenizeConfig
 from pipeline.tokenizer import TokenizerInfo, describe, load_tokenizer, train_bpe
 
 SPLITS = ("train", "val")
+log = logging.getLogger("pipeline.tokenize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +36,17 @@ class PlanItem:
     val: tuple[bool, ...]  # split of each included document
 
 
-def plan_documents(cfg: TokenizeConfig) -> list[PlanItem]:
-    """Which documents go in, and to which split (one pass over the inputs)."""
+def plan_documents(cfg: TokenizeConfig, skipped: list[str] | None = None) -> list[PlanItem]:
+    """Which documents go in, and to which split (one pass over the inputs); inputs that are
+    not text are appended to ``skipped`` and reported."""
     plan: list[PlanItem] = []
     total = 0
+    skipped = [] if skipped is None else skipped
     for source in resolve_sources(cfg.inputs):
         flags = []
+        if not is_text_source(source):
+            skipped.append(str(source.path))
+            continue
         for doc in read_documents(source, cfg.text_field):
             if cfg.max_bytes is not None and total >= cfg.max_bytes:
                 break
@@ -48,6 +56,9 @@ def plan_documents(cfg: TokenizeConfig) -> list[PlanItem]:
             plan.append(PlanItem(source, len(flags), tuple(flags)))
         if cfg.max_bytes is not None and total >= cfg.max_bytes:
             break
+    if skipped:
+        log.warning("tokenize.inputs: skipped %d file(s) that are not UTF-8 text (binary or another encoding): %s%s",
+                    len(skipped), ", ".join(skipped[:5]), f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
     n_docs = sum(p.docs for p in plan)
     if n_docs == 0:
         raise PipelineError(f"tokenize.inputs: the corpus is empty (no non-blank documents in {', '.join(cfg.inputs)})")
@@ -124,7 +135,9 @@ class _ShardWriter:
 
 def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | None = None) -> dict:
     """Build ``cfg.output``; returns the manifest."""
-    plan = plan_documents(cfg)
+    check_own_output(Path(cfg.output), "manifest.json", "tokenize.output")  # before any work
+    skipped: list[str] = []
+    plan = plan_documents(cfg, skipped)
     if cfg.tokenizer:
         info = load_tokenizer(cfg.tokenizer)
         source = str(cfg.tokenizer)
@@ -162,6 +175,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
             },
             "inputs": list(cfg.inputs),
             "sources": len(plan),
+            "skipped_files": skipped,
             "splits": {
                 s: {"files": w.files, "documents": w.documents, "tokens": w.tokens} for s, w in writers.items()
             },
@@ -169,9 +183,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
             "params": {k: v for k, v in cfg.to_dict().items() if k not in ("workers", "output")},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_own_output(tmp, out, "manifest.json", "tokenize.output")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -191,4 +203,11 @@ def read_manifest(tokens_dir: str | Path) -> dict:
     path = Path(tokens_dir) / "manifest.json"
     if not path.is_file():
         raise PipelineError(f"{path}: not found; run the tokenize stage first (moe tokenize)")
-    return json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+        tok = manifest["tokenizer"]
+        if not (isinstance(tok["sha256"], str) and isinstance(tok["vocab_size"], int)):
+            raise TypeError("tokenizer.sha256/vocab_size have the wrong type")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PipelineError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc}); rerun `moe tokenize`") from None
+    return manifest

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
+from pipeline.redact import has_password, redact
 from pipeline.stages.tokenize import read_manifest
 
+SECRET_URI_ENV = "MOE_MLFLOW_TRACKING_URI"  # the full tracking URI for jobs, by environment only
 METRICS_FILE = Path("metrics/train.json")
 LOSS_PLOT = Path("plots/train_loss.csv")
 THROUGHPUT_PLOT = Path("plots/train_throughput.csv")
@@ -43,14 +46,33 @@ def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
     return exp.replace(data=data).validate()
 
 
-def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> TrainJob:
+def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentConfig:
+    """Everything `moe train` checks before any work (`moe params` runs it too): the layout
+    against the process count, directories, the device, the tokenizer against the model."""
     exp = resolve_experiment(cfg) if resolve_data else cfg.experiment()
     exp.check_world(world_size(cfg))
+    for key, value in (("executor.run_dir", cfg.executor.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        for p in (Path(value), *Path(value).parents):
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{key}: {value} is not a directory ({p} is a file)")
+    if cfg.executor.kind == "local" and cfg.train.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
+    return exp
+
+
+def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> TrainJob:
+    exp = check_train(cfg, resolve_data)
+    uri = tracker.uri if tracker else None
+    if uri and has_password(uri):  # job.json (a DVC output) keeps no password; jobs inherit it
+        os.environ[SECRET_URI_ENV] = uri
     return TrainJob(
         config=exp.to_dict(),
         run_dir=str(Path(cfg.executor.run_dir)),
         nprocs=world_size(cfg),
-        mlflow_uri=tracker.uri if tracker else None,
+        mlflow_uri=redact(uri) if uri else None,
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_flush_every=cfg.mlflow.flush_every,
     )

@@ -16,4 +16,5 @@ runuser -u postgres -- psql -q -tc "SELECT 1 FROM pg_roles WHERE rolname='mlflow
   || runuser -u postgres -- psql -q -c "CREATE ROLE mlflow LOGIN PASSWORD 'mlflow'"
 runuser -u postgres -- psql -q -tc "SELECT 1 FROM pg_database WHERE datname='mlflow'" | grep -q 1 \
   || runuser -u postgres -- psql -q -c "CREATE DATABASE mlflow OWNER mlflow"
-echo "postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/mlflow"
+# The password goes to `moe mlflow-server` through the environment (or --password-file), never argv.
+echo "export MOE_MLFLOW_BACKEND=postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow MOE_MLFLOW_BACKEND_PASSWORD=mlflow"
