@@ -79,8 +79,12 @@ class TrainConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Dense bf16 TFLOP/s of one device for MFU; null: look it up from the device name.
     peak_tflops: float | None = None
+    # Tokens per chunk of the fused lm_head + cross-entropy (moe.nn.chunked_ce), which never
+    # materialises the whole batch's logits; 0: the unfused head and loss.
+    loss_chunk_tokens: int = 0
 
     def _check(self, p: str) -> None:
+        require(self.loss_chunk_tokens >= 0, _k(p, "loss_chunk_tokens"), f"must be >= 0 (0: off), got {self.loss_chunk_tokens}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
             require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
         if self.grad_clip is not None:
@@ -124,6 +128,9 @@ class ParallelConfig(Config):
     # pipeline together; interleaved_1f1b runs pp_virtual_stages stages on every rank.
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_virtual_stages: int = 2
+    # ddp: all-reduce gradient buckets from post-accumulate-grad hooks as they become ready in
+    # the last micro-batch's backward (overlapping the backward), instead of after it.
+    overlap_grad_reduce: bool = False
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
