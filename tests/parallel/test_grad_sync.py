@@ -1,0 +1,75 @@
+"""Gradient reduction overlapped with the backward (parallel.overlap_grad_reduce) against the
+reduction after it: the same first-step gradients and ten-step losses on real gloo ranks,
+with gradient accumulation (reduced only on the last micro-batch), expert groups and ZeRO-1;
+and the fused, chunked loss (train.loss_chunk_tokens) through the layouts, pp=2 included."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.parallel.grad_sync import OverlappedGradSync
+from moe.train.trainer import Trainer
+from tests.helpers import make_corpus, tiny_config
+from tests.parallel.dist_utils import run_ranks
+from tests.parallel.test_layouts import first_step_grads
+
+pytestmark = pytest.mark.distributed
+
+
+def config(corpus, ckpt, parallel, train, steps=10):
+    return tiny_config(
+        corpus, ckpt,
+        model={"n_layers": 4, "moe": {"lb_loss_weight": 0.01, "lb_loss_scope": "global_batch", "z_loss_weight": 0.001}},
+        parallel=parallel,
+        train={"global_batch_size": 8, "max_steps": steps, "log_every": 1, **train},
+        schedule={"warmup_steps": 2},
+    )
+
+
+def train_rank(rank, world, corpus, ckpt, parallel, train):
+    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train))
+    overlapped = isinstance(getattr(trainer.layout, "sync", None), OverlappedGradSync)
+    grads = first_step_grads(trainer)
+    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tokens")
+    make_corpus(d, files=2, tokens=6000)
+    return d
+
+
+def _assert_same(results, ref_results):
+    for r, ref in zip(results, ref_results, strict=True):
+        assert r["grads"].keys() == ref["grads"].keys()
+        for k in ref["grads"]:
+            torch.testing.assert_close(r["grads"][k], ref["grads"][k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+        for step in ref["losses"]:
+            assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-4), step
+
+
+CASES = [
+    # (id, world, parallel, micro batch): micro 2 on dp2 = two accumulated micro-batches per step
+    ("dp2-accum2", 2, {}, 2),
+    ("dp2-zero1-accum2", 2, {"shard_optimizer": True}, 2),
+    ("dp4-ep2-zero1", 4, {"ep": 2, "shard_optimizer": True}, 2),
+]
+
+
+@pytest.mark.parametrize("name, world, parallel, micro", CASES, ids=[c[0] for c in CASES])
+def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus, name, world, parallel, micro):
+    train = {"micro_batch_size": micro}
+    ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train)
+    got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ovl"), {**parallel, "overlap_grad_reduce": True}, train)
+    assert all(r["overlapped"] for r in got) and not any(r["overlapped"] for r in ref)
+    _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("world, parallel, micro", [(2, {}, 2), (2, {"pp": 2}, 2)], ids=["dp2", "pp2-1f1b"])
+def test_chunked_loss_matches_unfused_through_layouts(tmp_path, corpus, world, parallel, micro):
+    train = {"micro_batch_size": micro}
+    ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train)
+    got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "chunk"), parallel, {**train, "loss_chunk_tokens": 24})
+    _assert_same(got, ref)
