@@ -201,6 +201,7 @@ class OverlappedGradSync(GradSync):
         self.local: list[MasterParam] = []  # parameters whose group is this rank alone
         self.armed = False
         self.next = 0
+        self.launched_in_backward = 0  # buckets of the last step reduced before backward ended
 
     def attach(self, opt: MasterWeightAdamW) -> None:
         open_: dict[tuple, _Bucket] = {}
@@ -260,6 +261,7 @@ class OverlappedGradSync(GradSync):
     @torch.no_grad()
     def reduce(self, opt: MasterWeightAdamW) -> None:
         divisor = float(self.mesh.dp)
+        self.launched_in_backward = self.next
         self._launch(force=True)
         for b in self.buckets:
             b.work.wait()
