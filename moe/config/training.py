@@ -129,7 +129,8 @@ class ParallelConfig(Config):
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_virtual_stages: int = 2
     # ddp: all-reduce gradient buckets from post-accumulate-grad hooks as they become ready in
-    # the last micro-batch's backward (overlapping the backward), instead of after it.
+    # the last micro-batch's backward (overlapping the backward), instead of after it. With
+    # pp > 1 the reduction stays after the pipeline step; fsdp overlaps on its own.
     overlap_grad_reduce: bool = False
 
     def _check(self, p: str) -> None:
