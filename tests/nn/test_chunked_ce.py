@@ -90,3 +90,25 @@ def test_bad_chunk_size_fails_clearly():
     hidden, weight, target = _inputs()
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         chunked_linear_cross_entropy(hidden, weight, target, 0)
+
+
+def test_saves_no_logits_for_backward():
+    """Only the inputs and per-token numbers are kept for backward: nothing of [tokens, vocab]."""
+    hidden, weight, target = _inputs(n=64, d=8, v=500)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = chunked_linear_cross_entropy(hidden, weight, target, 16)
+    loss.backward()
+    assert saved and max(saved) <= weight.numel() and all(n < 64 * 500 for n in saved)
+
+
+def test_negative_chunk_is_a_config_error():
+    from moe.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"loss_chunk_tokens: must be >= 0 \(0: off\), got -1"):
+        TrainConfig.from_dict({"loss_chunk_tokens": -1}).validate()
