@@ -112,3 +112,14 @@ def test_negative_chunk_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"loss_chunk_tokens: must be >= 0 \(0: off\), got -1"):
         TrainConfig.from_dict({"loss_chunk_tokens": -1}).validate()
+
+
+def test_fsdp_layout_refuses_the_chunked_loss(tmp_path):
+    from moe.config import ConfigError
+    from moe.parallel.env import DistEnv
+    from moe.parallel.layout import FsdpLayout
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path, tmp_path / "ck", parallel={"data_parallel": "fsdp"}, train={"loss_chunk_tokens": 16})
+    with pytest.raises(ConfigError, match="train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only"):
+        FsdpLayout(cfg, DistEnv(0, 1, 0, torch.device("cpu")))
