@@ -17,9 +17,9 @@ from tests.parallel.test_layouts import first_step_grads
 pytestmark = pytest.mark.distributed
 
 
-def config(corpus, ckpt, parallel, train, steps=10):
+def config(corpus, ckpt, parallel, train, steps=10, recipe="auto"):
     return tiny_config(
-        corpus, ckpt,
+        corpus, ckpt, precision={"recipe": recipe},
         model={"n_layers": 4, "moe": {"lb_loss_weight": 0.01, "lb_loss_scope": "global_batch", "z_loss_weight": 0.001}},
         parallel=parallel,
         train={"global_batch_size": 8, "max_steps": steps, "log_every": 1, **train},
@@ -27,12 +27,12 @@ def config(corpus, ckpt, parallel, train, steps=10):
     )
 
 
-def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None):
+def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, recipe="auto"):
     if bucket_bytes is not None:  # small buckets: many of them, most reduced during backward
         import moe.parallel.grad_sync as grad_sync
 
         grad_sync.BUCKET_BYTES = bucket_bytes
-    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train))
+    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train, recipe=recipe))
     sync = getattr(trainer.layout, "sync", None)
     overlapped = isinstance(sync, OverlappedGradSync)
     grads = first_step_grads(trainer)
@@ -57,19 +57,20 @@ def _assert_same(results, ref_results):
 
 
 CASES = [
-    # (id, world, parallel, micro batch): micro 2 on dp2 = two accumulated micro-batches per step
-    ("dp2-accum2", 2, {}, 2),
-    pytest.param("dp2-zero1-accum2", 2, {"shard_optimizer": True}, 2, marks=pytest.mark.slow),
-    pytest.param("dp4-ep2-zero1", 4, {"ep": 2, "shard_optimizer": True}, 2, marks=pytest.mark.slow),
+    # (id, world, parallel, micro batch, precision): micro 2 on dp2 = two accumulated micro-batches
+    ("dp2-accum2", 2, {}, 2, "fp32"),
+    # bf16 weights: the optimizer's hook fills the fp32 master gradient before ours reads it
+    pytest.param("dp2-zero1-bf16-accum2", 2, {"shard_optimizer": True}, 2, "bf16", marks=pytest.mark.slow),
+    pytest.param("dp4-ep2-zero1", 4, {"ep": 2, "shard_optimizer": True}, 2, "fp32", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("name, world, parallel, micro", CASES, ids=["dp2-accum2", "dp2-zero1-accum2", "dp4-ep2-zero1"])
-def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus, name, world, parallel, micro):
+@pytest.mark.parametrize("name, world, parallel, micro, recipe", CASES, ids=["dp2-accum2", "dp2-zero1-bf16-accum2", "dp4-ep2-zero1"])
+def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus, name, world, parallel, micro, recipe):
     train = {"micro_batch_size": micro}
-    ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train)
+    ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train, None, recipe)
     got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ovl"), {**parallel, "overlap_grad_reduce": True}, train,
-                    64 * 1024)
+                    64 * 1024, recipe)
     assert all(r["overlapped"] for r in got) and not any(r["overlapped"] for r in ref)
     for r in got:  # the reduction did start inside the backward
         early, total = r["early"]
