@@ -47,10 +47,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = (grad_loss / count).float()
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
-            logits = (h @ weight.t()).float()
-            g = torch.exp(logits - lse[s:s + chunk, None])
+            g = (h @ weight.t()).float()  # a fresh chunk of logits: updated in place below
+            g.sub_(lse[s:s + chunk, None]).exp_()  # softmax
             g.scatter_add_(1, safe[s:s + chunk, None], torch.full_like(g[:, :1], -1.0))
-            g = (g * (scale * valid[s:s + chunk, None])).to(hidden.dtype)
+            g = g.mul_(scale * valid[s:s + chunk, None]).to(hidden.dtype)
             if need_h:
                 grad_hidden[s:s + chunk] = g @ weight
             if need_w:
