@@ -78,8 +78,14 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
     _assert_same(got, ref)
 
 
-@pytest.mark.parametrize("world, parallel, micro", [(2, {}, 2), pytest.param(2, {"pp": 2}, 2, marks=pytest.mark.slow)],
-                         ids=["dp2", "pp2-1f1b"])
+CHUNKED = [
+    (2, {}, 2),
+    pytest.param(2, {"pp": 2}, 2, marks=pytest.mark.slow),
+    pytest.param(2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2}, 2, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("world, parallel, micro", CHUNKED, ids=["dp2", "pp2-1f1b", "pp2-interleaved"])
 def test_chunked_loss_matches_unfused_through_layouts(tmp_path, corpus, world, parallel, micro):
     train = {"micro_batch_size": micro}
     ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train)
