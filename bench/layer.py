@@ -1,8 +1,11 @@
-"""MoE layer forward+backward TFLOP/s, ours side by side with transformers and TorchTitan.
+"""MoE layer forward+backward TFLOP/s, ours side by side with transformers, TorchTitan and SonicMoE.
 
     python -m bench.layer                      # the two reference shapes, 16384 tokens, bf16
     python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
     python -m bench.layer --peers ours,ours_fp8,ours_fp8_all   # FP8 rowwise against our bf16
+
+SonicMoE (``sonic-moe`` 0.1.2, Python >= 3.12, Hopper) is optional: where it does not import,
+its row is skipped with a printed note and the run does not fail.
 
 Every peer gets the same router and expert weights and the same random input, so the routing
 distribution is identical; outputs and input gradients are checked against an fp32 run of our
@@ -124,6 +127,46 @@ def build_ours_fp8(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype,
     layer.experts.gemm = Fp8GroupedGemm(Fp8Rule() if min_dim is None else Fp8Rule(min_dim))
     layer.bench_note = f"fp8_min_dim={layer.experts.gemm.rule.min_dim}"
     return layer
+class PeerUnavailable(Exception):
+    """An optional peer that does not import here: skipped with a note, not an error."""
+
+
+def sonic_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our expert weights (gate_up [E, 2h, d] = [gate; up], down [E, d, h]) as SonicMoE's views:
+    w1 (2h, d, E) and w2 (d, h, E), expert dimension outermost in memory (stride order 2, 0, 1);
+    gate and up concatenated, not interleaved: ``concat_layout=True``."""
+    return gate_up.permute(1, 2, 0), down.permute(1, 2, 0)
+
+
+class SonicPeer(nn.Module):
+    """sonic-moe 0.1.2's functional layer with OLMoE routing: softmax over all experts, then
+    top-k without renormalisation (``is_softmax_over_topk=False, norm_topk_probs=False``)."""
+
+    def __init__(self, shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype, layer: Callable[..., Any]) -> None:
+        super().__init__()
+        self.shape, self.layer = shape, layer
+        self.router = nn.Parameter(w["router"].to(dtype))
+        self.gate_up = nn.Parameter(torch.cat([w["w1"], w["w3"]], dim=1).to(dtype).contiguous())
+        self.down = nn.Parameter(w["w2"].to(dtype).contiguous())
+        self.bench_note = "sonic-moe moe_TC_softmax_topk_layer, concat_layout=True"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        w1, w2 = sonic_weights(self.gate_up, self.down)
+        out, _, _ = self.layer(
+            x.reshape(-1, s.d), self.router, w1, None, w2, None,
+            s.top_k, torch.cuda.current_stream().cuda_stream, "swiglu", False,
+            is_softmax_over_topk=False, norm_topk_probs=False, concat_layout=True,
+        )
+        return out.view(x.shape)
+
+
+def build_sonic(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    try:
+        from sonicmoe import moe_TC_softmax_topk_layer
+    except Exception as exc:  # not installed, Python < 3.12, no CUDA/CuTe DSL: an optional peer
+        raise PeerUnavailable(f"sonic-moe does not import here ({type(exc).__name__}: {exc})") from exc
+    return SonicPeer(shape, w, dtype, moe_TC_softmax_topk_layer).to(w["router"].device).train()
 
 
 PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
@@ -132,6 +175,7 @@ PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "ours_fp8_all": ("moe, fp8_rowwise (every GEMM FP8)", lambda s, w, d: build_ours_fp8(s, w, d, min_dim=0)),
     "hf": ("transformers OlmoeSparseMoeBlock", build_hf),
     "titan": ("torchtitan 0.3.0 MoE", build_titan),
+    "sonic": ("sonic-moe 0.1.2 (optional)", build_sonic),
 }
 
 
@@ -158,6 +202,10 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
         name, builder = PEERS[key]
         try:
             module = builder(shape, w, dtype)
+        except PeerUnavailable as exc:
+            print(f"note: skipping {key} at {shape.label}: {exc}")
+            rows.append({"peer": key, "name": name, "shape": shape.label, "skipped": str(exc)})
+            continue
         except Exception as exc:  # a peer that cannot be built is reported, not hidden
             rows.append({"peer": key, "name": name, "shape": shape.label, "error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -190,7 +238,8 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
         row["tflops"] = shape.flops(tokens) / (timing["median_ms"] * 1e-3) / 1e12
         rows.append(row)
         del module, out
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     ours = next((r for r in rows if r["peer"] == "ours" and "tflops" in r), None)
     for r in rows:
         if ours and "tflops" in r:
@@ -204,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", help="expert sweep at the first shape's d,h,k, e.g. 8,16,32,64,128 (constant active parameters)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--peers", default="ours,hf,titan")
     p.add_argument("--same-weights", action="store_true",
                    help="keep the weights between timed calls (accumulation); default: a weight update before each")
+    p.add_argument("--peers", default="ours,hf,titan,sonic")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -3,6 +3,7 @@ peak memory.
 
     python -m bench.model --layers 8 --seq 4096 --micro 4 --steps 10
     python -m bench.model --layers 8 --recipe fp8_rowwise
+    python -m bench.model --layers 8 --seq 4096 --micro 4 --accum 4 --loss-chunk 4096
 
 The model is OLMoE-1B-7B's width (d=2048, 16 heads, 64 experts of 1024, top-8) with as many
 layers as fit; data are random token ids (never zeros) in the library's token format; the
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads")
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                               **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {})}},
             "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
             "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": total_steps,
-                      "log_every": 1000, "device": "cuda"},
+                      "log_every": 1000, "device": "cuda", "loss_chunk_tokens": args.loss_chunk},
             "schedule": {"warmup_steps": 1},
             "checkpoint": {"dir": str(Path(tmp) / "ck")},
             "precision": {"recipe": args.recipe,
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     tflops = tokens * fpt / step / 1e12
     datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
     row = {
-        "recipe": args.recipe, "width": args.width, "layers": args.layers, "seq": args.seq, "accum": args.accum, "tokens_per_step": tokens, "step_s": step,
+        "recipe": args.recipe, "width": args.width, "layers": args.layers, "seq": args.seq, "accum": args.accum,
+        "loss_chunk": args.loss_chunk, "tokens_per_step": tokens, "step_s": step,
         "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,

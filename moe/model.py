@@ -33,14 +33,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def run_stack(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """embed -> layers -> norm -> head, skipping the parts a pipeline stage does not own."""
+def run_stack(m: nn.Module, x: torch.Tensor, head: bool = True) -> torch.Tensor:
+    """embed -> layers -> norm -> head, skipping the parts a pipeline stage does not own.
+
+    ``head=False`` stops after the final norm, for a loss that applies ``lm_head`` itself
+    (moe.nn.chunked_ce)."""
     h = m.embed(x) if m.embed is not None else x
     for layer in m.layers.values():
         h = layer(h)
     if m.norm is not None:
         h = m.norm(h)
-    return m.lm_head(h) if m.lm_head is not None else h
+    return m.lm_head(h) if head and m.lm_head is not None else h
 
 
 class Transformer(nn.Module):

@@ -87,8 +87,12 @@ class TrainConfig(Config):
     recompute: Literal["none", "matmuls", "selective", "full"] = "none"
     # Bitwise-identical reruns on CUDA at some cost in step time (moe.train.determinism).
     deterministic: bool = False
+    # Tokens per chunk of the fused lm_head + cross-entropy (moe.nn.chunked_ce), which never
+    # materialises the whole batch's logits; 0: the unfused head and loss.
+    loss_chunk_tokens: int = 0
 
     def _check(self, p: str) -> None:
+        require(self.loss_chunk_tokens >= 0, _k(p, "loss_chunk_tokens"), f"must be >= 0 (0: off), got {self.loss_chunk_tokens}")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
             require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
         require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")
@@ -141,6 +145,10 @@ class ParallelConfig(Config):
     ep_backend: Literal["nccl", "nvshmem"] = "nccl"
     # nvshmem only: receive rows per rank = factor * tokens * top_k (null: worst case, ep * that).
     ep_capacity_factor: float | None = None
+    # ddp: all-reduce gradient buckets from post-accumulate-grad hooks as they become ready in
+    # the last micro-batch's backward (overlapping the backward), instead of after it. With
+    # pp > 1 the reduction stays after the pipeline step; fsdp overlaps on its own.
+    overlap_grad_reduce: bool = False
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")

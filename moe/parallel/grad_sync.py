@@ -169,3 +169,106 @@ def _buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[lis
 def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
     for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
         t.copy_(reduced)
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[MasterParam]
+    spec: ParamGroupSpec
+    owner: int  # group index of the owning rank under ZeRO-1, -1 without
+    pending: int = 0  # gradients still to become ready in this backward
+    work: object | None = None
+    flat: torch.Tensor | None = None
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class OverlappedGradSync(GradSync):
+    """GradSync whose reductions overlap the last micro-batch's backward.
+
+    ``attach`` fixes the buckets once, in reverse parameter order (about the order backward
+    produces gradients), each of one kind (dense/expert), one ZeRO owner and <= 25 MB, and
+    registers a post-accumulate-grad hook on every parameter after the optimizer's own (so
+    the fp32 gradient is complete when it runs). ``arm`` before the last micro-batch; then a
+    bucket whose gradients are all ready is flattened and reduced asynchronously, strictly in
+    bucket order so that every rank issues the same collectives in the same order. ``reduce``
+    launches what is left (parameters that got no gradient), waits, divides and copies back:
+    the same results as GradSync.reduce.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool) -> None:
+        super().__init__(model, mesh, zero)
+        self.buckets: list[_Bucket] = []
+        self.local: list[MasterParam] = []  # parameters whose group is this rank alone
+        self.armed = False
+        self.next = 0
+        self.launched_in_backward = 0  # buckets of the last step reduced before backward ended
+
+    def attach(self, opt: MasterWeightAdamW) -> None:
+        open_: dict[tuple, _Bucket] = {}
+        sizes: dict[int, int] = {}
+        for p in reversed(opt.params):
+            kind = self.kind_of(p.name)
+            spec = self.specs[kind]
+            if len(spec.ranks) == 1:
+                self.local.append(p)
+                continue
+            owner = self.owner[p.name] if self.zero else -1
+            key = (kind, owner, p.grad_holder.dtype)
+            nbytes = p.grad_holder.numel() * p.grad_holder.element_size()
+            bucket = open_.get(key)
+            if bucket is None or (bucket.params and sizes[id(bucket)] + nbytes > BUCKET_BYTES):
+                bucket = open_[key] = _Bucket([], spec, owner)
+                sizes[id(bucket)] = 0
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            sizes[id(bucket)] += nbytes
+            p.param.register_post_accumulate_grad_hook(self._ready_hook(bucket))
+        self._reset()
+
+    def _ready_hook(self, bucket: _Bucket):
+        def hook(_: torch.Tensor) -> None:
+            if self.armed:
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch(force=False)
+
+        return hook
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as they become ready."""
+        self.armed = True
+
+    def _reset(self) -> None:
+        self.armed, self.next = False, 0
+        for b in self.buckets:
+            b.pending, b.work, b.flat, b.grads = len(b.params), None, None, []
+
+    @torch.no_grad()
+    def _launch(self, force: bool) -> None:
+        while self.next < len(self.buckets) and (force or self.buckets[self.next].pending <= 0):
+            b = self.buckets[self.next]
+            for p in b.params:
+                if p.grad is None:
+                    p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
+            b.grads = [p.grad for p in b.params]
+            b.flat = _flatten_dense_tensors(b.grads)
+            if self.zero:
+                b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], group=b.spec.group, async_op=True)
+            else:
+                b.work = dist.all_reduce(b.flat, group=b.spec.group, async_op=True)
+            self.next += 1
+
+    @torch.no_grad()
+    def reduce(self, opt: MasterWeightAdamW) -> None:
+        divisor = float(self.mesh.dp)
+        self.launched_in_backward = self.next
+        self._launch(force=True)
+        for b in self.buckets:
+            b.work.wait()
+            if not self.zero or b.owner == b.spec.my_index:
+                b.flat.div_(divisor)
+                _copy_back(b.grads, b.flat)
+        local = [p.grad for p in self.local if p.grad is not None]
+        if local and divisor != 1.0:
+            torch._foreach_div_(local, divisor)
+        self._reset()

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.config import ConfigError, ExperimentConfig, OptimizerConfig, ResolvedLayout
-from moe.model import Transformer
+from moe.model import Transformer, run_stack
+from moe.nn.chunked_ce import chunked_linear_cross_entropy
 from moe.parallel.env import DistEnv
 from moe.parallel.expert_parallel import apply_expert_parallel
-from moe.parallel.grad_sync import GradSync, clip_, global_grad_norm
+from moe.parallel.grad_sync import GradSync, OverlappedGradSync, clip_, global_grad_norm
 from moe.parallel.mesh import Mesh, build_mesh
 from moe.parallel.pipeline import PipelineRunner, prune_for_stages
 from moe.train.optim import MasterWeightAdamW
@@ -55,21 +56,30 @@ class Layout(Protocol):
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
-def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast) -> torch.Tensor:
+def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0) -> torch.Tensor:
+    if chunk:  # the model up to its final norm, then the fused, chunked head + loss
+        with autocast():
+            hidden = run_stack(model, batch[:, :-1], head=False)
+            return chunked_linear_cross_entropy(hidden, model.lm_head.weight, batch[:, 1:], chunk)
     with autocast():
         logits = model(batch[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
 
 
-def accumulate(model: Transformer, micro: list[torch.Tensor], autocast: Autocast, device: torch.device) -> torch.Tensor:
-    """Forward and backward of every micro-batch (gradients accumulate); the mean loss."""
+def accumulate(model: Transformer, micro: list[torch.Tensor], autocast: Autocast, device: torch.device,
+               chunk: int = 0, before_last: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward of every micro-batch (gradients accumulate); the mean loss.
+    ``chunk``: tokens per chunk of the fused head + loss (0: unfused); ``before_last`` runs
+    before the last micro-batch (e.g. to arm overlapped gradient reduction)."""
     n = len(micro)
     model.set_aux_loss_scale(1.0 / n)
     total = torch.zeros((), device=device)
-    for batch in micro:
+    for i, batch in enumerate(micro):
         if device.type == "cuda":
             batch = batch.pin_memory()
-        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast)
+        if before_last is not None and i == n - 1:
+            before_last()
+        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk)
         (loss / n).backward()
         total += loss.detach() / n
     return total
@@ -95,19 +105,24 @@ class ParallelLayout:
         self.virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
         self.runner: PipelineRunner | None = None
         self.sync: GradSync | None = None
+        self.chunk = cfg.train.loss_chunk_tokens
 
     def parallelize(self, model: Transformer) -> Transformer:
         par = self.cfg.parallel
         model = apply_expert_parallel(model, self.mesh, par.ep_backend, par.ep_capacity_factor)
         if self.resolved.pp > 1:
-            model, views = prune_for_stages(model, self.mesh, self.virtual)
+            model, views = prune_for_stages(model, self.mesh, self.virtual, head=not self.chunk)
             self.runner = PipelineRunner(views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum,
-                                         self.env.device, self.virtual)
-        self.sync = GradSync(model, self.mesh, self.zero)
+                                         self.env.device, self.virtual, self.chunk)
+        overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
+        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero)
         return model
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
-        return MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
+        opt = MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
+        if isinstance(self.sync, OverlappedGradSync):
+            self.sync.attach(opt)  # after the optimizer's own hooks: they fill the fp32 gradients
+        return opt
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
         device = self.env.device
@@ -116,7 +131,8 @@ class ParallelLayout:
             batch = torch.cat(micro).to(device, non_blocking=True)
             with autocast():
                 return self.runner.step(batch, device)
-        return accumulate(model, micro, autocast, device)
+        arm = self.sync.arm if isinstance(self.sync, OverlappedGradSync) else None
+        return accumulate(model, micro, autocast, device, self.chunk, arm)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
         for p in opt.params:  # every rank must bring the same tensors to the collectives
@@ -147,6 +163,8 @@ class FsdpLayout:
         self.resolved = cfg.check_world(env.world_size)
         if self.resolved.pp > 1 or self.resolved.ep > 1 or cfg.parallel.shard_optimizer:
             raise ConfigError("parallel.data_parallel: fsdp is the baseline layout; it takes pp=1, ep=1, shard_optimizer=false")
+        if cfg.train.loss_chunk_tokens:
+            raise ConfigError("train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only (set it to 0 for fsdp)")
         self.mesh = build_mesh(1, self.resolved.dp, 1)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
 

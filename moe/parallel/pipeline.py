@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.model import Transformer, run_stack
+from moe.nn.chunked_ce import chunked_linear_cross_entropy
 from moe.parallel.mesh import Mesh
 
 
@@ -27,22 +28,23 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[str]:
 class StageView(nn.Module):
     """One pipeline stage: a slice of a (pruned) Transformer's modules, shared with it."""
 
-    def __init__(self, model: Transformer, layer_keys: list[str], first: bool, last: bool) -> None:
+    def __init__(self, model: Transformer, layer_keys: list[str], first: bool, last: bool, head: bool = True) -> None:
         super().__init__()
+        self.head = head  # False: the last stage returns normed hidden states for a chunked loss
         self.embed = model.embed if first else None
         self.layers = nn.ModuleDict({k: model.layers[k] for k in layer_keys})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_stack(self, x)
+        return run_stack(self, x, head=self.head)
 
 
 def stage_indices(mesh: Mesh, virtual: int) -> list[int]:
     return [mesh.stage + v * mesh.pp for v in range(virtual)]
 
 
-def prune_for_stages(model: Transformer, mesh: Mesh, virtual: int) -> tuple[Transformer, list[StageView]]:
+def prune_for_stages(model: Transformer, mesh: Mesh, virtual: int, head: bool = True) -> tuple[Transformer, list[StageView]]:
     """Drop what this rank's stages do not run; return the model and its stage views."""
     n_stages = mesh.pp * virtual
     mine = stage_indices(mesh, virtual)
@@ -51,7 +53,7 @@ def prune_for_stages(model: Transformer, mesh: Mesh, virtual: int) -> tuple[Tran
         if key not in keep:
             del model.layers[key]
     first, last = 0 in mine, (n_stages - 1) in mine
-    views = [StageView(model, stage_layers(model.cfg.n_layers, n_stages, s), s == 0, s == n_stages - 1) for s in mine]
+    views = [StageView(model, stage_layers(model.cfg.n_layers, n_stages, s), s == 0, s == n_stages - 1, head) for s in mine]
     if not first:
         model.embed = None
     if not last:
@@ -63,10 +65,14 @@ def prune_for_stages(model: Transformer, mesh: Mesh, virtual: int) -> tuple[Tran
 class PipelineRunner:
     """Runs one optimizer step's micro-batches through the pipeline schedule."""
 
-    def __init__(self, views: list[StageView], mesh: Mesh, schedule: str, n_microbatches: int, device: torch.device, virtual: int) -> None:
+    def __init__(self, views: list[StageView], mesh: Mesh, schedule: str, n_microbatches: int, device: torch.device, virtual: int,
+                 chunk: int = 0) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches
+        # chunk > 0: the last stage outputs normed hidden states and the loss applies lm_head
+        self.chunk = chunk
+        self.head_weight = views[-1].lm_head.weight if chunk and views[-1].lm_head is not None else None
         n_stages = mesh.pp * virtual
         self.indices = stage_indices(mesh, virtual)
         self.first, self.last = 0 in self.indices, (n_stages - 1) in self.indices
@@ -78,6 +84,8 @@ class PipelineRunner:
         self.schedule = cls(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, **kwargs)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.chunk:  # "logits" are the last stage's normed hidden states
+            return chunked_linear_cross_entropy(logits, self.head_weight, target, self.chunk) / self.n_microbatches
         return F.cross_entropy(logits.flatten(0, 1).float(), target.reshape(-1)) / self.n_microbatches
 
     def step(self, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
