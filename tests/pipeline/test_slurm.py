@@ -67,6 +67,7 @@ def wait_until(predicate, timeout=240, every=0.5):
 def release_requeued(job_id) -> None:
     """Slurm holds a requeued batch job for ~2 minutes (BeginTime); let it start now."""
     wait_until(lambda: state(job_id) == ("PENDING", 1) or state(job_id)[1] >= 1 and state(job_id)[0] == "PENDING")
+    time.sleep(2)  # slurmd refuses a credential issued in the second the old one was revoked
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
@@ -297,13 +298,25 @@ def test_resubmitted_job_resumes_and_keeps_the_metrics_history(slurm_cluster, to
     assert {s: v for s, v in losses("runs/again").items() if s <= 20} == first
 
 
-def test_usr2_to_the_batch_shell_reaches_the_tasks(slurm_cluster, tokenized):
-    job = submit_background(*LONG, "--set", "executor.run_dir=runs/batch", "--set", "checkpoint.dir=runs/batch/ck")
+@pytest.mark.parametrize(("launch", "scope"), [("submit", "--batch"), ("submit", "--full"), ("sbatch", "--batch")])
+def test_usr2_to_the_batch_shell_reaches_the_tasks(slurm_cluster, tokenized, launch, scope):
+    where = ["--set", "executor.run_dir=runs/batch", "--set", "checkpoint.dir=runs/batch/ck"]
+    steps = 500 if launch == "submit" else 150
+    if launch == "submit":
+        job = submit_background(*LONG, *where)
+    else:  # slurm/train.sbatch, the plain template (one thread per task: it sets none itself)
+        r = moe("job", *LONG, "--set", f"train.max_steps={steps}", *where)
+        assert r.returncode == 0, r.stderr
+        Path("runs/slurm").mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), r.stdout.strip()],
+                             capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}, check=True)
+        job = out.stdout.strip().split(";")[0]
     wait_until(lambda: Path("runs/batch/ck/step_00000050").is_dir())
-    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
+    subprocess.run(["scancel", "--signal=USR2", scope, job], check=True)
     release_requeued(job)
-    finish(job)
+    finish(job, timeout=600)
+    assert state(job)[1] == 1  # one requeue, however many copies of the signal arrived
     log = Path(f"runs/slurm/{job}_0_log.out").read_text()
     assert "stop requested (signal 12)" in log and "resumed from runs/batch/ck/step_" in log
-    assert json.loads(Path("runs/batch/summary.json").read_text())["steps"] == 500
-    assert [json.loads(line)["step"] for line in Path("runs/batch/metrics.jsonl").read_text().splitlines()] == list(range(1, 501))
+    assert json.loads(Path("runs/batch/summary.json").read_text())["steps"] == steps
+    assert [json.loads(line)["step"] for line in Path("runs/batch/metrics.jsonl").read_text().splitlines()] == list(range(1, steps + 1))
