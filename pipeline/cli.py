@@ -142,8 +142,8 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
         metrics = run_train(cfg, tracker)
-    console.print(f"trained {metrics['steps']} steps: final loss {metrics['final_loss']:.4f}, "
-                  f"{metrics['tokens_per_s_per_device']:.0f} tokens/s/device")
+    loss = "n/a" if metrics["final_loss"] is None else f"{metrics['final_loss']:.4f}"
+    console.print(f"trained {metrics['steps']} steps: final loss {loss}, {metrics['tokens_per_s_per_device']:.0f} tokens/s/device")
 
 
 @app.command()
@@ -183,10 +183,8 @@ def submit(
     job.mlflow_finalize = not wait
     if tracker:
         tracker.set_tags(container_tags(cfg))
-    if job.metrics_path.exists():
-        job.metrics_path.unlink()
     try:
-        job_id = executor.submit(job)
+        job_id = executor.submit(job)  # a resuming job appends to metrics.jsonl
     except BaseException:
         if tracker:
             tracker.end(ok=False)
@@ -203,7 +201,8 @@ def submit(
 
             raise JobFailed(f"{result.message}; log: {result.log_path}", result.exit_code)
         metrics = finish_train(cfg, job, tracker)
-    console.print(f"slurm job {job_id} done: final loss {metrics['final_loss']:.4f}")
+    loss = "n/a" if metrics["final_loss"] is None else f"{metrics['final_loss']:.4f}"
+    console.print(f"slurm job {job_id} done: final loss {loss}")
 
 
 def _check_plan(cfg, gpu: str, gpus: int, show: bool, ignore: bool) -> None:

@@ -21,6 +21,24 @@ from moe.train.determinism import set_environment
 from moe.train.sinks import ConsoleSink, JsonlSink
 from moe.train.trainer import NonFiniteLossError, Trainer
 from pipeline.executors.base import TrainJob
+from pipeline.run_lock import RunDirBusy, RunLock
+
+_HELD: list[RunLock] = []  # the run lock lives as long as this process
+PARENT_PID_ENV = "MOE_PARENT_PID"  # set by the local executor, which holds the run lock
+
+
+def die_with_parent() -> None:
+    """A worker of the local executor ends when its launcher does, even on kill -9 (Linux)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != int(parent):  # the launcher died before prctl
+        os._exit(1)
 
 
 def run(job: TrainJob, stop=None) -> dict:
@@ -40,16 +58,44 @@ def run(job: TrainJob, stop=None) -> dict:
             sink.set_tags(inventory_tags())  # what this job actually ran in (its image)
     trainer = Trainer(cfg, sinks=sinks)
     summary = dataclasses.asdict(trainer.fit(stop=stop))
+    if summary["steps"] == summary["start_step"] and not summary["preempted"]:
+        summary = finished_summary(job, summary)
     if trainer.env.is_main and not summary["preempted"]:
-        job.summary_path.write_text(json.dumps(summary, indent=2, default=str))
+        tmp = job.summary_path.with_name(job.summary_path.name + ".tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=str))
+        os.replace(tmp, job.summary_path)
     return summary
 
 
-def run_and_report(job: TrainJob, stop=None) -> tuple[int, dict]:
-    """(exit code, summary): expected failures print one `error:` line to stderr."""
+def finished_summary(job: TrainJob, summary: dict) -> dict:
+    """A rerun of a finished run trains nothing: report the run as it finished (its earlier
+    summary, else the final loss from metrics.jsonl) rather than an empty one."""
+    summary["already_finished"] = True
+    try:
+        earlier = json.loads(job.summary_path.read_text())
+        if earlier.get("steps") == summary["steps"] and earlier.get("final_loss") is not None:
+            return {**earlier, "already_finished": True}
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in job.metrics_path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == summary["steps"] and isinstance(row.get("loss"), (int, float)):
+                summary["final_loss"] = row["loss"]
+    except (OSError, ValueError):
+        pass
+    return summary
+
+
+def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, dict]:
+    """(exit code, summary): expected failures print one `error:` line to stderr. ``lock``:
+    global rank 0 holds the run directory's lock until the process ends (a Slurm job, whose
+    submitter has gone; under the local executor the launching process holds it)."""
 
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if lock and rank == 0:
+            _HELD.append(RunLock(job.run_dir).acquire(f"training job {job.spec_path}"))
         summary = run(job, stop)
         if rank == 0 and not summary["preempted"]:
             _finalize_mlflow(job, ok=True)
@@ -60,6 +106,8 @@ def run_and_report(job: TrainJob, stop=None) -> tuple[int, dict]:
         code, message = 3, str(exc)
     except CheckpointError as exc:
         code, message = 4, str(exc)
+    except RunDirBusy as exc:
+        code, message = 2, str(exc)
     finally:
         shutdown_distributed()
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -99,19 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     USR2 means: checkpoint at the next step, then requeue."""
 
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     stop = None
-    if os.environ.get("SLURM_JOB_ID"):
+    slurm = bool(os.environ.get("SLURM_JOB_ID")) and not os.environ.get(PARENT_PID_ENV)
+    if slurm:
         import signal
 
         from moe.train.preemption import StopRequest
 
         stop = StopRequest().install([signal.SIGUSR2])
-    code, summary = run_and_report(TrainJob.read(argv[0]), stop)
+    job = TrainJob.read(argv[0])
+    code, summary = run_and_report(job, stop, lock=slurm)
     if code == 0 and summary.get("preempted"):
-        from pipeline.slurm_task import requeue_and_wait
+        from pipeline.slurm_task import requeue_or_stop
 
-        requeue_and_wait(int(os.environ.get("RANK", "0")))
+        requeue_or_stop(job, int(os.environ.get("RANK", "0")), summary["steps"])
     return code
 
 

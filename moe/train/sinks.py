@@ -19,20 +19,44 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per log point, appended and flushed (survives a killed run)."""
+    """One JSON object per log point, appended and flushed (survives a killed run).
+
+    The file keeps the history of earlier attempts of the same run: on its first write, rows
+    at or after the first step this attempt logs (steps re-run after a resume, or all of them
+    on a rerun from scratch) and a line cut short by a kill are dropped; the rest stays."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a")
+        self._f = None  # opened on the first log: ranks that never log never touch the file
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._f is None:
+            self._f = self._open_from(step)
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}
         self._f.write(json.dumps({"step": step, **clean}) + "\n")
         self._f.flush()
 
+    def _open_from(self, step: int):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) < step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        return open(self.path, "a")
+
     def close(self, summary: dict[str, Any]) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; inf (dropped) for a line that is not a whole JSON row."""
+    try:
+        row = json.loads(line)
+        return int(row["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class ConsoleSink:

@@ -20,6 +20,8 @@ class TrainJob:
     mlflow_flush_every: int = 50
     # The job ends its MLflow run itself (when nobody waits for it, e.g. `moe submit`).
     mlflow_finalize: bool = False
+    # Slurm: requeues after a stop signal before the job gives up (None: no limit).
+    max_requeues: int | None = None
 
     @property
     def spec_path(self) -> Path:

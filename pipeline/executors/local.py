@@ -1,8 +1,14 @@
-"""Local executor: one process, or N processes on this machine launched like torchrun."""
+"""Local executor: one process, or N processes on this machine launched like torchrun.
+
+The launching process holds the run directory's lock while its workers run, passes
+SIGTERM/SIGINT/SIGHUP on to them, and takes them along when it dies (PDEATHSIG): killing
+`moe train` never leaves a worker training on.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +17,9 @@ import time
 from pathlib import Path
 
 from pipeline.executors.base import JobResult, TrainJob
+from pipeline.run_lock import RunLock, command_line
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def free_port() -> int:
@@ -35,6 +44,10 @@ class LocalExecutor:
         self.stream_rank0 = stream_rank0
 
     def run(self, job: TrainJob) -> JobResult:
+        with RunLock(job.run_dir).acquire(f"{command_line()} (local executor)"), _ForwardSignals() as forward:
+            return self._run(job, forward)
+
+    def _run(self, job: TrainJob, forward: _ForwardSignals) -> JobResult:
         spec = job.write()
         logs = Path(job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -52,6 +65,7 @@ class LocalExecutor:
                 "MASTER_PORT": str(port),
                 "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.nprocs))),
+                "MOE_PARENT_PID": str(os.getpid()),  # pipeline.worker: die with us; we hold the run lock
             }
             log_path = logs / f"rank{rank}.log"
             proc = subprocess.Popen(
@@ -64,6 +78,7 @@ class LocalExecutor:
             t = threading.Thread(target=_pump, args=(proc, log_path, rank == 0 and self.stream_rank0), daemon=True)
             t.start()
             procs.append((proc, log_path))
+            forward.procs.append(proc)
             threads.append(t)
         failed: tuple[int, int, Path] | None = None
         while True:
@@ -78,11 +93,39 @@ class LocalExecutor:
             time.sleep(0.1)
         for t in threads:
             t.join(timeout=5)
+        if forward.signum is not None:
+            name = signal.Signals(forward.signum).name
+            return JobResult(False, 128 + forward.signum, str(procs[0][1]),
+                             f"interrupted by {name}: the workers were stopped; rerun to resume from the last checkpoint")
         if failed:
             rank, code, log_path = failed
             detail = last_error_line(log_path)
             return JobResult(False, code, str(log_path), f"rank {rank} exited with code {code}" + (f": {detail}" if detail else ""))
         return JobResult(True, 0, str(procs[0][1]))
+
+
+class _ForwardSignals:
+    """While the workers run, a termination signal to this process goes to each of them too."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _ForwardSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handler) for s in FORWARDED_SIGNALS}
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def _pump(proc: subprocess.Popen, log_path: Path, echo: bool) -> None:

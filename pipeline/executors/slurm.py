@@ -20,8 +20,20 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.executors.base import JobResult, TrainJob
 from pipeline.params import ContainerConfig, SlurmConfig
+from pipeline.run_lock import RunLock
 from pipeline.slurm_task import SlurmTrainTask
 
+# The batch shell runs srun in the background and passes USR2 on to it (srun forwards it to
+# every task): `scancel --signal=USR2 --batch` and `#SBATCH --signal=B:USR2@N` reach only
+# the batch shell, and bash runs no trap while a foreground command runs.
+FORWARD_USR2_TO_TASKS = [
+    "srun() {  # USR2 to this batch shell goes on to the tasks",
+    "  command srun \"$@\" & local pid=$! rc",
+    "  trap 'kill -USR2 '\"$pid\"' 2>/dev/null' USR2",
+    "  while :; do wait \"$pid\" && rc=0 || rc=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
+    "  trap - USR2; return \"$rc\"",
+    "}",
+]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
@@ -70,7 +82,7 @@ class SlurmExecutor:
             "tasks_per_node": s.tasks_per_node,
             "timeout_min": s.time_min,
             "slurm_signal_delay_s": s.signal_delay_s,
-            "slurm_setup": list(s.setup),
+            "slurm_setup": [*FORWARD_USR2_TO_TASKS, *s.setup],
             "slurm_srun_args": srun_args,
             "slurm_additional_parameters": _additional(s.extra_sbatch),
         }
@@ -91,6 +103,8 @@ class SlurmExecutor:
         return inner._make_submission_file_text(inner._submitit_command_str, "<uid>")
 
     def submit(self, job: TrainJob) -> str:
+        RunLock(job.run_dir).check_free()  # the job's rank 0 takes it when it starts
+        job.max_requeues = self.slurm.max_requeues
         job.write()
         if self.container.runtime == "charliecloud" and self.container.image:
             from pipeline.containers import ensure_mount_points

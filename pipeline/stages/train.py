@@ -75,13 +75,12 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> Tr
         mlflow_uri=redact(uri) if uri else None,
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_flush_every=cfg.mlflow.flush_every,
+        max_requeues=cfg.slurm.max_requeues,
     )
 
 
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
-    job = make_job(cfg, tracker)
-    if job.metrics_path.exists():
-        job.metrics_path.unlink()  # a rerun from scratch; a resumed job appends
+    job = make_job(cfg, tracker)  # metrics.jsonl keeps its history: the job's sink trims re-run steps
     if tracker and cfg.executor.kind == "slurm":
         tracker.set_tags(container_tags(cfg))
     result = build_executor(cfg).run(job)
@@ -105,6 +104,8 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     if not job.summary_path.is_file():
         raise PipelineError(f"training job ended without a summary ({job.summary_path}); logs: {Path(job.run_dir) / 'logs'}")
     summary = json.loads(job.summary_path.read_text())
+    if summary.get("already_finished"):
+        print(f"run already finished: its checkpoint is at step {summary['steps']} (train.max_steps); nothing trained", flush=True)
     rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
