@@ -10,7 +10,7 @@ def test_bench_results_are_logged_to_mlflow(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     from pipeline.bench_tracking import log_result
 
-    layer = sorted((REPO / "bench/results").glob("layer-NVIDIA-H200-*.json"))[-1]
+    layer = REPO / "bench/results/layer-NVIDIA-H200-20261129T160033Z.json"  # a run with the TorchTitan peer
     run_id = log_result(layer)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(run_id)
