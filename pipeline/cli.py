@@ -17,17 +17,37 @@ import uuid
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+try:
+    import typer
+    from rich.console import Console
+except ImportError as _exc:  # `pip install .` without the extra: say which one
+    raise SystemExit(f"error: the moe command needs the pipeline extra ({_exc}): pip install 'moe-pipeline[pipeline]'") from None
 
 from moe.config import ConfigError
-from moe.data import TokenDataError
-from moe.train.checkpoint import CheckpointError
 from pipeline.errors import PipelineError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+# Commands import torch, mlflow and the stages lazily: `moe --help` stays fast.
+app = typer.Typer(add_completion=True, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("moe-pipeline")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        print(f"moe-pipeline {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """The `moe` command line: pipeline stages, benchmarks and tools."""
 
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
@@ -50,16 +70,30 @@ def handle_errors(fn):
             raise
         except PipelineError as exc:
             fail(str(exc), exc.exit_code)
-        except (ConfigError, TokenDataError) as exc:
+        except ConfigError as exc:
             fail(str(exc), 2)
-        except CheckpointError as exc:
-            fail(str(exc), 4)
+        except (ValueError, RuntimeError) as exc:
+            code = _library_error_code(exc)
+            if code is None:
+                raise
+            fail(str(exc), code)
         except FileNotFoundError as exc:
             fail(f"{exc.filename}: not found", 2)
         except KeyboardInterrupt:
             fail("interrupted", 130)
 
     return wrapper
+
+
+def _library_error_code(exc: BaseException) -> int | None:
+    """Exit code of the library's expected errors (their modules import torch: looked up only
+    once imported, which raising them implies)."""
+    tokens, ckpt = sys.modules.get("moe.data.tokens"), sys.modules.get("moe.train.checkpoint")
+    if tokens is not None and isinstance(exc, tokens.TokenDataError):
+        return 2
+    if ckpt is not None and isinstance(exc, ckpt.CheckpointError):
+        return 4
+    return None
 
 
 def _load(params: Path, overrides: list[str] | None):
@@ -183,11 +217,24 @@ def submit(
 
 @app.command()
 @handle_errors
-def job(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """Write the resolved training job spec (<run_dir>/job.json) for slurm/train.sbatch; print its path."""
+def job(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    out: Annotated[Path | None, typer.Option(help="where to write the spec (default: <slurm.folder>/job.json)")] = None,
+) -> None:
+    """Write the resolved training job spec for slurm/train.sbatch; print its path.
+
+    The spec goes outside the run directory (a DVC output), so DVC does not see a change."""
+    import dataclasses
+
     from pipeline.stages.train import make_job
 
-    spec = make_job(_load(params, set_)).write()
+    cfg = _load(params, set_)
+    spec = out or Path(cfg.slurm.folder) / "job.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    tmp = spec.with_name(spec.name + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(make_job(cfg)), indent=2))
+    tmp.replace(spec)
     print(spec)
 
 
@@ -261,7 +308,7 @@ def mlflow_server(
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend, "--artifacts-destination",
            str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
     console.print(f"MLflow server on http://{host}:{port} (store {backend})")
-    raise typer.Exit(subprocess.call(cmd))
+    raise typer.Exit(_serve(cmd))
 
 
 @app.command("mlflow-sync")
@@ -344,8 +391,8 @@ def repro(
 ) -> None:
     """`dvc repro` with one MLflow parent run for this invocation."""
     key = uuid.uuid4().hex[:16]
-    cmd = ["dvc", "repro", *(["--force"] if force else []), *(args or [])]
-    console.print(f"pipeline key {key}: {' '.join(cmd)}")
+    cmd = [sys.executable, "-m", "dvc", "repro", *(["--force"] if force else []), *(args or [])]
+    console.print(f"pipeline key {key}: dvc {' '.join(cmd[3:])}")
     code = subprocess.call(cmd, env={**os.environ, "MOE_PIPELINE_KEY": key})
     if code != 0:
         fail(f"dvc repro failed with exit code {code}", code)
@@ -368,7 +415,36 @@ def ui(
 
     uri = tracking_uri(MlflowConfig())
     console.print(f"MLflow UI for {uri} on http://{host}:{port}")
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+    raise typer.Exit(_serve([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+
+
+def _serve(cmd: list[str]) -> int:
+    """Run a server in its own process group; SIGTERM/SIGINT/SIGHUP end the whole group (MLflow's
+    workers included), so nothing is left behind."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def stop(signum, _frame):
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    code = proc.wait()
+    try:  # the server exited on its own: its workers go too
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    return code
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
@@ -413,7 +489,8 @@ def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.
     for f in files:
         if not f.is_file():
             fail(f"{f}: not found", 2)
-        console.print(f"{f.name} -> MLflow run {log_result(f)}")
+        run_id, new = log_result(f)
+        console.print(f"{f.name} -> MLflow run {run_id}" + ("" if new else " (already logged)"))
 
 
 def _run_bench(main, args: list[str]) -> None:
@@ -429,11 +506,13 @@ def _run_bench(main, args: list[str]) -> None:
         except ImportError:
             new = []
         for f in new:
-            console.print(f"{f.name} -> MLflow run {log_result(f)}")
+            console.print(f"{f.name} -> MLflow run {log_result(f)[0]}")
     raise typer.Exit(code)
 
 
-def _progress() -> Progress:
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
 

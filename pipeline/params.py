@@ -153,7 +153,8 @@ class EvaluateConfig(Config):
 @dataclasses.dataclass
 class MlflowConfig(Config):
     experiment: str = "moe"
-    # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the repository root.
+    # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project root (pipeline/project.py:
+    # also from DVC's temporary and queued experiment workspaces).
     tracking_uri: str | None = None
     enabled: bool = True
     # Metrics buffered per flush (one log_batch call).

@@ -41,8 +41,9 @@ def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
         return cfg.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = (root or Path.cwd()).resolve()
-    return f"sqlite:///{root / 'mlflow.db'}"
+    from pipeline.project import project_root
+
+    return f"sqlite:///{project_root(root) / 'mlflow.db'}"
 
 
 def _git(*args: str) -> str | None:
