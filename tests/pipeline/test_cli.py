@@ -138,3 +138,13 @@ def test_ui_leaves_no_server_processes_after_sigterm(tmp_path):
     time.sleep(1)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
+
+
+def test_convert_from_hf_refuses_gelu_by_name(tmp_path):
+    from moe.config import ModelConfig
+    from moe.interop import hf_config
+
+    hf = hf_config(ModelConfig.from_dict({"preset": "tiny"}).validate(), eos_id=0, pad_id=None)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_act": "gelu"}))
+    assert_one_error_line(moe("convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "ckpt")), 2, "hidden_act='gelu' is not supported")
+    assert not (tmp_path / "ckpt").exists()
