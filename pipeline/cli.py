@@ -369,7 +369,8 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
         m = run_evaluate(cfg, tracker)
-    console.print(f"val loss {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
+    subset = "" if m["val_windows"] == m["val_windows_total"] else f" over the first {m['val_windows']} of {m['val_windows_total']} windows"
+    console.print(f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
                   f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s")
     console.print(f"sample: {m['sample']!r}", highlight=False)
 

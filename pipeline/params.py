@@ -137,7 +137,8 @@ class ConvertConfig(Config):
 @dataclasses.dataclass
 class EvaluateConfig(Config):
     batch_size: int = 4
-    max_batches: int = 8
+    # null: the whole validation split; a number evaluates a prefix, named in the metrics and output.
+    max_batches: int | None = None
     # Fail the stage when our loss and transformers' differ by more than this (relative).
     max_rel_diff: float = 1e-4
     prompt: str = "def "
@@ -147,7 +148,8 @@ class EvaluateConfig(Config):
 
     def _check(self, p: str) -> None:
         require(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
-        require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1")
+        if self.max_batches is not None:
+            require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1 (or null: the whole split)")
 
 
 @dataclasses.dataclass

@@ -82,7 +82,8 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)
     val = TokenDataset([str(Path(cfg.tokenize.output) / "val")], seq_len, tokenizer_hash=tok_info.sha256)
-    n = min(len(val), cfg.evaluate.batch_size * cfg.evaluate.max_batches)
+    limit = cfg.evaluate.max_batches
+    n = len(val) if limit is None else min(len(val), cfg.evaluate.batch_size * limit)
     index = np.arange(n)
     batches = [val.batch(index[i : i + cfg.evaluate.batch_size]).to(device) for i in range(0, n, cfg.evaluate.batch_size)]
 
@@ -111,6 +112,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "hf_val_loss": hf_loss,
         "hf_rel_diff": rel,
         "val_tokens": tokens,
+        # the windows evaluated and the split's total: equal unless evaluate.max_batches cut it
+        "val_windows": n,
+        "val_windows_total": len(val),
         "eval_tokens_per_s": tokens / seconds,
         "hf_eval_tokens_per_s": tokens / hf_seconds,
         "generation_matches_hf": float(ours_ids == hf_ids),
