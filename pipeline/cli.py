@@ -96,6 +96,13 @@ def _library_error_code(exc: BaseException) -> int | None:
     return None
 
 
+def _model_line(m) -> str:
+    """The resolved model shape, and what differs from its preset, as a run is labelled."""
+    label = f"preset {m.preset}" + (f" with {', '.join(m.preset_overrides)} overridden" if m.preset_overrides else "") if m.preset else "no preset"
+    return (f"model ({label}): d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} vocab_size={m.vocab_size} "
+            f"experts={m.moe.num_experts} top_k={m.moe.top_k} expert_hidden={m.moe.expert_hidden}")
+
+
 def _load(params: Path, overrides: list[str] | None):
     from pipeline.params import load_params
 
@@ -154,6 +161,7 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
     from pipeline.stages.train import run_train
 
     cfg = _load(params, set_)
+    console.print(_model_line(cfg.model), highlight=False)
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
         metrics = run_train(cfg, tracker)
     console.print(f"trained {metrics['steps']} steps: final loss {metrics['final_loss']:.4f}, "
