@@ -16,6 +16,7 @@ from moe.config import ConfigError, ExperimentConfig
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
+from pipeline.resume import prepare_checkpoints
 from pipeline.stages.tokenize import read_manifest
 
 METRICS_FILE = Path("metrics/train.json")
@@ -56,7 +57,10 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> Tr
 
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
     job = make_job(cfg, tracker)
-    if job.metrics_path.exists():
+    start = prepare_checkpoints(job.config)  # DVC keeps the run dir (persist); resume only the same config
+    if tracker:
+        tracker.set_tags({"train.start": start})
+    if start != "resume" and job.metrics_path.exists():
         job.metrics_path.unlink()  # a rerun from scratch; a resumed job appends
     if tracker and cfg.executor.kind == "slurm":
         tracker.set_tags(container_tags(cfg))
