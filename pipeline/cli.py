@@ -103,6 +103,19 @@ def _model_line(m) -> str:
             f"experts={m.moe.num_experts} top_k={m.moe.top_k} expert_hidden={m.moe.expert_hidden}")
 
 
+def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
+    """A token split as the run's MLflow dataset input; its digest covers the tokenizer and the files."""
+    import hashlib
+
+    manifest_path = Path(tokens_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        return
+    manifest = json.loads(manifest_path.read_text())
+    part = {"tokenizer": manifest.get("tokenizer", {}).get("sha256"), "split": manifest.get("splits", {}).get(split)}
+    digest = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+    tracker.log_dataset(f"tokens/{split}", Path(tokens_dir) / split, digest, context)
+
+
 def _load(params: Path, overrides: list[str] | None):
     from pipeline.params import load_params
 
@@ -147,6 +160,8 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
         if tracker:
             tracker.log_metrics({f"{s}_{k}": v for s, d in manifest["splits"].items() for k, v in d.items() if k != "files"})
             tracker.set_tags({"tokenizer.sha256": manifest["tokenizer"]["sha256"]})
+            for split in ("train", "val"):
+                _log_tokens(tracker, cfg.tokenize.output, split, "training" if split == "train" else "validation")
     sp = manifest["splits"]
     console.print(
         f"tokenized {sp['train']['documents'] + sp['val']['documents']} documents: "
@@ -163,7 +178,11 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
     cfg = _load(params, set_)
     console.print(_model_line(cfg.model), highlight=False)
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
+        if tracker and not cfg.data.paths:
+            _log_tokens(tracker, cfg.tokenize.output, "train", "training")
         metrics = run_train(cfg, tracker)
+        if tracker:
+            tracker.log_artifacts("plots", "plots")
     console.print(f"trained {metrics['steps']} steps: final loss {metrics['final_loss']:.4f}, "
                   f"{metrics['tokens_per_s_per_device']:.0f} tokens/s/device")
 
@@ -365,6 +384,8 @@ def convert(
         )
         if tracker:
             tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
+            if cfg.convert.log_model:  # the converted Hugging Face model, loadable from the run's artifacts
+                tracker.log_artifacts(out or cfg.convert.output, "hf_model")
     console.print(f"converted {prov['checkpoint']} -> {out or cfg.convert.output}")
 
 
@@ -376,6 +397,8 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
 
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
+        if tracker:
+            _log_tokens(tracker, cfg.tokenize.output, "val", "evaluation")
         m = run_evaluate(cfg, tracker)
     subset = "" if m["val_windows"] == m["val_windows_total"] else f" over the first {m['val_windows']} of {m['val_windows_total']} windows"
     console.print(f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "

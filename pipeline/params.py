@@ -132,6 +132,8 @@ class ConvertConfig(Config):
     output: str = "runs/hf"
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_shard_bytes: int = 2_000_000_000
+    # Log the converted model directory as the convert run's MLflow artifact (hf_model/).
+    log_model: bool = True
 
 
 @dataclasses.dataclass

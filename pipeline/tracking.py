@@ -174,14 +174,17 @@ class Tracker:
         self.parent_id = self._parent()
         tags = {
             "mlflow.parentRunId": self.parent_id,
-            "mlflow.runName": stage,
+            "mlflow.runName": run_name(stage),
             "moe.stage": stage,
             PIPELINE_KEY_TAG: pipeline_key(params_path),
             **git_info(),
+            **standard_tags(stage),
             **environment_tags(),
             **dvc_dep_tags(stage),
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
+        self.client.update_run(self.parent_id, status="RUNNING")
+        self._monitor = start_system_metrics(self.uri, self.run_id)
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.cfg.experiment)
@@ -202,12 +205,13 @@ class Tracker:
         )
         if found:
             return found[0].info.run_id
-        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": f"pipeline-{key[:8]}", **git_info()}
+        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": run_name("pipeline", key[:8]), **git_info(),
+                **standard_tags("pipeline")}
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
             self.client.log_artifact(run_id, str(self.params_path))
-        # The parent only groups; it is closed at once and marked FAILED if a stage fails.
-        self.client.set_terminated(run_id, "FINISHED")
+        # The parent spans the pipeline: RUNNING while a stage runs, ended (with the pipeline's
+        # final metrics and plots) by each stage that finishes, FAILED if one fails.
         return run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -238,10 +242,105 @@ class Tracker:
         self.log_artifact(self.params_path)
         self.log_artifact("dvc.lock")
 
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        if Path(directory).is_dir():
+            self.client.log_artifacts(self.run_id, str(directory), artifact_path)
+
+    def log_dataset(self, name: str, path: str | Path, digest: str, context: str) -> None:
+        """A token split as an MLflow dataset input (metadata only: where it is, its digest)."""
+        log_dataset(self.client, self.run_id, name, path, digest, context)
+
     def end(self, ok: bool) -> None:
+        if self._monitor is not None:
+            try:
+                self._monitor.finish()
+            except Exception as exc:  # system metrics are best effort
+                log.warning("system metrics: %s", exc)
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
         if not ok:
             self.client.set_terminated(self.parent_id, "FAILED")
+        else:
+            finish_parent(self.client, self.parent_id)
+
+
+def run_name(stage: str, suffix: str | None = None) -> str:
+    """``stage`` (or ``stage-suffix``), followed by the DVC experiment's name when DVC runs one."""
+    name = f"{stage}-{suffix}" if suffix else stage
+    exp = os.environ.get("DVC_EXP_NAME")
+    return f"{name} ({exp})" if exp else name
+
+
+def standard_tags(stage: str) -> dict[str, str]:
+    """MLflow's own source, git and user tags (what its UI shows in the run's header)."""
+    import getpass
+
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"moe {stage}"}
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):
+        pass
+    info = git_info()
+    if info.get("git.commit", "unknown") != "unknown":
+        tags["mlflow.source.git.commit"] = info["git.commit"]
+        if info.get("git.branch"):
+            tags["mlflow.source.git.branch"] = info["git.branch"]
+        remote = _git("remote", "get-url", "origin")
+        if remote and "@" not in remote.split("//", 1)[-1].split("/", 1)[0]:  # never a URL with credentials
+            tags["mlflow.source.git.repoURL"] = remote
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
+    if os.environ.get("DVC_EXP_BASELINE_REV"):
+        tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
+    return tags
+
+
+def start_system_metrics(uri: str, run_id: str):
+    """MLflow's system metrics monitor (CPU, memory, disk, network; GPUs through nvidia-ml-py
+    where installed) on this run; None where psutil is missing."""
+    try:
+        import psutil  # noqa: F401
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=float(os.environ.get("MOE_SYSTEM_METRICS_INTERVAL", "2")),
+                                       samples_before_logging=1, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except Exception as exc:  # never fail a stage for its telemetry
+        log.info("no system metrics: %s", exc)
+        return None
+
+
+def log_dataset(client, run_id: str, name: str, path: str | Path, digest: str, context: str) -> None:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    source = resolve_dataset_source(str(Path(path).resolve()))
+    dataset = MetaDataset(source=source, name=name, digest=digest[:36])
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+
+
+FINAL_METRICS = {"train": Path("metrics/train.json"), "eval": Path("metrics/eval.json")}
+PLOTS_DIR = Path("plots")
+
+
+def finish_parent(client, parent_id: str) -> None:
+    """The pipeline's parent run: its final metrics (metrics/*.json) and plots, ended now."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = []
+    for prefix, path in FINAL_METRICS.items():
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            data = {}
+        items += [Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in data.items() if _finite(v) and not isinstance(v, bool)]
+    for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+        client.log_batch(parent_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+    if PLOTS_DIR.is_dir() and any(PLOTS_DIR.iterdir()):
+        client.log_artifacts(parent_id, str(PLOTS_DIR), "plots")
+    client.set_terminated(parent_id, "FINISHED")
 
 
 def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.lock")) -> None:

@@ -19,7 +19,9 @@ from moe.model import Transformer
 from moe.parallel.env import pick_device
 from pipeline.errors import PipelineError
 from pipeline.params import PipelineConfig
+from pipeline.plots import validation_figure
 from pipeline.stages.convert import load_checkpoint_weights
+from pipeline.stages.train import read_metric_rows
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tokenizer import load_tokenizer
 
@@ -124,6 +126,8 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     sample_path = out.with_name(out.stem + "_sample.txt")
     sample_path.write_text(sample + "\n")
     out.write_text(json.dumps(metrics, indent=2) + "\n")
+    train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
+    validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     if tracker:
         tracker.log_metrics(metrics)
         tracker.log_artifact(sample_path)

@@ -16,6 +16,7 @@ from moe.config import ConfigError, ExperimentConfig
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
+from pipeline.plots import train_figures, write_expert_load_csv
 from pipeline.resume import prepare_checkpoints
 from pipeline.stages.tokenize import read_manifest
 
@@ -88,6 +89,8 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
+    write_expert_load_csv(rows)
+    train_figures(rows)  # PNGs: `dvc plots show` renders them offline
     if tracker:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(job.metrics_path)

@@ -64,7 +64,12 @@ def test_repro_end_to_end_then_incremental(clone):
 
     sh("dvc", "metrics", "show", cwd=dest, env=env)
     plots = sh("dvc", "plots", "show", "--json", cwd=dest, env=env)
-    assert "plots/train_loss.csv" in plots.stdout
+    for png in ("plots/train/loss.png", "plots/train/lr.png", "plots/train/throughput_mfu.png", "plots/train/expert_load.png",
+                "plots/eval/val_loss.png"):
+        assert png in plots.stdout, png
+    sh("dvc", "plots", "show", "-o", "plots_html", cwd=dest, env=env)
+    html = (dest / "plots_html/index.html").read_text()
+    assert "<img" in html and "<script src=" not in html  # renders offline: no vega from a CDN
 
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["model"]["moe"]["top_k"] = 1
@@ -81,3 +86,15 @@ def test_repro_end_to_end_then_incremental(clone):
     exp_id = client.get_experiment_by_name("moe").experiment_id
     stages = [r.data.tags["moe.stage"] for r in client.search_runs([exp_id], max_results=100)]
     assert stages.count("tokenize") == 1 and stages.count("train") >= 3 and "pipeline" in stages
+
+
+def test_readme_commands_in_a_trained_workspace(clone):
+    """The README's commands for after `make repro`, as written (`.venv/bin/...` is this environment)."""
+    from tests.test_readme import WORKSPACE, argv, readme_commands
+
+    dest, env = clone
+    assert [c for c in readme_commands() if c in WORKSPACE] == WORKSPACE
+    for cmd in WORKSPACE:
+        sh(*argv(cmd), cwd=dest, env=env)
+    names = sh(*argv(".venv/bin/dvc exp ls --name-only"), cwd=dest, env=env).stdout.split()
+    assert len(names) >= 3, names  # test_repro's experiment, the README's and its queued one
