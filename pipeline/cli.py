@@ -7,6 +7,7 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -231,6 +232,8 @@ def submit(
         tracker.set_tags({"slurm.job_id": job_id})
     print(job_id, flush=True)
     if not wait:
+        if tracker:
+            tracker.stop_system_metrics()
         return
     with _Stage(tracker):
         result = executor.wait(job_id)
@@ -472,10 +475,8 @@ def _serve(cmd: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
     code = proc.wait()
-    try:  # the server exited on its own: its workers go too
+    with contextlib.suppress(ProcessLookupError):  # the server exited on its own: its workers go too
         os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     return code
 
 

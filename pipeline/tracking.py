@@ -11,6 +11,7 @@ Only global rank 0 logs; the submitting process creates the run and passes its i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ MAX_PARAM_CHARS = 6000
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 PIPELINE_KEY_TAG = "moe.pipeline_key"
+PIPELINE_STAGES = ("tokenize", "train", "convert", "evaluate")
 
 
 def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
@@ -256,11 +258,18 @@ class Tracker:
                 self._monitor.finish()
             except Exception as exc:  # system metrics are best effort
                 log.warning("system metrics: %s", exc)
+            self._monitor = None
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
         if not ok:
             self.client.set_terminated(self.parent_id, "FAILED")
-        else:
+        elif self.stage in PIPELINE_STAGES:
             finish_parent(self.client, self.parent_id)
+
+    def stop_system_metrics(self) -> None:
+        """For a run this process hands over (``moe submit`` without --wait: the job ends it)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
 
 
 def run_name(stage: str, suffix: str | None = None) -> str:
@@ -275,10 +284,8 @@ def standard_tags(stage: str) -> dict[str, str]:
     import getpass
 
     tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"moe {stage}"}
-    try:
+    with contextlib.suppress(KeyError, OSError):
         tags["mlflow.user"] = getpass.getuser()
-    except (KeyError, OSError):
-        pass
     info = git_info()
     if info.get("git.commit", "unknown") != "unknown":
         tags["mlflow.source.git.commit"] = info["git.commit"]

@@ -32,7 +32,8 @@ INDEX = "https://pypi.org/simple"
 PYTHONS = ("3.11", "3.12", "3.13")
 # uv's --python-platform name -> the wheel platform tags it accepts
 PLATFORMS = {
-    "x86_64-manylinux_2_28": [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"],
+    "x86_64-manylinux_2_28": [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)]
+    + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"],
     "aarch64-manylinux_2_28": [f"manylinux_2_{m}_aarch64" for m in range(28, 16, -1)] + ["manylinux2014_aarch64", "linux_aarch64"],
     "aarch64-apple-darwin": [f"macosx_{v}_0_{a}" for v in range(14, 10, -1) for a in ("arm64", "universal2")]
     + [f"macosx_10_{m}_universal2" for m in range(16, 8, -1)],

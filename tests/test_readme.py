@@ -34,7 +34,8 @@ ELSEWHERE = {
     "make repro": "the whole pipeline in a fresh venv: CI (.ci/run); its `moe repro` runs in tests/pipeline/test_dvc_e2e.py",
     "make test": "this suite",
     "make ui": "a server: `moe ui` is started and stopped in tests/pipeline/test_cli.py",
-    "moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py",
+    "moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": (
+        "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py"),
     "moe submit --wait --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": "as above",
     "moe status 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
     "moe logs 1234 --follow": "needs a Slurm job (tests/pipeline/test_slurm.py)",

@@ -21,8 +21,8 @@ from pipeline.errors import PipelineError
 from pipeline.params import PipelineConfig
 from pipeline.plots import validation_figure
 from pipeline.stages.convert import load_checkpoint_weights
-from pipeline.stages.train import read_metric_rows
 from pipeline.stages.tokenize import read_manifest
+from pipeline.stages.train import read_metric_rows
 from pipeline.tokenizer import load_tokenizer
 
 
