@@ -33,7 +33,9 @@ def clone(tmp_path_factory):
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 400_000, "vocab_size": 384})
     params["model"]["vocab_size"] = 384
-    params["train"].update({"max_steps": 20, "log_every": 5})
+    params["train"].update({"max_steps": 20, "log_every": 5, "global_batch_size": 4, "micro_batch_size": 4})
+    params["data"]["seq_len"] = 64
+    params["evaluate"]["max_batches"] = 4
     params["checkpoint"]["every"] = 10
     params["schedule"]["warmup_steps"] = 5
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
