@@ -29,6 +29,7 @@ GPU = {
 WORKSPACE = [
     ".venv/bin/dvc metrics show", ".venv/bin/dvc plots show", ".venv/bin/dvc exp run -S train.max_steps=30",
     ".venv/bin/dvc exp run --queue -S optim.lr=0.001", ".venv/bin/dvc exp run --run-all",
+    ".venv/bin/dvc exp run -S +model.d_model=128",
 ]
 ELSEWHERE = {
     "make repro": "the whole pipeline in a fresh venv: CI (.ci/run); its `moe repro` runs in tests/pipeline/test_dvc_e2e.py",

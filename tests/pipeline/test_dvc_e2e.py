@@ -79,7 +79,7 @@ def test_repro_end_to_end_then_incremental(clone):
     changed = sh("dvc", "repro", cwd=dest, env=env)
     assert ran_stages(changed.stdout) == ["train", "convert", "evaluate"], changed.stdout
 
-    exp = sh("dvc", "exp", "run", "-S", "model.moe.expert_hidden=32", cwd=dest, env=env)
+    exp = sh("dvc", "exp", "run", "-S", "+model.moe.expert_hidden=32", cwd=dest, env=env)  # a key the preset supplies: added with +
     assert "Ran experiment" in exp.stdout + exp.stderr
 
     from mlflow.tracking import MlflowClient
