@@ -9,11 +9,13 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 setup: $(STAMP)
 
-# The hash-pinned lock (torch 2.13.0's CPU build included), then this project without deps.
+# The hash-pinned lock (PyPI's files for Linux x86_64/aarch64 and macOS arm64, Python 3.11-3.13;
+# a local CPU torch wheel in $$MOE_WHEELS, default /opt/wheels, is used where present), then this
+# project without deps.
 $(STAMP): requirements/cpu.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
-	$(BIN)/python -m pip install -q --disable-pip-version-check --require-hashes -r requirements/cpu.lock
+	$(BIN)/python scripts/install_lock.py install requirements/cpu.lock -q --disable-pip-version-check
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -32,17 +34,24 @@ test-fast: setup
 ui: setup
 	$(BIN)/moe ui
 
-# Hash-pinned locks from requirements/*.in (uv); the tested pins are kept unless UPGRADE=1.
-UV_COMMON = --generate-hashes --index-url https://pypi.org/simple --find-links /opt/wheels --quiet
+# Hash-pinned locks from requirements/*.in (uv, from PyPI alone: --no-config ignores this
+# machine's pip/uv settings); the tested pins are kept unless UPGRADE=1. cpu.lock is universal
+# (every platform and Python >= 3.11); the hashes of local wheels of locked versions are added.
+UV_COMMON = --no-config --generate-hashes --index-url https://pypi.org/simple --quiet
 lock: setup
 	$(BIN)/python scripts/lock_constraints.py requirements/cpu.lock > .lock-cpu.txt
 	$(BIN)/python scripts/lock_constraints.py requirements/gpu.lock > .lock-gpu.txt
-	$(BIN)/uv pip compile requirements/cpu.in $(UV_COMMON) --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	$(BIN)/uv pip compile requirements/cpu.in $(UV_COMMON) --universal --python-version 3.11 \
 	  $(if $(UPGRADE),,-c .lock-cpu.txt) --no-emit-package moe-pipeline -o requirements/cpu.lock
+	$(BIN)/python scripts/install_lock.py add-hashes requirements/cpu.lock
 	$(BIN)/uv pip compile requirements/gpu.in $(UV_COMMON) --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
 	  $(if $(UPGRADE),,-c .lock-gpu.txt) -o requirements/gpu.lock
 	rm -f .lock-cpu.txt .lock-gpu.txt
 	$(BIN)/python scripts/check_lock.py
+
+# ruff (pinned in the lock): lint rules and import order from pyproject.toml's [tool.ruff].
+lint: setup
+	$(BIN)/ruff check moe pipeline bench scripts tests
 
 lock-check: setup
 	$(BIN)/python scripts/check_lock.py

@@ -7,12 +7,13 @@ a metric named <row label>/<field>."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from pipeline.params import MlflowConfig
-from pipeline.tracking import Tracker, flatten
+from pipeline.tracking import Tracker, flatten, tracking_uri
 
 ROW_LABELS = ("shape", "layout", "layers", "peer")
 
@@ -36,14 +37,32 @@ def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def log_result(path: Path, experiment: str = "bench") -> str:
-    payload = json.loads(Path(path).read_text())
+def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
+    """The run that already holds the result file with this content, if any."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`bench.file_sha256` = '{sha256}'", max_results=1)
+    return found[0].info.run_id if found else None
+
+
+def log_result(path: Path, experiment: str = "bench") -> tuple[str, bool]:
+    """(run id, whether a run was created): a file already logged (same content) is not logged again."""
+    data = Path(path).read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    existing = logged_run(tracking_uri(MlflowConfig(experiment=experiment)), experiment, sha256)
+    if existing:
+        return existing, False
+    payload = json.loads(data)
     tracker = Tracker(MlflowConfig(experiment=experiment), f"bench:{payload.get('benchmark', 'unknown')}", Path("params.yaml"))
     env = payload.get("environment", {})
     tracker.set_tags({f"bench.{k}": v for k, v in env.items() if v is not None})
-    tracker.set_tags({"bench.file": Path(path).name})
+    tracker.set_tags({"bench.file": Path(path).name, "bench.file_sha256": sha256})
     tracker.log_params(flatten(payload.get("config", {})))
     tracker.log_metrics(result_metrics(payload))
     tracker.log_artifact(path)
     tracker.end(ok=True)
-    return tracker.run_id
+    return tracker.run_id, True

@@ -7,6 +7,7 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -17,19 +18,39 @@ import uuid
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+try:
+    import typer
+    from rich.console import Console
+    from rich.markup import escape
+except ImportError as _exc:  # `pip install .` without the extra: say which one
+    raise SystemExit(f"error: the moe command needs the pipeline extra ({_exc}): pip install 'moe-pipeline[pipeline]'") from None
 
 from moe.config import ConfigError
-from moe.data import TokenDataError
-from moe.train.checkpoint import CheckpointError
 from pipeline.errors import PipelineError
 from pipeline.redact import redact
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+# Commands import torch, mlflow and the stages lazily: `moe --help` stays fast.
+app = typer.Typer(add_completion=True, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("moe-pipeline")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        print(f"moe-pipeline {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """The `moe` command line: pipeline stages, benchmarks and tools."""
 
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
@@ -61,10 +82,13 @@ def handle_errors(fn):
             raise
         except PipelineError as exc:
             fail(str(exc), exc.exit_code)
-        except (ConfigError, TokenDataError) as exc:
+        except ConfigError as exc:
             fail(str(exc), 2)
-        except CheckpointError as exc:
-            fail(str(exc), 4)
+        except (ValueError, RuntimeError) as exc:
+            code = _library_error_code(exc)
+            if code is None:
+                raise
+            fail(str(exc), code)
         except FileNotFoundError as exc:
             fail(f"{exc.filename}: not found", 2)
         except OSError as exc:
@@ -77,6 +101,37 @@ def handle_errors(fn):
             _unexpected(exc)
 
     return wrapper
+
+
+def _library_error_code(exc: BaseException) -> int | None:
+    """Exit code of the library's expected errors (their modules import torch: looked up only
+    once imported, which raising them implies)."""
+    tokens, ckpt = sys.modules.get("moe.data.tokens"), sys.modules.get("moe.train.checkpoint")
+    if tokens is not None and isinstance(exc, tokens.TokenDataError):
+        return 2
+    if ckpt is not None and isinstance(exc, ckpt.CheckpointError):
+        return 4
+    return None
+
+
+def _model_line(m) -> str:
+    """The resolved model shape, and what differs from its preset, as a run is labelled."""
+    label = f"preset {m.preset}" + (f" with {', '.join(m.preset_overrides)} overridden" if m.preset_overrides else "") if m.preset else "no preset"
+    return (f"model ({label}): d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} vocab_size={m.vocab_size} "
+            f"experts={m.moe.num_experts} top_k={m.moe.top_k} expert_hidden={m.moe.expert_hidden}")
+
+
+def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
+    """A token split as the run's MLflow dataset input; its digest covers the tokenizer and the files."""
+    import hashlib
+
+    manifest_path = Path(tokens_dir) / "manifest.json"
+    if not manifest_path.is_file():
+        return
+    manifest = json.loads(manifest_path.read_text())
+    part = {"tokenizer": manifest.get("tokenizer", {}).get("sha256"), "split": manifest.get("splits", {}).get(split)}
+    digest = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+    tracker.log_dataset(f"tokens/{split}", Path(tokens_dir) / split, digest, context)
 
 
 def _load(params: Path, overrides: list[str] | None):
@@ -123,6 +178,8 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
         if tracker:
             tracker.log_metrics({f"{s}_{k}": v for s, d in manifest["splits"].items() for k, v in d.items() if k != "files"})
             tracker.set_tags({"tokenizer.sha256": manifest["tokenizer"]["sha256"]})
+            for split in ("train", "val"):
+                _log_tokens(tracker, cfg.tokenize.output, split, "training" if split == "train" else "validation")
     sp = manifest["splits"]
     console.print(
         f"tokenized {sp['train']['documents'] + sp['val']['documents']} documents: "
@@ -140,8 +197,13 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
     from pipeline.stages.train import run_train
 
     cfg = _load(params, set_)
+    console.print(_model_line(cfg.model), highlight=False)
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
+        if tracker and not cfg.data.paths:
+            _log_tokens(tracker, cfg.tokenize.output, "train", "training")
         metrics = run_train(cfg, tracker)
+        if tracker:
+            tracker.log_artifacts("plots", "plots")
     loss = "n/a" if metrics["final_loss"] is None else f"{metrics['final_loss']:.4f}"
     console.print(f"trained {metrics['steps']} steps: final loss {loss}, {metrics['tokens_per_s_per_device']:.0f} tokens/s/device")
 
@@ -193,6 +255,8 @@ def submit(
         tracker.set_tags({"slurm.job_id": job_id})
     print(job_id, flush=True)
     if not wait:
+        if tracker:
+            tracker.stop_system_metrics()
         return
     with _Stage(tracker):
         result = executor.wait(job_id)
@@ -242,11 +306,24 @@ def plan(
 
 @app.command()
 @handle_errors
-def job(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """Write the resolved training job spec (<run_dir>/job.json) for slurm/train.sbatch; print its path."""
+def job(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    out: Annotated[Path | None, typer.Option(help="where to write the spec (default: <slurm.folder>/job.json)")] = None,
+) -> None:
+    """Write the resolved training job spec for slurm/train.sbatch; print its path.
+
+    The spec goes outside the run directory (a DVC output), so DVC does not see a change."""
+    import dataclasses
+
     from pipeline.stages.train import make_job
 
-    spec = make_job(_load(params, set_)).write()
+    cfg = _load(params, set_)
+    spec = out or Path(cfg.slurm.folder) / "job.json"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    tmp = spec.with_name(spec.name + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(make_job(cfg)), indent=2))
+    tmp.replace(spec)
     print(spec)
 
 
@@ -332,7 +409,7 @@ def mlflow_server(
     cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination",
            str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
     console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
-    raise typer.Exit(subprocess.call(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
+    raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
 
 
 @app.command("mlflow-sync")
@@ -388,6 +465,8 @@ def convert(
         )
         if tracker:
             tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
+            if cfg.convert.log_model:  # the converted Hugging Face model, loadable from the run's artifacts
+                tracker.log_artifacts(out or cfg.convert.output, "hf_model")
     console.print(f"converted {prov['checkpoint']} -> {out or cfg.convert.output}")
 
 
@@ -399,8 +478,11 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
 
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
+        if tracker:
+            _log_tokens(tracker, cfg.tokenize.output, "val", "evaluation")
         m = run_evaluate(cfg, tracker)
-    console.print(f"val loss {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
+    subset = "" if m["val_windows"] == m["val_windows_total"] else f" over the first {m['val_windows']} of {m['val_windows_total']} windows"
+    console.print(f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
                   f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s")
     console.print(f"sample: {m['sample']!r}", highlight=False)
 
@@ -425,8 +507,8 @@ def repro(
 ) -> None:
     """`dvc repro` with one MLflow parent run for this invocation."""
     key = uuid.uuid4().hex[:16]
-    cmd = ["dvc", "repro", *(["--force"] if force else []), *(args or [])]
-    console.print(f"pipeline key {key}: {' '.join(cmd)}")
+    cmd = [sys.executable, "-m", "dvc", "repro", *(["--force"] if force else []), *(args or [])]
+    console.print(f"pipeline key {key}: dvc {' '.join(cmd[3:])}")
     code = subprocess.call(cmd, env={**os.environ, "MOE_PIPELINE_KEY": key})
     if code != 0:
         fail(f"dvc repro failed with exit code {code}", code)
@@ -451,7 +533,34 @@ def ui(
     from pipeline.redact import redact
 
     console.print(f"MLflow UI for {redact(uri)} on http://{host}:{port}", highlight=False, soft_wrap=True)
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+    raise typer.Exit(_serve([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+
+
+def _serve(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a server in its own process group; SIGTERM/SIGINT/SIGHUP end the whole group (MLflow's
+    workers included), so nothing is left behind."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+
+    def stop(signum, _frame):
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    code = proc.wait()
+    with contextlib.suppress(ProcessLookupError):  # the server exited on its own: its workers go too
+        os.killpg(proc.pid, signal.SIGTERM)
+    return code
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
@@ -499,7 +608,8 @@ def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.
     for f in files:
         if not f.is_file():
             fail(f"{f}: not found", 2)
-        console.print(f"{f.name} -> MLflow run {log_result(f)}")
+        run_id, new = log_result(f)
+        console.print(f"{f.name} -> MLflow run {run_id}" + ("" if new else " (already logged)"))
 
 
 def _run_bench(main, args: list[str]) -> None:
@@ -515,11 +625,13 @@ def _run_bench(main, args: list[str]) -> None:
         except ImportError:
             new = []
         for f in new:
-            console.print(f"{f.name} -> MLflow run {log_result(f)}")
+            console.print(f"{f.name} -> MLflow run {log_result(f)[0]}")
     raise typer.Exit(code)
 
 
-def _progress() -> Progress:
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
 

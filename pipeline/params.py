@@ -161,6 +161,8 @@ class ConvertConfig(Config):
     output: str = "runs/hf"
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_shard_bytes: int = 2_000_000_000
+    # Log the converted model directory as the convert run's MLflow artifact (hf_model/).
+    log_model: bool = True
 
     def _check(self, p: str) -> None:
         require(self.max_shard_bytes >= 1, f"{p}.max_shard_bytes", "must be >= 1")
@@ -169,7 +171,8 @@ class ConvertConfig(Config):
 @dataclasses.dataclass
 class EvaluateConfig(Config):
     batch_size: int = 4
-    max_batches: int = 8
+    # null: the whole validation split; a number evaluates a prefix, named in the metrics and output.
+    max_batches: int | None = None
     # Fail the stage when our loss and transformers' differ by more than this (relative).
     max_rel_diff: float = 1e-4
     prompt: str = "def "
@@ -179,7 +182,8 @@ class EvaluateConfig(Config):
 
     def _check(self, p: str) -> None:
         require(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
-        require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1")
+        if self.max_batches is not None:
+            require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1 (or null: the whole split)")
         require(self.generate_tokens >= 0, f"{p}.generate_tokens", f"must be >= 0, got {self.generate_tokens}")
         require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
 
@@ -187,7 +191,8 @@ class EvaluateConfig(Config):
 @dataclasses.dataclass
 class MlflowConfig(Config):
     experiment: str = "moe"
-    # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the repository root.
+    # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project root (pipeline/project.py:
+    # also from DVC's temporary and queued experiment workspaces).
     tracking_uri: str | None = None
     enabled: bool = True
     # Metrics buffered per flush (one log_batch call).

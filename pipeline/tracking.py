@@ -11,6 +11,7 @@ Only global rank 0 logs; the submitting process creates the run and passes its i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ MAX_PARAM_CHARS = 6000
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 PIPELINE_KEY_TAG = "moe.pipeline_key"
+PIPELINE_STAGES = ("tokenize", "train", "convert", "evaluate")
 
 
 # Training never waits long on tracking: a few quick retries, then spool to the fallback file.
@@ -67,8 +69,9 @@ def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
         return cfg.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = (root or Path.cwd()).resolve()
-    return f"sqlite:///{root / 'mlflow.db'}"
+    from pipeline.project import project_root
+
+    return f"sqlite:///{project_root(root) / 'mlflow.db'}"
 
 
 def _git(*args: str) -> str | None:
@@ -204,23 +207,28 @@ class Tracker:
         self.uri = tracking_uri(cfg)
         self.failed = False
         tags = {
-            "mlflow.runName": stage,
+            "mlflow.runName": run_name(stage),
             "moe.stage": stage,
             PIPELINE_KEY_TAG: pipeline_key(params_path),
             **git_info(),
+            **standard_tags(stage),
             **environment_tags(),
             **dvc_dep_tags(stage),
         }
+        self._monitor = None
         try:
             self.client = MlflowClient(tracking_uri=self.uri)
             self.experiment_id = self._experiment()
             self.parent_id = self._parent()
             self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
+            self.client.update_run(self.parent_id, status="RUNNING")
         except Exception as exc:  # unreachable server, database down, bad URI
             self.parent_id = None
             self.run_id = f"{OFFLINE_PREFIX}{uuid.uuid4().hex}"
             self._fail(exc)
             spool(self.fallback, {"run_id": self.run_id, "create": {"experiment": cfg.experiment, "tags": tags}})
+        else:
+            self._monitor = start_system_metrics(self.uri, self.run_id)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.failed:
@@ -259,12 +267,14 @@ class Tracker:
         )
         if found:
             return found[0].info.run_id
-        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline", "mlflow.runName": self.parent_name or f"pipeline-{key[:8]}", **git_info()}
+        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline",
+                "mlflow.runName": self.parent_name or run_name("pipeline", key[:8]), **git_info(),
+                **standard_tags("pipeline")}
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
             self.client.log_artifact(run_id, str(self.params_path))
-        # The parent only groups; it is closed at once and marked FAILED if a stage fails.
-        self.client.set_terminated(run_id, "FINISHED")
+        # The parent spans the pipeline: RUNNING while a stage runs, ended (with the pipeline's
+        # final metrics and plots) by each stage that finishes, FAILED if one fails.
         return run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
@@ -310,15 +320,115 @@ class Tracker:
         self.log_artifact(self.params_path)
         self.log_artifact("dvc.lock")
 
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        if Path(directory).is_dir():
+            self._send(lambda: self.client.log_artifacts(self.run_id, str(directory), artifact_path), {})
+
+    def log_dataset(self, name: str, path: str | Path, digest: str, context: str) -> None:
+        """A token split as an MLflow dataset input (metadata only: where it is, its digest)."""
+        self._send(lambda: log_dataset(self.client, self.run_id, name, path, digest, context), {})
+
     def end(self, ok: bool) -> None:
+        if self._monitor is not None:
+            try:
+                self._monitor.finish()
+            except Exception as exc:  # system metrics are best effort
+                log.warning("system metrics: %s", exc)
+            self._monitor = None
         status = "FINISHED" if ok else "FAILED"
 
         def send():
             self.client.set_terminated(self.run_id, status)
             if not ok and self.parent_id:
                 self.client.set_terminated(self.parent_id, "FAILED")
+            elif ok and self.parent_id and self.stage in PIPELINE_STAGES:
+                finish_parent(self.client, self.parent_id)
 
         self._send(send, {"status": status})
+
+    def stop_system_metrics(self) -> None:
+        """For a run this process hands over (``moe submit`` without --wait: the job ends it)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
+
+def run_name(stage: str, suffix: str | None = None) -> str:
+    """``stage`` (or ``stage-suffix``), followed by the DVC experiment's name when DVC runs one."""
+    name = f"{stage}-{suffix}" if suffix else stage
+    exp = os.environ.get("DVC_EXP_NAME")
+    return f"{name} ({exp})" if exp else name
+
+
+def standard_tags(stage: str) -> dict[str, str]:
+    """MLflow's own source, git and user tags (what its UI shows in the run's header)."""
+    import getpass
+
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"moe {stage}"}
+    with contextlib.suppress(KeyError, OSError):
+        tags["mlflow.user"] = getpass.getuser()
+    info = git_info()
+    if info.get("git.commit", "unknown") != "unknown":
+        tags["mlflow.source.git.commit"] = info["git.commit"]
+        if info.get("git.branch"):
+            tags["mlflow.source.git.branch"] = info["git.branch"]
+        remote = _git("remote", "get-url", "origin")
+        if remote and "@" not in remote.split("//", 1)[-1].split("/", 1)[0]:  # never a URL with credentials
+            tags["mlflow.source.git.repoURL"] = remote
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
+    if os.environ.get("DVC_EXP_BASELINE_REV"):
+        tags["dvc.exp_baseline_rev"] = os.environ["DVC_EXP_BASELINE_REV"]
+    return tags
+
+
+def start_system_metrics(uri: str, run_id: str):
+    """MLflow's system metrics monitor (CPU, memory, disk, network; GPUs through nvidia-ml-py
+    where installed) on this run; None where psutil is missing."""
+    try:
+        import psutil  # noqa: F401
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=float(os.environ.get("MOE_SYSTEM_METRICS_INTERVAL", "2")),
+                                       samples_before_logging=1, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except Exception as exc:  # never fail a stage for its telemetry
+        log.info("no system metrics: %s", exc)
+        return None
+
+
+def log_dataset(client, run_id: str, name: str, path: str | Path, digest: str, context: str) -> None:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    source = resolve_dataset_source(str(Path(path).resolve()))
+    dataset = MetaDataset(source=source, name=name, digest=digest[:36])
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+
+
+FINAL_METRICS = {"train": Path("metrics/train.json"), "eval": Path("metrics/eval.json")}
+PLOTS_DIR = Path("plots")
+
+
+def finish_parent(client, parent_id: str) -> None:
+    """The pipeline's parent run: its final metrics (metrics/*.json) and plots, ended now."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = []
+    for prefix, path in FINAL_METRICS.items():
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            data = {}
+        items += [Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in data.items() if _finite(v) and not isinstance(v, bool)]
+    for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+        client.log_batch(parent_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+    if PLOTS_DIR.is_dir() and any(PLOTS_DIR.iterdir()):
+        client.log_artifacts(parent_id, str(PLOTS_DIR), "plots")
+    client.set_terminated(parent_id, "FINISHED")
 
 
 def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.lock")) -> None:

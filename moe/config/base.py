@@ -114,6 +114,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):  # YAML reads `account: 12345` as a number
+            return str(value)
         raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
 

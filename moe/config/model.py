@@ -78,12 +78,16 @@ class ModelConfig(Config):
     dense_hidden: int | None = None
     init_std: float = 0.02
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
-    # Name of the preset this config started from (informational; set by "preset:").
+    # Name of the preset this config started from (informational; set by "preset:"). Explicit
+    # keys win over the preset's; those that differ from it are listed in preset_overrides
+    # (computed, never read), so a run is never labelled a preset it does not match.
     preset: str | None = None
+    preset_overrides: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def _expand(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
         name = data.get("preset")
+        data = {k: v for k, v in data.items() if k != "preset_overrides"}
         if name is None:
             return data
         from moe.config.presets import model_preset
@@ -91,7 +95,10 @@ class ModelConfig(Config):
         key = f"{prefix}.preset" if prefix else "preset"
         if not isinstance(name, str):
             raise ConfigError(f"{key}: expected a preset name, got {name!r}")
-        return deep_merge(model_preset(name, key), data)
+        preset = model_preset(name, key)
+        merged = deep_merge(preset, data)
+        merged["preset_overrides"] = sorted(_differing(preset, data))
+        return merged
 
     @property
     def head_dim(self) -> int:
@@ -133,3 +140,16 @@ class ModelConfig(Config):
         require(self.init_std > 0, k("init_std"), "must be > 0")
         require(self.norm_eps > 0, k("norm_eps"), "must be > 0")
         require(self.rope_theta > 0, k("rope_theta"), "must be > 0")
+
+
+def _differing(preset: dict[str, Any], explicit: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys the preset sets that ``explicit`` sets to another value."""
+    out = []
+    for k, v in explicit.items():
+        if k == "preset" or k not in preset:
+            continue
+        if isinstance(v, dict) and isinstance(preset[k], dict):
+            out += _differing(preset[k], v, f"{prefix}{k}.")
+        elif v != preset[k]:
+            out.append(f"{prefix}{k}")
+    return out

@@ -93,11 +93,54 @@ def hf_config(cfg: ModelConfig, *, eos_id: int, pad_id: int | None, bos_id: int 
     }
 
 
+# config.json keys model_config_from_hf maps onto ours.
+HF_MAPPED = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "max_position_embeddings", "initializer_range", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+    "tie_word_embeddings", "num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
+})
+# Settings our model has exactly one value of: anything else is refused by name.
+HF_FIXED: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu",),
+    "clip_qkv": (None,),
+    "attention_bias": (False, None),
+    "attention_dropout": (0, 0.0, None),
+    "pretraining_tp": (1, None),
+    "mlp_bias": (False, None),
+}
+# What leaves the forward pass alone: identity, token ids, dtype, caching/outputs, generation
+# defaults and the other generic PretrainedConfig fields.
+HF_IGNORED = frozenset({
+    "model_type", "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+    "output_router_logits", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "id2label", "label2id", "problem_type",
+    "torchscript", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "finetuning_task", "tokenizer_class", "prefix",
+    "task_specific_params", "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "quantization_config_dict",
+})
+
+
+def check_hf_settings(hf: Mapping[str, Any], source: str = "config.json") -> None:
+    """Refuse, by name, every setting of an HF OLMoE config that our model would not reproduce."""
+    for key, value in hf.items():
+        if key in HF_FIXED:
+            if not any(value == ok and type(value) is type(ok) or (value is None and ok is None) for ok in HF_FIXED[key]):
+                expected = " or ".join(repr(v) for v in HF_FIXED[key] if v is not None)
+                raise ConversionError(f"{source}: {key}={value!r} is not supported (our model has {key}={expected})")
+        elif key not in HF_MAPPED and key not in HF_IGNORED:
+            raise ConversionError(f"{source}: {key}={value!r} is not expressed by the OLMoE converter; refusing rather than ignoring it")
+
+
 def model_config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
     """Our ModelConfig for an HF OLMoE config.json mapping."""
     model_type = hf.get("model_type")
     if model_type != "olmoe":
         raise ConversionError(f"{source}: model_type is {model_type!r}, not 'olmoe'; only OLMoE checkpoints convert")
+    check_hf_settings(hf, source)
     if hf.get("clip_qkv") is not None:
         raise ConversionError(f"{source}: clip_qkv={hf['clip_qkv']} is not supported")
     if hf.get("attention_bias"):

@@ -19,8 +19,10 @@ from moe.model import Transformer
 from moe.parallel.env import pick_device
 from pipeline.errors import PipelineError
 from pipeline.params import PipelineConfig
+from pipeline.plots import validation_figure
 from pipeline.stages.convert import load_checkpoint_weights
 from pipeline.stages.tokenize import read_manifest
+from pipeline.stages.train import read_metric_rows
 from pipeline.tokenizer import load_tokenizer
 
 
@@ -82,7 +84,8 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)
     val = TokenDataset([str(Path(cfg.tokenize.output) / "val")], seq_len, tokenizer_hash=tok_info.sha256)
-    n = min(len(val), cfg.evaluate.batch_size * cfg.evaluate.max_batches)
+    limit = cfg.evaluate.max_batches
+    n = len(val) if limit is None else min(len(val), cfg.evaluate.batch_size * limit)
     index = np.arange(n)
     batches = [val.batch(index[i : i + cfg.evaluate.batch_size]).to(device) for i in range(0, n, cfg.evaluate.batch_size)]
 
@@ -111,6 +114,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "hf_val_loss": hf_loss,
         "hf_rel_diff": rel,
         "val_tokens": tokens,
+        # the windows evaluated and the split's total: equal unless evaluate.max_batches cut it
+        "val_windows": n,
+        "val_windows_total": len(val),
         "eval_tokens_per_s": tokens / seconds,
         "hf_eval_tokens_per_s": tokens / hf_seconds,
         "generation_matches_hf": float(ours_ids == hf_ids),
@@ -120,6 +126,8 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     sample_path = out.with_name(out.stem + "_sample.txt")
     sample_path.write_text(sample + "\n")
     out.write_text(json.dumps(metrics, indent=2) + "\n")
+    train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
+    validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     if tracker:
         tracker.log_metrics(metrics)
         tracker.log_artifact(sample_path)

@@ -18,7 +18,9 @@ from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.params import PipelineConfig
+from pipeline.plots import TRAIN_DIR, train_figures
 from pipeline.redact import has_password, redact
+from pipeline.resume import prepare_checkpoints
 from pipeline.stages.tokenize import read_manifest
 
 SECRET_URI_ENV = "MOE_MLFLOW_TRACKING_URI"  # the full tracking URI for jobs, by environment only
@@ -80,7 +82,12 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> Tr
 
 
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
-    job = make_job(cfg, tracker)  # metrics.jsonl keeps its history: the job's sink trims re-run steps
+    job = make_job(cfg, tracker)
+    start = prepare_checkpoints(job.config)  # DVC keeps the run dir (persist); resume only the same config
+    if tracker:
+        tracker.set_tags({"train.start": start})
+    if start != "resume" and job.metrics_path.exists():
+        job.metrics_path.unlink()  # a fresh run; a resumed job keeps the history (its sink trims re-run steps)
     if tracker and cfg.executor.kind == "slurm":
         tracker.set_tags(container_tags(cfg))
     result = build_executor(cfg).run(job)
@@ -113,6 +120,8 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     expert_load.write_csv(EXPERT_LOAD_PLOT, table)
     heatmap = Path(job.run_dir) / "expert_load.png"
     expert_load.write_png(heatmap, table)
+    train_figures(rows)  # PNGs: `dvc plots show` renders them offline
+    expert_load.write_png(TRAIN_DIR / "expert_load_by_expert.png", table)
     if tracker:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(job.metrics_path)

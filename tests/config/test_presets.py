@@ -55,3 +55,27 @@ def test_analytic_counts_match_a_built_model(over):
 def test_all_presets_validate():
     for name in preset_names():
         ModelConfig.from_dict({"preset": name}).validate()
+
+
+def test_explicit_keys_win_over_the_preset_and_are_named():
+    from moe.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"preset": "olmoe-1b-7b", "d_model": 1024, "moe": {"num_experts": 64, "top_k": 4}}).validate()
+    assert (cfg.d_model, cfg.n_layers, cfg.moe.num_experts, cfg.moe.top_k) == (1024, 16, 64, 4)
+    assert cfg.preset == "olmoe-1b-7b" and cfg.preset_overrides == ["d_model", "moe.top_k"]
+    again = ModelConfig.from_dict(cfg.to_dict()).validate()  # a job spec / checkpoint re-read
+    assert again == cfg
+    assert ModelConfig.from_dict({"preset": "tiny"}).preset_overrides == []
+
+
+def test_params_yaml_preset_switch_gives_the_presets_shape():
+    """`--set model.preset=olmoe-1b-7b` on the shipped params.yaml is the real OLMoE shape."""
+    from pathlib import Path
+
+    from pipeline.params import load_params
+
+    params = Path(__file__).resolve().parents[2] / "params.yaml"
+    cfg = load_params(params, ["model.preset=olmoe-1b-7b"])
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.moe.num_experts, cfg.model.vocab_size) == (2048, 16, 64, 50304)
+    assert cfg.model.preset_overrides == []
+    assert load_params(params).model.d_model == 64

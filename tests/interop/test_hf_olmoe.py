@@ -57,3 +57,22 @@ def test_inexpressible_options_are_refused_by_name(over, key):
 def test_non_olmoe_config_is_refused():
     with pytest.raises(ConversionError, match="model_type is 'llama', not 'olmoe'"):
         model_config_from_hf({"model_type": "llama"})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("hidden_act", "gelu"), ("clip_qkv", 8.0), ("attention_bias", True), ("attention_dropout", 0.1),
+     ("mlp_bias", True), ("sliding_window", 4096), ("layer_types", ["full_attention"])],
+)
+def test_every_hf_setting_we_do_not_express_is_refused_by_name(key, value):
+    hf = hf_config(ModelConfig.from_dict({"preset": "tiny"}).validate(), eos_id=0, pad_id=None)
+    model_config_from_hf(hf)  # our own export converts back
+    with pytest.raises(ConversionError, match=f"{key}="):
+        model_config_from_hf({**hf, key: value})
+
+
+def test_transformers_own_olmoe_config_converts():
+    """Every key transformers writes for a default OLMoE config is mapped or known to be inert."""
+    hf = transformers.OlmoeConfig().to_dict()
+    cfg = model_config_from_hf(hf)
+    assert cfg.moe.num_experts == hf["num_experts"] and cfg.d_model == hf["hidden_size"]

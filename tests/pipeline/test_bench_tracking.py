@@ -11,7 +11,9 @@ def test_bench_results_are_logged_to_mlflow(tmp_path, monkeypatch):
     from pipeline.bench_tracking import log_result
 
     layer = REPO / "bench/results/layer-NVIDIA-H200-20261129T160033Z.json"  # a run with the TorchTitan peer
-    run_id = log_result(layer)
+    run_id, created = log_result(layer)
+    assert created
+    assert log_result(layer) == (run_id, False)  # the same file again: no second run
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run(run_id)
     assert run.data.tags["bench.device"] == "NVIDIA H200"
@@ -20,3 +22,5 @@ def test_bench_results_are_logged_to_mlflow(tmp_path, monkeypatch):
     assert "d_2048/h_1024/E_64/k_8/ours/tflops" in keys
     assert "d_2048/h_1024/E_64/k_8/titan/tflops" in keys
     assert run.data.params["tokens"] == "16384"
+    client_runs = client.search_runs([run.info.experiment_id], filter_string="tags.`moe.stage` != 'pipeline'")
+    assert len(client_runs) == 1

@@ -109,3 +109,77 @@ def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(workspace):
     assert r.stdout.startswith("#!/bin/bash")
     assert_one_error_line(moe("submit", "--no-mlflow", "--gpu", "h200", *BIG), 2, "moe plan: does not fit")
     assert not Path("runs").exists()
+def test_version_and_rich_help_with_completion():
+    r = moe("--version")
+    assert r.returncode == 0 and r.stdout.startswith("moe-pipeline ")
+    r = moe("--help")
+    assert "--install-completion" in r.stdout and "╭" in r.stdout  # typer's rich panels
+
+
+def test_help_does_not_import_torch_or_mlflow():
+    code = "import sys; sys.argv = ['moe', '--help']\nfrom pipeline.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n" \
+           "bad = [m for m in ('torch', 'mlflow', 'numpy') if m in sys.modules]\nassert not bad, bad"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_without_the_pipeline_extra_the_error_names_it(tmp_path):
+    """A Python where typer is missing (`pip install .` without the extra): one line, the extra named."""
+    (tmp_path / "typer.py").write_text("raise ImportError('No module named typer')\n")
+    r = subprocess.run([sys.executable, "-c", "from pipeline.cli import main"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "moe-pipeline[pipeline]" in r.stderr
+
+
+def test_numeric_slurm_account_is_accepted(workspace):
+    Path("params.yaml").write_text(Path("params.yaml").read_text() + "slurm:\n  account: 12345\n")
+    r = moe("params")
+    assert r.returncode == 0, r.stderr
+    assert 'slurm.account = "12345"' in r.stdout
+
+
+def test_job_spec_is_written_outside_the_dvc_output(workspace):
+    assert moe("tokenize", "--no-mlflow").returncode == 0
+    r = moe("job", "--set", "executor.kind=slurm")
+    assert r.returncode == 0, r.stderr
+    spec = Path(r.stdout.strip())
+    assert spec == Path("runs/slurm/job.json") and json.loads(spec.read_text())["run_dir"] == "runs/train"
+    assert not Path("runs/train").exists()
+
+
+def test_ui_leaves_no_server_processes_after_sigterm(tmp_path):
+    import signal
+    import socket
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "ui", "--port", str(port)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    children = []
+    while time.time() < deadline:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        with socket.socket() as s:
+            if len(children) >= 2 and s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(1)
+    assert children, "the MLflow UI did not start"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    time.sleep(1)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+
+
+def test_convert_from_hf_refuses_gelu_by_name(tmp_path):
+    from moe.config import ModelConfig
+    from moe.interop import hf_config
+
+    hf = hf_config(ModelConfig.from_dict({"preset": "tiny"}).validate(), eos_id=0, pad_id=None)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_act": "gelu"}))
+    assert_one_error_line(moe("convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "ckpt")), 2, "hidden_act='gelu' is not supported")
+    assert not (tmp_path / "ckpt").exists()

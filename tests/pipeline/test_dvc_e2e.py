@@ -33,7 +33,9 @@ def clone(tmp_path_factory):
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 400_000, "vocab_size": 384})
     params["model"]["vocab_size"] = 384
-    params["train"].update({"max_steps": 20, "log_every": 5})
+    params["train"].update({"max_steps": 20, "log_every": 5, "global_batch_size": 4, "micro_batch_size": 4})
+    params["data"]["seq_len"] = 64
+    params["evaluate"]["max_batches"] = 4
     params["checkpoint"]["every"] = 10
     params["schedule"]["warmup_steps"] = 5
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -64,7 +66,12 @@ def test_repro_end_to_end_then_incremental(clone):
 
     sh("dvc", "metrics", "show", cwd=dest, env=env)
     plots = sh("dvc", "plots", "show", "--json", cwd=dest, env=env)
-    assert "plots/train_loss.csv" in plots.stdout
+    for png in ("plots/train/loss.png", "plots/train/lr.png", "plots/train/throughput_mfu.png", "plots/train/expert_load.png",
+                "plots/eval/val_loss.png"):
+        assert png in plots.stdout, png
+    sh("dvc", "plots", "show", "-o", "plots_html", cwd=dest, env=env)
+    html = (dest / "plots_html/index.html").read_text()
+    assert "<img" in html and "<script src=" not in html  # renders offline: no vega from a CDN
 
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["model"]["moe"]["top_k"] = 1
@@ -72,7 +79,7 @@ def test_repro_end_to_end_then_incremental(clone):
     changed = sh("dvc", "repro", cwd=dest, env=env)
     assert ran_stages(changed.stdout) == ["train", "convert", "evaluate"], changed.stdout
 
-    exp = sh("dvc", "exp", "run", "-S", "model.moe.expert_hidden=32", cwd=dest, env=env)
+    exp = sh("dvc", "exp", "run", "-S", "+model.moe.expert_hidden=32", cwd=dest, env=env)  # a key the preset supplies: added with +
     assert "Ran experiment" in exp.stdout + exp.stderr
 
     from mlflow.tracking import MlflowClient
@@ -81,3 +88,15 @@ def test_repro_end_to_end_then_incremental(clone):
     exp_id = client.get_experiment_by_name("moe").experiment_id
     stages = [r.data.tags["moe.stage"] for r in client.search_runs([exp_id], max_results=100)]
     assert stages.count("tokenize") == 1 and stages.count("train") >= 3 and "pipeline" in stages
+
+
+def test_readme_commands_in_a_trained_workspace(clone):
+    """The README's commands for after `make repro`, as written (`.venv/bin/...` is this environment)."""
+    from tests.test_readme import WORKSPACE, argv, readme_commands
+
+    dest, env = clone
+    assert [c for c in readme_commands() if c in WORKSPACE] == WORKSPACE
+    for cmd in WORKSPACE:
+        sh(*argv(cmd), cwd=dest, env=env)
+    names = sh(*argv(".venv/bin/dvc exp ls --name-only"), cwd=dest, env=env).stdout.split()
+    assert len(names) >= 3, names  # test_repro's experiment, the README's and its queued one

@@ -21,6 +21,17 @@ def test_evaluation_agrees_with_transformers(in_trained):
     written = json.loads(Path("metrics/eval_t.json").read_text())
     assert written["val_loss"] == m["val_loss"]
     assert Path("metrics/eval_t_sample.txt").read_text().startswith("def ")
+    assert m["val_windows"] == 4 < m["val_windows_total"]  # evaluate.max_batches=2 of batch 2: named as a subset
+
+    whole = run_evaluate(load(["convert.output=hf_eval", "evaluate.output=metrics/eval_w.json", "evaluate.max_batches=null"]))
+    assert whole["val_windows"] == whole["val_windows_total"] == m["val_windows_total"]
+    assert whole["val_tokens"] > m["val_tokens"]
+
+
+def test_evaluate_defaults_to_the_whole_split():
+    from pipeline.params import EvaluateConfig
+
+    assert EvaluateConfig().max_batches is None
 
 
 def test_mlflow_store_holds_every_param_and_the_metrics(in_trained):
