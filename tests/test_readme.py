@@ -19,11 +19,16 @@ HERE = {
     "moe submit --dry-run --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128",
     ".venv/bin/moe params --set model.preset=olmoe-1b-7b",
     ".venv/bin/moe --version",
+    "moe plan --gpu h100",
+    "moe plan --gpu h200 --gpus 8 --set parallel.ep=8 --set train.global_batch_size=64 --json",
 }
 # GPU benchmarks: parsed here (--help), run on the GPU machine.
 GPU = {
     "moe bench layer", "moe bench experts", "moe bench model --layers 12 --accum 8",
     "python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2", "python -m bench.profile_layer",
+    "python -m bench.ep --nproc 2 --sync-debug --parallel ep=1 --parallel ep=2 --parallel ep=2,ep_backend=nvshmem",
+    "python -m bench.ep_dispatch --nproc 2", "python -m bench.fp8 gemm", "python -m bench.memory --write-calibration",
+    "python -m bench.determinism --ep",
 }
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
@@ -33,6 +38,8 @@ WORKSPACE = [
 ELSEWHERE = {
     "make repro": "the whole pipeline in a fresh venv: CI (.ci/run); its `moe repro` runs in tests/pipeline/test_dvc_e2e.py",
     "make test": "this suite",
+    "moe paper repro": "the paper pipeline at CPU scale on the local Slurm cluster: tests/pipeline/paper/test_pipeline.py",
+    "moe paper repro --no-dvc": "the same stages without DVC; run on 1 and 2 H200s (bench/paper/NOTES.md)",
     "make ui": "a server: `moe ui` is started and stopped in tests/pipeline/test_cli.py",
     "moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": (
         "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py"),
