@@ -152,7 +152,7 @@ def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> list[subprocess
     spec_path.write_text(json.dumps(spec))
     port, world = _free_port(), len(gpus)
     procs = []
-    for rank, gpu in enumerate(gpus):
+    for rank, _gpu in enumerate(gpus):
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO"):
             env.pop(k, None)  # each run sets (or not) its own mode
@@ -161,7 +161,7 @@ def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> list[subprocess
         if world > 1:
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        log = open(logs / f"{spec['name']}.rank{rank}.log", "w")
+        log = open(logs / f"{spec['name']}.rank{rank}.log", "w")  # noqa: SIM115 - the child's log; must outlive this call
         procs.append(subprocess.Popen([sys.executable, "-m", "bench.determinism", "--child", str(spec_path)],
                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs

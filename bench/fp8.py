@@ -108,12 +108,13 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
             wq_t, sw2 = wq.view(e, m, kk).transpose(-2, -1), sw.view(e, m)
             plan = rule.plan(n, e, m, kk)
             flops = 2.0 * n * m * kk
+            # The lambdas and closures below run within this iteration (B023); the names are del'd at its end to free GPU memory (F821).
             cases = {
-                "fwd": (lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),
-                        lambda: _forward_fp8(*q8.quantize_rows(x), w, offsets, False),
-                        lambda: scaled_grouped_mm(xq, wq_t, sx, sw2, offsets, False), plan.fwd),
-                "dgrad": (lambda: _dgrad(grad, w, offsets, False, False), lambda: _dgrad(grad, w, offsets, True, False), None, plan.dgrad),
-                "wgrad": (lambda: _wgrad(grad, x, offsets, False, False), lambda: _wgrad(grad, x, offsets, True, False), None, plan.wgrad),
+                "fwd": (lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),  # noqa: B023, F821
+                        lambda: _forward_fp8(*q8.quantize_rows(x), w, offsets, False),  # noqa: B023, F821
+                        lambda: scaled_grouped_mm(xq, wq_t, sx, sw2, offsets, False), plan.fwd),  # noqa: B023, F821
+                "dgrad": (lambda: _dgrad(grad, w, offsets, False, False), lambda: _dgrad(grad, w, offsets, True, False), None, plan.dgrad),  # noqa: B023, F821
+                "wgrad": (lambda: _wgrad(grad, x, offsets, False, False), lambda: _wgrad(grad, x, offsets, True, False), None, plan.wgrad),  # noqa: B023, F821
             }
             for gemm, (bf, f8, bare, chosen) in cases.items():
                 row: dict[str, Any] = {"shape": f"d={d}/h={hdim}/E={e}/k={k}", "proj": proj, "gemm": gemm,
@@ -131,13 +132,13 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
 
             def fb(gemm):
                 def run():
-                    gemm(xs, ws, offsets).backward(grad)
+                    gemm(xs, ws, offsets).backward(grad)  # noqa: B023, F821
                 return run
 
             def clear():
-                xs.grad = ws.grad = None
+                xs.grad = ws.grad = None  # noqa: B023, F821
                 with torch.no_grad():
-                    ws.mul_(1.0)  # a weight update between calls: FP8 weight copies are remade
+                    ws.mul_(1.0)  # noqa: B023, F821 - a weight update between calls: FP8 weight copies are remade
 
             row = {"shape": f"d={d}/h={hdim}/E={e}/k={k}", "proj": proj, "gemm": "fwd+bwd", "rows_per_expert": n // e}
             row["bf16_ms"] = time_cuda(fb(GroupedMM()), iters=iters, before=clear)["median_ms"]

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["recipe", "width", "layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    print_table([row], ["recipe", "width", "layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops",
+                        "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
     if sync_error:
         print(f"host sync found: {sync_error}")
     payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},

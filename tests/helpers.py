@@ -11,7 +11,8 @@ from moe.config import ExperimentConfig
 from moe.data import write_token_file
 
 
-def make_corpus(directory: Path, *, files: int = 2, tokens: int = 4000, vocab: int = 256, seed: int = 0, tokenizer_hash: str | None = "tok-hash") -> list[Path]:
+def make_corpus(directory: Path, *, files: int = 2, tokens: int = 4000, vocab: int = 256, seed: int = 0,
+                tokenizer_hash: str | None = "tok-hash") -> list[Path]:
     """Token files of a learnable synthetic language: noisy repeated phrases separated by EOS=0."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(1, vocab, size=rng.integers(4, 12)) for _ in range(16)]

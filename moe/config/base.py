@@ -9,6 +9,7 @@ which is what MLflow stores.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -102,10 +103,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         elif isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-3" as a string; accept it as the number it is.
+            with contextlib.suppress(ValueError):  # YAML 1.1 reads "1e-3" as a string; accept it as the number it is.
                 number = float(value)
-            except ValueError:
-                pass
         if number is None:
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
         if not math.isfinite(number):  # inf/nan would train (or compare) silently as garbage

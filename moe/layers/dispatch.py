@@ -45,10 +45,7 @@ class LocalDispatcher:
         top_k = routing.experts.shape[1]
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        if use_triton(x):
-            rows = gather_rows(x, order, inverse, top_k)
-        else:
-            rows = x.index_select(0, order // top_k)
+        rows = gather_rows(x, order, inverse, top_k) if use_triton(x) else x.index_select(0, order // top_k)
         return rows, routing.tokens_per_expert, LocalDispatchState(order, inverse, routing.weights)
 
     def combine(self, y: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:

@@ -39,7 +39,7 @@ if HAVE_TRITON:
         target = tl.load(dst_rank + i)
         if target == rank:
             row = tl.load(dst_row + i).to(tl.int64)
-            if HAS_INDEX:
+            if HAS_INDEX:  # noqa: SIM108 - triton.jit kernel: keep the constexpr if/else as written
                 s = tl.load(src_index + i).to(tl.int64)
             else:
                 s = i.to(tl.int64)

@@ -83,7 +83,8 @@ def load_targets(model: nn.Module, opt: MasterWeightAdamW, with_optim: bool = Tr
     return targets, copies
 
 
-def full_model_targets(shapes: dict[str, torch.Size], experts: dict[str, int], dtype=torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def full_model_targets(shapes: dict[str, torch.Size], experts: dict[str, int],
+                       dtype=torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(full tensors by parameter name, load targets with per-expert views into them)."""
     full = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}
     targets: dict[str, torch.Tensor] = {}

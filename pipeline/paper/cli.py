@@ -114,10 +114,9 @@ def report_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_
 def _log_parent_metrics(tracker, results: Path) -> None:
     """The parent 'paper reproduction' run holds every stage's derived figures."""
     import json
+    import time
 
     from mlflow.entities import Metric
-
-    import time
 
     now = int(time.time() * 1000)
     items = []

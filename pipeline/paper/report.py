@@ -62,7 +62,8 @@ def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
                 ratios.append(f"{mode}: throughput ratio {_fmt(r['throughput_ratio'] / ref['throughput_ratio'])} of the paper's")
         return "; ".join(parts), "; ".join(ratios) or "n/a"
     if stage == "ep":
-        return "; ".join(f"{k}: {_fmt(v['step_time_s'] * 1e3)} ms/step (x{_fmt(v['relative_to_ep1'])} of EP=1)" for k, v in derived.items()), "n/a (no paper figure)"
+        return ("; ".join(f"{k}: {_fmt(v['step_time_s'] * 1e3)} ms/step (x{_fmt(v['relative_to_ep1'])} of EP=1)" for k, v in derived.items()),
+                "n/a (no paper figure)")
     if stage == "gerrymander":
         return (f"balance loss {_fmt(derived.get('lb_loss_first'))} -> {_fmt(derived.get('lb_loss_last'))}, busiest expert "
                 f"{_fmt(derived.get('max_over_mean_first'))} -> {_fmt(derived.get('max_over_mean_last'))}x mean; "
@@ -186,7 +187,8 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             if v.get("predicted_peak_gb") is not None:
                 peak_s += f" ({_fmt(v['predicted_peak_gb'])})"
             lines.append(f"| {v['name']} | ok | {_fmt(v['tokens_per_s_per_device'])} | {_fmt(v['tflops_per_device'])} | "
-                         f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('above_rest_gb', v.get('activation_gb')))} | {_fmt(v.get('final_loss'))} |")
+                         f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('above_rest_gb', v.get('activation_gb')))} | "
+                         f"{_fmt(v.get('final_loss'))} |")
         lines.append("")
     if missing:
         lines += [f"Stages without results: {', '.join(missing)}.", ""]

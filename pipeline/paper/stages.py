@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from moe.config import ConfigError
 from pipeline.errors import JobFailed, PipelineError
@@ -168,7 +169,8 @@ def recompute(ctx: Context) -> dict[str, Any]:
         budget = ctx.hw.memory_gb * p.memory_fraction
         for micro in (8, 4, 2):
             if predict_peak_gb(shape.model, shape.seq_len, micro, ctx.hw.count, layout) <= budget:
-                shape = dataclasses.replace(shape, micro_batch_size=micro, notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"])
+                shape = dataclasses.replace(shape, micro_batch_size=micro,
+                                            notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"])
                 break
     variants = [ctx.run(f"recompute-{mode}", ctx.sections(shape, layout, train={"recompute": mode})) for mode in p.recompute]
     base = variants[0]

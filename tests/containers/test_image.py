@@ -67,7 +67,8 @@ def test_image_holds_the_pinned_environment(cpu_image):
     assert inv["lock"] == "requirements/cpu.lock"
     assert inv["lock_sha256"]
     assert any(line.startswith("mlflow==") for line in inv["pip_freeze"])
-    r = sh("ch-run", "--set-env", str(cpu_image["dir"]), "--", "sh", "-c", "command -v python3; command -v moe; python3 -c 'import torch, moe; print(torch.__version__)'")
+    r = sh("ch-run", "--set-env", str(cpu_image["dir"]), "--", "sh", "-c",
+           "command -v python3; command -v moe; python3 -c 'import torch, moe; print(torch.__version__)'")
     assert r.stdout.splitlines()[:2] == ["/opt/moe/venv/bin/python3", "/opt/moe/venv/bin/moe"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -39,10 +40,8 @@ def run_ranks(fn, world: int, *args):
     """fn(rank, world, *args) on every rank; returns the list of results (rank order)."""
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        try:
+        with contextlib.suppress(mp.ProcessRaisedException):
             mp.start_processes(_entry, args=(world, port, out, fn, args), nprocs=world, join=True, start_method="spawn")
-        except mp.ProcessRaisedException:
-            pass
         results = []
         for r in range(world):
             path = Path(out) / f"{r}.pt"

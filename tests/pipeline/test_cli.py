@@ -52,7 +52,8 @@ def test_stage_errors(workspace):
     assert r.returncode == 0, r.stderr
     assert_one_error_line(moe("train", "--no-mlflow", "--set", "data.tokenizer_hash=0123"), 2, "the tokenizer does not match the data")
     assert not Path("metrics/train.json").exists()
-    assert_one_error_line(moe("train", "--no-mlflow", "--set", "model.vocab_size=100"), 2, "model.vocab_size: 100 is smaller than the tokenizer's vocabulary")
+    assert_one_error_line(moe("train", "--no-mlflow", "--set", "model.vocab_size=100"), 2,
+                          "model.vocab_size: 100 is smaller than the tokenizer's vocabulary")
     assert_one_error_line(moe("evaluate", "--no-mlflow"), 4, "no complete checkpoint")
     Path("llama").mkdir()
     Path("llama/config.json").write_text(json.dumps({"model_type": "llama"}))

@@ -28,7 +28,8 @@ def test_csv_is_long_format_per_step_layer_expert(tmp_path):
     table = expert_load.load_table(ROWS)
     assert len(table) == 8 and table[0] == (10, 0, 0, 1.5)
     expert_load.write_csv(tmp_path / "load.csv", table)
-    rows = list(csv.DictReader(open(tmp_path / "load.csv")))
+    with open(tmp_path / "load.csv") as f:
+        rows = list(csv.DictReader(f))
     assert list(rows[0]) == expert_load.COLUMNS
     assert rows[-1] == {"step": "20", "layer": "1", "expert": "1", "row": "L01 E001", "load": "1.2"}
 
@@ -59,6 +60,7 @@ def test_default_params_run_is_quiet_and_draws_the_heatmap(tmp_path):
         assert "token gerrymandering alarm" not in r.stdout + r.stderr
     metrics = json.loads((tmp_path / "metrics/train.json").read_text())
     assert metrics["steps"] == 150 and metrics["load_alarm"] == 0 and metrics["load_alarm_first_step"] is None
-    table = list(csv.DictReader(open(tmp_path / "plots/expert_load.csv")))
+    with open(tmp_path / "plots/expert_load.csv") as f:
+        table = list(csv.DictReader(f))
     assert len(table) == 15 * 2 * 8  # log points x layers x experts of the default model
     assert (tmp_path / "runs/train/expert_load.png").is_file()

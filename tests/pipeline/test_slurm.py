@@ -251,7 +251,7 @@ def test_plain_sbatch_template_trains_on_two_nodes(slurm_cluster, tokenized):
 
 def submit_and_wait_in_background(out: Path, *args, env=None) -> tuple[subprocess.Popen, str]:
     """`moe submit --wait ...` running on; (process, job id) once it has printed the id."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", "--wait", *args], stdout=open(out, "w"),
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", "--wait", *args], stdout=open(out, "w"),  # noqa: SIM115 - the child's stdout
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     wait_until(lambda: out.read_text().strip() != "" or proc.poll() is not None, timeout=120)
     assert proc.poll() is None, proc.stderr.read()

@@ -41,7 +41,8 @@ def test_outputs_are_valid_token_files_and_decode_back(workspace):
     assert side.eos_id == info.eos_id and side.num_documents == m["splits"]["train"]["documents"]
     first_doc = arr[: int(np.argmax(arr == info.eos_id))]
     text = info.build().decode(first_doc.tolist())
-    source = [json.loads(line)["text"] for line in open("corpus/docs.jsonl")]
+    with open("corpus/docs.jsonl") as f:
+        source = [json.loads(line)["text"] for line in f]
     assert text in source
     TokenDataset([str(out / "train")], 16, tokenizer_hash=info.sha256)
 

@@ -86,7 +86,8 @@ def run_script(script, cfg, tmp_path, env_extra):
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
     (tmp_path / "script.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
-    return subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "cfg.json")], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "cfg.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_process_dying_mid_save_keeps_previous_checkpoint_and_resumes_exactly(tmp_path, corpus):

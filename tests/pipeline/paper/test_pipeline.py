@@ -55,7 +55,8 @@ def test_paper_pipeline_on_slurm_then_noop(slurm_cluster, clone):  # noqa: F811
     dest, env = clone
     first = sh("moe", "paper", "repro", cwd=dest, env=env)
     ran = [line.split("'")[1].split(":")[-1] for line in first.stdout.splitlines() if line.startswith("Running stage")]
-    assert set(ran) == {"tokenize", "claim@resident", "claim@experts", "claim@fp8", "claim@recompute", "claim@ep", "gerrymander", "report"}, first.stdout
+    assert set(ran) == {"tokenize", "claim@resident", "claim@experts", "claim@fp8", "claim@recompute", "claim@ep", "gerrymander",
+                        "report"}, first.stdout
     out = dest / "bench/paper"
     for stage in CLAIM_STAGES:
         r = json.loads((out / f"results/{stage}.json").read_text())
