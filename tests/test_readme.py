@@ -51,9 +51,9 @@ ELSEWHERE = {
     "make container BASE_IMAGE=debian:bookworm LOCK=requirements/cpu.lock": "a container builder (tests/containers/test_image.py)",
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
-    # NOT VERIFIED: in this sandbox DVC's celery worker took the queued task and exited without running it.
-    ".venv/bin/dvc exp run --queue -S optim.lr=0.001": "DVC's queue (celery worker); not verified here",
-    ".venv/bin/dvc exp run --run-all": "DVC's queue (celery worker); not verified here",
+    "PATH=$PWD/.venv/bin:$PATH dvc exp run --queue -S optim.lr=0.001": (
+        "DVC's queue: tests/pipeline/test_dvc_workspaces.py::test_queued_experiment_logs_to_the_project_store"),
+    "PATH=$PWD/.venv/bin:$PATH dvc exp run --run-all": "as above",
 }
 
 

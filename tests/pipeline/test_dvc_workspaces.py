@@ -112,3 +112,18 @@ def test_exp_run_with_venv_dvc_and_temp_log_to_the_project_store(project):
     assert not list((dest / ".dvc/tmp").rglob("mlflow.db"))  # nothing went to a throwaway store
     names = [r.data.tags.get("mlflow.runName", "") for r in runs[before:]]
     assert all(n.startswith("train (") for n in names), names  # carries the DVC experiment's name
+
+
+def test_queued_experiment_logs_to_the_project_store(project):
+    """`dvc exp run --queue` + `--run-all` as the README shows them (the venv on PATH: DVC's
+    queue workers start `dvc` by name): the experiment runs in DVC's temporary workspace and its
+    MLflow runs land in the project's store under the experiment's name."""
+    dest, env = project
+    env = {**env, "PATH": f"{dest / '.venv/bin'}:{env['PATH']}"}
+    sh("dvc", "exp", "run", "--queue", "-S", "optim.lr=0.0021", "-S", "train.max_steps=8", cwd=dest, env=env)
+    sh("dvc", "exp", "run", "--run-all", cwd=dest, env=env)
+    status = sh("dvc", "queue", "status", cwd=dest, env=env).stdout
+    assert "Success" in status and "Failed" not in status, status
+    runs = [r for r in train_runs(dest) if r.data.params.get("optim.lr") == "0.0021"]
+    assert runs and runs[-1].info.status == "FINISHED"
+    assert "(" in runs[-1].data.tags["mlflow.runName"]  # "train (<experiment name>)"
