@@ -138,6 +138,18 @@ def _plant_rng(ws):
     reseal(ckpt(ws))
 
 
+def _plant_rng_mid_run(ws):
+    """The same config resumes (pipeline/resume.py), so make the run unfinished: drop the last
+    checkpoint, point `latest` at the one before, and plant the RNG file there."""
+    import shutil
+
+    root = ws / "runs/train/checkpoints"
+    steps = sorted(p for p in root.iterdir() if p.name.startswith("step_"))
+    shutil.rmtree(steps[-1])
+    (root / "latest").write_text(steps[-2].name + "\n")
+    _plant_rng(ws)
+
+
 def _plant_metadata(ws):
     plant_pickle(ckpt(ws) / ".metadata", ws / "EXECUTED")
     reseal(ckpt(ws))
@@ -402,7 +414,7 @@ CASES = [
     Case("checkpoint-truncated-rng", 8, call=_truncated_rng),
     # 1: loading a checkpoint never executes code
     Case("checkpoint-planted-metadata-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_metadata, check=_no_exec),
-    Case("checkpoint-planted-rng-resume", 1, ["train", "--no-mlflow", "--set", "train.max_steps=9"], setup=_plant_rng,
+    Case("checkpoint-planted-rng-resume", 1, ["train", "--no-mlflow"], setup=_plant_rng_mid_run,
          check=_no_exec, slow=True),
     Case("checkpoint-planted-rng-init-from", 1, ["train", "--no-mlflow", "--set", "checkpoint.init_from=runs/train/checkpoints",
                                                  "--set", "checkpoint.dir=runs/other", "--set", "executor.run_dir=runs/other"],
