@@ -153,7 +153,7 @@ def test_requeued_job_resumes_and_matches_the_uninterrupted_run(slurm_cluster, t
 
 def test_dvc_train_stage_runs_on_slurm(slurm_cluster, tokenized):
     shutil.copy(REPO / "dvc.yaml", "dvc.yaml")
-    for package in ("moe", "pipeline"):  # the stages' code dependencies
+    for package in ("moe", "pipeline", "scripts"):  # the stages' code dependencies and scripts/moe
         shutil.copytree(REPO / package, package, ignore=shutil.ignore_patterns("__pycache__"))
     from moe.config.base import deep_merge
 
@@ -162,7 +162,8 @@ def test_dvc_train_stage_runs_on_slurm(slurm_cluster, tokenized):
     params["executor"]["kind"] = "slurm"
     params["mlflow"] = {"enabled": False}
     Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    # scripts/moe runs this interpreter (the workspace has no .venv of its own)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "MOE_PYTHON": sys.executable}
     for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"]):
         subprocess.run(cmd, check=True, env=env)
     r = subprocess.run(["dvc", "repro", "train"], capture_output=True, text=True, env=env, timeout=600)
