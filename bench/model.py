@@ -15,6 +15,7 @@ runs under torch.cuda.set_sync_debug_mode("error") to prove it makes no host syn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -35,6 +36,24 @@ def make_data(directory: Path, tokens: int, vocab: int) -> None:
     write_token_file(directory / "part-00000.npy", rng.integers(1, vocab, size=tokens), vocab_size=vocab, eos_id=0)
 
 
+def profile_step(trainer: Trainer, rows: int) -> None:
+    """One step under torch.profiler: the most expensive CUDA kernels, and GPU busy vs wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        trainer.train_step()
+        end.record()
+        trainer.step += 1
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
+    print(f"profiled step: {start.elapsed_time(end):.1f} ms wall, {busy:.1f} ms of CUDA kernels")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -50,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
+    p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
+    p.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"],
+                   help="restrict SDPA to one backend (torch.nn.attention.sdpa_kernel) for the whole run")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="profile one extra step (torch.profiler) and print its ROWS most expensive CUDA kernels")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -59,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
         data.mkdir()
-        total_steps = args.warmup + args.steps + 1
+        total_steps = args.warmup + args.steps + 1 + (1 if args.profile else 0)
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = ExperimentConfig.load({
             "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
@@ -68,55 +92,72 @@ def main(argv: list[str] | None = None) -> int:
                               **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {})}},
             "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
             "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": total_steps,
-                      "log_every": 1000, "device": "cuda", "loss_chunk_tokens": args.loss_chunk},
+                      "log_every": 1000, "device": "cuda", "loss_chunk_tokens": args.loss_chunk,
+                      "recompute": args.recompute},
             "schedule": {"warmup_steps": 1},
             "checkpoint": {"dir": str(Path(tmp) / "ck")},
             "precision": {"recipe": args.recipe,
                           **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
         })
         trainer = Trainer(cfg)
-        for _ in range(args.warmup):
-            trainer.train_step()
-            trainer.step += 1
+        sdpa = contextlib.nullcontext()
+        if args.sdpa != "default":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]
+            sdpa = sdpa_kernel([backend])
+        with sdpa:
+            return _measure(args, cfg, trainer, peak_measured, tmp)
+
+
+def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
+    """Warm-up, one step under sync-debug "error", the timed steps, then the table and JSON."""
+    for _ in range(args.warmup):
+        trainer.train_step()
+        trainer.step += 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    syncs_ok, sync_error = True, None
+    try:
+        trainer.train_step()
+        trainer.step += 1
+    except RuntimeError as exc:
+        syncs_ok, sync_error = False, str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        trainer.train_step()
+        end.record()
+        trainer.step += 1
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        syncs_ok, sync_error = True, None
-        try:
-            trainer.train_step()
-            trainer.step += 1
-        except RuntimeError as exc:
-            syncs_ok, sync_error = False, str(exc).splitlines()[0]
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            trainer.train_step()
-            end.record()
-            trainer.step += 1
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        losses = torch.stack([v for _, v in trainer._pending]).tolist()
-        assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+        times.append(start.elapsed_time(end) / 1e3)
+    losses = torch.stack([v for _, v in trainer._pending]).tolist()
+    assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile:
+        profile_step(trainer, args.profile)
     step = statistics.median(times)
     tokens = args.micro * args.accum * args.seq
     fpt = flops_per_token(cfg.model, args.seq)
     tflops = tokens * fpt / step / 1e12
     datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
     row = {
-        "recipe": args.recipe, "width": args.width, "layers": args.layers, "seq": args.seq, "accum": args.accum,
+        "recipe": args.recipe, "recompute": args.recompute, "sdpa": args.sdpa, "width": args.width, "layers": args.layers,
+        "seq": args.seq, "accum": args.accum,
         "loss_chunk": args.loss_chunk, "tokens_per_step": tokens, "step_s": step,
         "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["recipe", "width", "layers", "accum", "tokens_per_step", "step_s", "tokens_per_s", "tflops",
-                        "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    print_table([row], ["recipe", "recompute", "sdpa", "width", "layers", "accum", "tokens_per_step", "step_s",
+                        "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
     if sync_error:
         print(f"host sync found: {sync_error}")
     payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},

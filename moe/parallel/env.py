@@ -53,5 +53,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
 
 
 def shutdown_distributed() -> None:
+    import sys
+
+    if "moe.parallel.transport" in sys.modules:  # NVSHMEM goes first: its teardown is collective
+        sys.modules["moe.parallel.transport"].shutdown()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

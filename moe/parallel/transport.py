@@ -146,6 +146,34 @@ def _nvshmem():
     return nv
 
 
+def shutdown(timeout_s: float = 60.0) -> None:
+    """Free the symmetric buffers and finalize NVSHMEM while the process group still exists.
+
+    NVSHMEM's free and finalize are collective: every rank calls this at the same point (after
+    a barrier), before torch.distributed is torn down. Left to interpreter exit, the ranks reach
+    it at different times with NCCL already gone, and a rank could wait forever. A watchdog ends
+    a teardown still stuck after ``timeout_s`` (the run's results are written by then)."""
+    if "nv" not in _NV_STATE:
+        return
+    import sys
+    import threading
+
+    def stuck() -> None:
+        print(f"NVSHMEM teardown did not finish within {timeout_s:.0f} s; exiting without it", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    timer = threading.Timer(timeout_s, stuck)
+    timer.daemon = True
+    timer.start()
+    try:
+        torch.cuda.synchronize()
+        if dist.is_initialized():
+            dist.barrier()
+        _finalize()
+    finally:
+        timer.cancel()
+
+
 def _finalize() -> None:
     nv = _NV_STATE.pop("nv", None)
     if nv is None:

@@ -300,8 +300,12 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
         ep_buffers = 3.0 * tokens * m.moe.top_k * m.d_model * 2  # send copy, receive, expert-ordered rows
     accumulating = resolved.grad_accum > 1 or resolved.pp > 1
     gathered = 0.0
-    if fsdp and resolved.world_size > 1:  # FSDP2 unshards a block (and prefetches the next)
-        gathered = 2 * 4 * max(1, _largest_block_params(m))
+    if fsdp and resolved.world_size > 1:
+        # FSDP2 (fp32 shards, no mixed-precision policy) unshards a block and prefetches the
+        # next, and a block's backward writes its whole fp32 gradient before the reduce-scatter
+        # frees it: three fp32 copies of the largest block (2x H200, paper width: predicted
+        # 88.3 GiB without the gradient term against 104.7 measured; bench/paper/h200x2).
+        gathered = 3 * 4 * max(1, _largest_block_params(m))
     one_block = tokens * max((analytic_layer_bytes(m, "none", m.is_moe_layer(i)) * factors.get("none", 1.0) for i in layer_indices),
                              default=0.0)
     lines = {
@@ -313,7 +317,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
         # the head's logits and the first block recomputed in backward are not live together
         "head or recomputed block": max(head, recompute),
         "EP buffers": ep_buffers,
-        "FSDP gathered blocks": gathered,
+        "FSDP gathered blocks and gradient": gathered,
         "CUDA workspace allowance": WORKSPACE_GIB * GIB,
     }
     # End of backward: every gradient, the last block's activations (saved or recomputed) and
