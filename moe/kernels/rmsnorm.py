@@ -19,6 +19,7 @@ precision-recipe seams; these kernels need no declaration there.)
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
@@ -48,29 +49,36 @@ if HAVE_TRITON:
         tl.store(rstd + rows, r, mask=rmask)
 
     @triton.jit
-    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+        cmask = cols < D
+        wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         start = pid * rows_per_program
         end = tl.minimum(start + rows_per_program, M)
-        base = start.to(tl.int64) * D
-        for row in range(start, end):
-            offs = base + cols
-            base += D
+        for first in range(start, end, ROWS):  # ROWS rows at a time, in order
+            rows = first + tl.arange(0, ROWS)
+            rmask = rows < end
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
             xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
             g = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(rstd + row)
-            nh = xv * r
+            r = tl.load(rstd + rows, mask=rmask, other=0.0)
+            nh = xv * r[:, None]
             if HAS_DW:
-                acc += g * nh.to(x.dtype.element_ty).to(tl.float32)
-            dn = g * wv
-            c = tl.sum(dn * nh, axis=0) / D
-            tl.store(dx + offs, (r * (dn - nh * c)).to(dx.dtype.element_ty), mask=mask)
+                acc += tl.sum(g * nh.to(x.dtype.element_ty).to(tl.float32), axis=0)
+            dn = g * wv[None, :]
+            c = tl.sum(dn * nh, axis=1) / D
+            tl.store(dx + offs, (r[:, None] * (dn - nh * c[:, None])).to(dx.dtype.element_ty), mask=mask)
         if HAS_DW:
-            tl.store(dw + pid.to(tl.int64) * D + cols, acc, mask=mask)
+            tl.store(dw + pid.to(tl.int64) * D + cols, acc, mask=cmask)
+
+
+def _rows(block: int) -> int:
+    """Rows per tile: about 4096 elements (one row from 4096 wide, up to 16 narrow rows)."""
+    return max(1, min(16, 4096 // block))
 
 
 def _warps(elements: int) -> int:
@@ -84,7 +92,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(d)
-        rows = max(1, min(16, 4096 // block))
+        rows = _rows(block)
         _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block,
                                               num_warps=_warps(rows * block))
     return y, rstd
@@ -101,8 +109,9 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_prog = triton.cdiv(m, per)
     partial = torch.empty(n_prog, d, dtype=torch.float32, device=x.device) if need_dw else rstd
     block = triton.next_power_of_2(d)
-    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, BLOCK=block,
-                            num_warps=_warps(block))
+    rows = _rows(block)
+    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block,
+                            num_warps=_warps(rows * block))
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
@@ -117,6 +126,7 @@ class _RMSNorm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         grad = grad.reshape(x2.shape).contiguous()
@@ -126,7 +136,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton path applies (CUDA with Triton, or the interpreter; rows up to MAX_WIDTH)."""
-    return (use_triton(x) and weight.dim() == 1 and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
+    return (use_triton(x) and x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
             and x.dtype in _DTYPES and weight.dtype in _DTYPES and weight.device == x.device)
 
 

@@ -93,9 +93,12 @@ def check_weight_gradient_split() -> None:
     y, rstd = rmsnorm.rms_norm_forward(x, w, EPS)
     dx1, dw1 = rmsnorm.rms_norm_backward(g, x, w, rstd, programs=4)  # 9 rows per program, 6 in the last
     dx2, dw2 = rmsnorm.rms_norm_backward(g, x, w, rstd, programs=512)
+    dx3, dw3 = rmsnorm.rms_norm_backward(g, x, w, rstd, programs=2)  # 17 rows: a 16-row tile and one row
     _, ref_dx, ref_dw = run(rms_norm_reference, x, w, g)
-    assert torch.equal(dx1, dx2)
-    assert rel(dw1, ref_dw) <= 1e-5 and rel(dw2, ref_dw) <= 1e-5 and rel(dx1, ref_dx) <= 1e-5
+    assert torch.equal(dx1, dx2) and torch.equal(dx1, dx3)
+    for dw in (dw1, dw2, dw3):
+        assert rel(dw, ref_dw) <= 1e-5
+    assert rel(dx1, ref_dx) <= 1e-5
     _, none = rmsnorm.rms_norm_backward(g, x, w, rstd, need_dw=False)
     assert none is None
 
