@@ -1,9 +1,14 @@
-"""RMSNorm, computed in fp32 and scaled after the cast back (as transformers' OLMoE does)."""
+"""RMSNorm, computed in fp32 and scaled after the cast back (as transformers' OLMoE does).
+
+The computation lives in ``moe.kernels.rmsnorm``: the fused Triton kernels on CUDA, the eager
+reference (``rms_norm_reference``) on the CPU and for shapes the kernels do not take."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moe.kernels.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -12,6 +12,11 @@ is kept for backward depends on the mode:
                width, measured in bench/memory.py)
     full       keep only each block's input; recompute the whole block in backward
 
+Our Triton kernels (fused RMSNorm, SwiGLU, token permutation) run inside autograd Functions
+whose launches the policies do not see; the policies see only the torch ops around them (the
+``aten.empty`` of their outputs, index ops), none of which they save, so the selective modes
+recompute these kernels (tests/kernels/rmsnorm_check.py counts the fused norm's forwards).
+
 The selective modes use torch's ``create_selective_checkpoint_contexts`` policies. Parameter
 names do not change (the block's forward is replaced on the instance), so checkpoints,
 ZeRO-1 ownership and expert layouts are unaffected; apply it before the parallel layout

@@ -180,9 +180,10 @@ def total_params(cfg: ModelConfig) -> tuple[int, int]:
 # ------------------------------------------------------------- calibrated: activations
 
 
-def _norm(dim: int) -> int:
-    """RMSNorm keeps an fp32 copy of its input, its bf16 output and one fp32 scalar per row."""
-    return 4 * dim + 2 * dim + 4
+def _norm(dim: int, act: int = 2) -> int:
+    """The fused RMSNorm (moe.kernels.rmsnorm, on CUDA) keeps only its bf16 input and one fp32
+    rstd per row (the eager norm kept an fp32 copy of the input and its bf16 output: 6 * dim + 4)."""
+    return act * dim + 4
 
 
 def analytic_layer_bytes(m: ModelConfig, mode: str, moe_layer: bool, act: int = 2) -> float:
@@ -196,12 +197,12 @@ def analytic_layer_bytes(m: ModelConfig, mode: str, moe_layer: bool, act: int = 
     if mode == "full":
         return act * d
     if mode == "none":
-        attn = _norm(d) + (_norm(d) + _norm(kv) if m.qk_norm else 0) + act * (d + kv) + act * kv + act * d + 4 * h + act * d
+        attn = _norm(d, act) + (_norm(d, act) + _norm(kv, act) if m.qk_norm else 0) + act * (d + kv) + act * kv + act * d + 4 * h + act * d
         if moe_layer:
-            mlp = (_norm(d) + 8 * e + 8 * k + 24 * k + act * k * d + 2 * act * k * hid + act * k * hid + act * k * d + 4 * k
+            mlp = (_norm(d, act) + 8 * e + 8 * k + 24 * k + act * k * d + 2 * act * k * hid + act * k * hid + act * k * d + 4 * k
                    + 4 * act * hs)
         else:
-            mlp = _norm(d) + 4 * act * hd
+            mlp = _norm(d, act) + 4 * act * hd
         return attn + mlp
     attention = act * d + 4 * h  # the attention kernel's output and log-sum-exp
     experts = 4 * e + (2 * act * k * hid + act * k * d if moe_layer else 0)  # router logits, gate_up, down

@@ -120,13 +120,13 @@ def test_measured_h200_peaks_are_predicted_within_ten_percent():
 
 
 def test_verdict_and_the_knob_that_helps_most():
-    plan = make_plan(olmoe(16), "h200", 1)
+    plan = make_plan(olmoe(18), "h200", 1)  # 18: 16 layers are predicted to fit (just) since the fused RMSNorm keeps less
     assert not plan.fits and plan.knobs
     assert plan.knobs[0]["set"] == "train.recompute=selective" and plan.knobs[0]["fits"]
     text = format_plan(plan)
     assert "does not fit" in text and "train.recompute=selective" in text
-    assert make_plan(olmoe(16), "b300", 1).fits
-    two = make_plan(olmoe(16, parallel={"ep": 2}, dp=2), "h200", 2)
+    assert make_plan(olmoe(18), "b300", 1).fits
+    two = make_plan(olmoe(18, parallel={"ep": 2}, dp=2), "h200", 2)
     assert two.params_total == plan.params_total and two.memory_gib["weights"] < plan.memory_gib["weights"]
     assert json.loads(json.dumps(two.to_dict()))["fits"] == two.fits
 

@@ -1,0 +1,155 @@
+"""Fused RMSNorm (Triton on CUDA, the eager torch reference elsewhere).
+
+The eager norm is ~7 memory-bound kernels forward (cast, pow, mean, add, rsqrt, mul, cast, mul)
+and keeps an fp32 copy of its input plus the normalised bf16 rows for backward. The fused
+forward reads x once and writes y and one fp32 rstd per row; it keeps only x (its own input,
+alive anyway), rstd and the weight. Backward recomputes the normalised rows from them.
+
+Numerics follow the reference (transformers' OLMoE order): n = (x32 * rstd).to(x.dtype),
+y = weight * n, computed as fp32(weight) * fp32(n) rounded once to the promoted dtype.
+Backward works in fp32 (the reference rounds dy * weight to the input dtype first; the fused
+path does not, so bf16 gradients agree to about one bf16 step).
+
+Deterministic: the weight gradient is a per-program partial sum over a fixed, contiguous
+range of rows (the split depends only on the row count), reduced by one ``sum`` over the
+programs; no atomics. (``train.deterministic`` checks only the dispatcher, expert-GEMM and
+precision-recipe seams; these kernels need no declaration there.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moe.kernels.routing import HAVE_TRITON, use_triton
+
+# Widest row the one-pass kernels hold in registers; wider rows take the eager path.
+MAX_WIDTH = 8192
+# Backward: at most this many programs, each over a contiguous range of rows (a fixed split,
+# so the weight gradient's summation order depends on the row count only, not the device).
+BWD_PROGRAMS = 512
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rmsnorm_fwd(x, w, y, rstd, M, D, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        rmask, cmask = rows < M, cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(xv * xv, axis=1) / D + eps)
+        n = (xv * r[:, None]).to(x.dtype.element_ty).to(tl.float32)
+        wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(y + offs, (wv[None, :] * n).to(y.dtype.element_ty), mask=mask)
+        tl.store(rstd + rows, r, mask=rmask)
+
+    @triton.jit
+    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        cmask = cols < D
+        wv = tl.load(w + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        start = pid * rows_per_program
+        end = tl.minimum(start + rows_per_program, M)
+        for first in range(start, end, ROWS):  # ROWS rows at a time, in order
+            rows = first + tl.arange(0, ROWS)
+            rmask = rows < end
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+            xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(rstd + rows, mask=rmask, other=0.0)
+            nh = xv * r[:, None]
+            if HAS_DW:
+                acc += tl.sum(g * nh.to(x.dtype.element_ty).to(tl.float32), axis=0)
+            dn = g * wv[None, :]
+            c = tl.sum(dn * nh, axis=1) / D
+            tl.store(dx + offs, (r[:, None] * (dn - nh * c[:, None])).to(dx.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            tl.store(dw + pid.to(tl.int64) * D + cols, acc, mask=cmask)
+
+
+def _rows(block: int) -> int:
+    """Rows per tile: about 4096 elements (one row from 4096 wide, up to 16 narrow rows)."""
+    return max(1, min(16, 4096 // block))
+
+
+def _warps(elements: int) -> int:
+    return min(32, max(4, elements // 256))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) for 2-D contiguous x [M, D]: y in the promoted dtype, rstd fp32 [M]."""
+    m, d = x.shape
+    y = torch.empty(m, d, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(d)
+        rows = _rows(block)
+        _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block,
+                                              num_warps=_warps(rows * block))
+    return y, rstd
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      need_dw: bool = True, programs: int = BWD_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x."""
+    m, d = x.shape
+    dx = torch.empty_like(x)
+    if m == 0:
+        return dx, torch.zeros_like(weight) if need_dw else None
+    per = triton.cdiv(m, min(m, programs))
+    n_prog = triton.cdiv(m, per)
+    partial = torch.empty(n_prog, d, dtype=torch.float32, device=x.device) if need_dw else rstd
+    block = triton.next_power_of_2(d)
+    rows = _rows(block)
+    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block,
+                            num_warps=_warps(rows * block))
+    return dx, partial.sum(0).to(weight.dtype) if need_dw else None
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        weight = weight.contiguous()
+        y, rstd = rms_norm_forward(x2, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)  # x is the caller's tensor: no new activation but rstd
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        grad = grad.reshape(x2.shape).contiguous()
+        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), dw, None
+
+
+def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton path applies (CUDA with Triton, or the interpreter; rows up to MAX_WIDTH)."""
+    return (use_triton(x) and x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
+            and x.dtype in _DTYPES and weight.dtype in _DTYPES and weight.device == x.device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The eager norm (the CPU path and the reference): fp32 statistics, scaled after the cast back."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMS-normalised x over the last dimension (fused where ``fusable``)."""
+    if fusable(x, weight):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
