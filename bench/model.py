@@ -74,11 +74,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="restrict SDPA to one backend (torch.nn.attention.sdpa_kernel) for the whole run")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="profile one extra step (torch.profiler) and print its ROWS most expensive CUDA kernels")
+    p.add_argument("--eager-norm-rope", action="store_true",
+                   help="use the eager RMSNorm and RoPE instead of the fused kernels (for a side-by-side)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.model needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.eager_norm_rope:
+        from moe.kernels import rmsnorm, rope
+
+        rmsnorm.fusable = rope.fusable = lambda *a: False
     peak_measured = matmul_peak_tflops()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
@@ -148,7 +154,8 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
     tflops = tokens * fpt / step / 1e12
     datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
     row = {
-        "recipe": args.recipe, "recompute": args.recompute, "sdpa": args.sdpa, "width": args.width, "layers": args.layers,
+        "recipe": args.recipe, "recompute": args.recompute, "sdpa": args.sdpa,
+        "fused_norm_rope": not args.eager_norm_rope, "width": args.width, "layers": args.layers,
         "seq": args.seq, "accum": args.accum,
         "loss_chunk": args.loss_chunk, "tokens_per_step": tokens, "step_s": step,
         "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
@@ -156,7 +163,7 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["recipe", "recompute", "sdpa", "width", "layers", "accum", "tokens_per_step", "step_s",
+    print_table([row], ["recipe", "recompute", "sdpa", "fused_norm_rope", "width", "layers", "accum", "tokens_per_step", "step_s",
                         "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
     if sync_error:
         print(f"host sync found: {sync_error}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe.kernels.rope import apply_rope
+
 
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin tables for positions 0..max_seq_len-1 (not saved in checkpoints)."""
@@ -34,15 +36,4 @@ class RotaryEmbedding(nn.Module):
         seq = q.shape[-2]
         if seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.max_seq_len}")
-        cos = self.cos[:seq].to(q.dtype)
-        sin = self.sin[:seq].to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
