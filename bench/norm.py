@@ -4,7 +4,8 @@
     python -m bench.norm --shape 65536,4096   # other rows,width (repeatable)
 
 Peers, on the same random bf16 inputs (weight near 1, not ones): ``eager`` (moe's reference,
-``rms_norm_reference``), ``fused`` (moe.kernels.rmsnorm), ``compiled`` (torch.compile of the
+``rms_norm_reference``), ``fused`` (our Triton kernels, ``rms_norm_triton``: the library's
+path for mixed dtypes; with one dtype it takes ``torch``), ``compiled`` (torch.compile of the
 eager norm; ``--no-compile`` skips it), ``torch`` (``F.rms_norm``: one rounding, not OLMoE's
 order) and ``liger`` (Liger-Kernel's llama-order norm, skipped with a note where it does not
 import). Before timing, each peer's y, dx and dweight are compared with an fp32 computation on
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import environment, print_table, rel_error, time_cuda, write_result
-from moe.kernels.rmsnorm import rms_norm, rms_norm_reference
+from moe.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 
 SHAPES = [(16384, 2048), (65536, 2048)]
 EPS = 1e-5
@@ -47,7 +48,7 @@ def _liger() -> tuple[Norm | None, str]:
 
 
 def peers(compile_: bool) -> tuple[dict[str, Norm], dict[str, str]]:
-    out: dict[str, Norm] = {"eager": rms_norm_reference, "fused": rms_norm,
+    out: dict[str, Norm] = {"eager": rms_norm_reference, "fused": rms_norm_triton,
                             "torch": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)}
     notes: dict[str, str] = {}
     if compile_:
