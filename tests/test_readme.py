@@ -29,6 +29,7 @@ GPU = {
     "python -m bench.ep --nproc 2 --sync-debug --parallel ep=1 --parallel ep=2 --parallel ep=2,ep_backend=nvshmem",
     "python -m bench.ep_dispatch --nproc 2", "python -m bench.fp8 gemm", "python -m bench.memory --write-calibration",
     "python -m bench.determinism --ep", "python -m bench.norm",
+    "python -m bench.parity run --recipe fp8_rowwise --data data/tokens --out runs/parity/fp8",
 }
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
