@@ -74,6 +74,21 @@ def time_cuda(fn: Callable[[], Any], *, warmup: int = 5, iters: int = 30, before
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
 
 
+def timed_train_steps(trainer, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` library training steps (CUDA events, synchronised per step;
+    the trainer's step counter advances as in ``fit``)."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        trainer.train_step()
+        end.record()
+        trainer.step += 1
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def matmul_peak_tflops(n: int = 8192, iters: int = 20) -> float:
     """Measured bf16 dense matmul ceiling on random data."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, print_table, write_result
+from bench.common import environment, print_table, timed_train_steps, write_result
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.parallel.recompute import RECOMPUTE_MODES, apply_recompute
@@ -106,15 +106,7 @@ def run_config(args, data: Path, tmp: Path, layers: int, micro: int, accum: int,
                 row["act_bytes_per_token_layer"] = fwd["blocks"] / (micro * args.seq * layers)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                times = []
-                for _ in range(args.steps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    trainer.train_step()
-                    end.record()
-                    trainer.step += 1
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
+                times = timed_train_steps(trainer, args.steps)
                 losses = torch.stack([v for _, v in trainer._pending]).tolist()
                 trainer._pending.clear()
                 assert all(np.isfinite(losses)), f"non-finite loss: {losses}"

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import environment, matmul_peak_tflops, print_table, write_result
+from bench.common import environment, matmul_peak_tflops, print_table, timed_train_steps, write_result
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.train.accounting import PEAK_BF16_TFLOPS, flops_per_token
@@ -42,15 +42,10 @@ def profile_step(trainer: Trainer, rows: int) -> None:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        trainer.train_step()
-        end.record()
-        trainer.step += 1
-        torch.cuda.synchronize()
+        (wall,) = timed_train_steps(trainer, 1)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
-    print(f"profiled step: {start.elapsed_time(end):.1f} ms wall, {busy:.1f} ms of CUDA kernels")
+    print(f"profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of CUDA kernels")
     print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
@@ -136,15 +131,7 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        trainer.train_step()
-        end.record()
-        trainer.step += 1
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    times = timed_train_steps(trainer, args.steps)
     losses = torch.stack([v for _, v in trainer._pending]).tolist()
     assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
     peak_mem = torch.cuda.max_memory_allocated() / 2**30

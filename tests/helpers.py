@@ -1,7 +1,10 @@
-"""Shared test helpers: small token corpora and configs."""
+"""Shared test helpers: small token corpora and configs, and Triton interpreter runs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +43,19 @@ def tiny_config(data_dir: Path, ckpt_dir: Path, **sections: Any) -> ExperimentCo
     for key, value in sections.items():
         base.setdefault(key, {}).update(value)
     return ExperimentConfig.load(base)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_under_triton_interpreter(args: list[str], expect: str, timeout: int = 600) -> None:
+    """Run ``python *args`` with TRITON_INTERPRET=1 (a fresh process: the interpreter must be
+    chosen before triton is imported) and assert it exits 0 and prints ``expect``."""
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert expect in r.stdout, r.stdout + r.stderr
+

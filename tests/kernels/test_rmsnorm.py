@@ -3,25 +3,17 @@ must be chosen before triton is imported) against the eager reference, and the m
 path (the eager reference) against a float64 computation from the definition."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe.kernels import rmsnorm
 from moe.nn import RMSNorm
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import run_under_triton_interpreter
 
 
 def test_triton_kernels_match_the_eager_norm_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, str(REPO / "tests/kernels/rmsnorm_check.py")], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "rmsnorm kernels ok" in r.stdout
+    run_under_triton_interpreter(["tests/kernels/rmsnorm_check.py"], "rmsnorm kernels ok")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

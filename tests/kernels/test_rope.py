@@ -2,25 +2,17 @@
 chosen before triton is imported) against the eager rotate-half reference, and the CPU path."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe.kernels import rope
 from moe.nn.rope import RotaryEmbedding
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import run_under_triton_interpreter
 
 
 def test_triton_kernel_matches_the_eager_rotation_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, str(REPO / "tests/kernels/rope_check.py")], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "rope kernels ok" in r.stdout
+    run_under_triton_interpreter(["tests/kernels/rope_check.py"], "rope kernels ok")
 
 
 def test_cpu_path_is_the_eager_reference():

@@ -166,15 +166,9 @@ print("put ok")
 
 def test_put_rows_kernel_under_the_interpreter():
     """The NVSHMEM transport's row-store kernel (there it stores into peer GPUs' memory)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import run_under_triton_interpreter
 
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    r = subprocess.run([sys.executable, "-c", PUT_CHECK], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and "put ok" in r.stdout, r.stdout + r.stderr
+    run_under_triton_interpreter(["-c", PUT_CHECK], "put ok", timeout=300)
 
 
 @pytest.mark.slow
