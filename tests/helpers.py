@@ -59,3 +59,23 @@ def run_under_triton_interpreter(args: list[str], expect: str, timeout: int = 60
     assert r.returncode == 0, r.stdout + r.stderr
     assert expect in r.stdout, r.stdout + r.stderr
 
+
+SKIP_IN_COPIES = ("data/", "runs/", "metrics/", "plots/")
+
+
+def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: tuple[str, ...] = ()) -> Path:
+    """Copy this checkout's tracked and untracked-but-not-ignored files into ``dest`` (a project
+    as a user would have it), without pipeline outputs (data/, runs/, metrics/, plots/, dvc.lock)
+    and whatever else the caller names."""
+    import shutil
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    skip = SKIP_IN_COPIES + tuple(skip_prefixes)
+    for f in files:
+        src = REPO / f
+        if src.is_file() and not f.startswith(skip) and f not in ("dvc.lock", *skip_files):
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+    return dest
+

@@ -2,13 +2,14 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.helpers import copy_checkout
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -23,13 +24,7 @@ def sh(*cmd, cwd, env, check=True):
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    dest = tmp_path_factory.mktemp("clone")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        src = REPO / f
-        if src.is_file() and not f.startswith(("data/", "runs/", "metrics/", "plots/")) and f != "dvc.lock":
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / f)
+    dest = copy_checkout(tmp_path_factory.mktemp("clone"))
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 400_000, "vocab_size": 384})
     params["model"]["vocab_size"] = 384

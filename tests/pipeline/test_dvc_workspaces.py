@@ -14,7 +14,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.pipeline.test_dvc_e2e import REPO, sh
+from tests.helpers import copy_checkout
+from tests.pipeline.test_dvc_e2e import sh
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +25,7 @@ VENV = Path(sys.executable).parent.parent
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A git+DVC clone whose .venv is this interpreter's environment; PATH holds no `moe`/`dvc`."""
-    import shutil
-
-    dest = tmp_path_factory.mktemp("project")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        src = REPO / f
-        if src.is_file() and not f.startswith(("data/", "runs/", "metrics/", "plots/")) and f != "dvc.lock":
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / f)
+    dest = copy_checkout(tmp_path_factory.mktemp("project"))
     (dest / ".venv").symlink_to(VENV)
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 150_000, "vocab_size": 300})

@@ -4,7 +4,6 @@ the report, and the MLflow runs (one 'paper reproduction' parent, one nested run
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import copy_checkout
 from tests.pipeline.test_slurm import slurm_cluster  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[3]
@@ -27,14 +27,8 @@ def sh(*cmd, cwd, env):
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    dest = tmp_path_factory.mktemp("paper")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        src = REPO / f
-        if src.is_file() and not f.startswith(("data/", "runs/", "metrics/", "plots/", "bench/paper/results/", "bench/paper/plots/")) \
-                and f not in ("dvc.lock", "bench/paper/dvc.lock", "bench/paper/REPORT.md"):
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / f)
+    dest = copy_checkout(tmp_path_factory.mktemp("paper"), skip_prefixes=("bench/paper/results/", "bench/paper/plots/"),
+                         skip_files=("bench/paper/dvc.lock", "bench/paper/REPORT.md"))
     params_path = dest / "bench/paper/params.yaml"
     params = yaml.safe_load(params_path.read_text())
     params["paper"].update({"steps": 2, "experts": [8, 16], "gerrymander_steps": 40})
