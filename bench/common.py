@@ -89,6 +89,40 @@ def timed_train_steps(trainer, steps: int) -> list[float]:
     return times
 
 
+def kernel_overlap(prof) -> dict[str, float]:
+    """From a torch.profiler trace: milliseconds of communication kernels (NCCL), of everything
+    else, and of communication with no other kernel running (what the step waits for)."""
+
+    def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        out: list[list[float]] = []
+        for a, b in sorted(intervals):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return [(a, b) for a, b in out]
+
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    comm_u, compute_u = union(comm), union(compute)
+    exposed = 0.0
+    for a, b in comm_u:  # comm time not covered by any compute interval
+        covered = 0.0
+        for c, d in compute_u:
+            if d <= a:
+                continue
+            if c >= b:
+                break
+            covered += min(b, d) - max(a, c)
+        exposed += (b - a) - covered
+    return {"comm_ms": sum(b - a for a, b in comm_u) / 1e3, "compute_ms": sum(b - a for a, b in compute_u) / 1e3,
+            "exposed_comm_ms": exposed / 1e3}
+
+
 def matmul_peak_tflops(n: int = 8192, iters: int = 20) -> float:
     """Measured bf16 dense matmul ceiling on random data."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

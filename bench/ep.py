@@ -92,6 +92,22 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
         finally:
             torch.cuda.set_sync_debug_mode(0)
         trainer.step += 1
+    profile = None
+    if args.get("profile") and device_type == "cuda":  # every rank runs the step (collectives); rank 0 reports
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        from bench.common import kernel_overlap
+
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.train_step()
+            torch.cuda.synchronize()
+        trainer.step += 1
+        if rank == 0:
+            profile = kernel_overlap(prof)
+            print(f"rank 0, one profiled step of {parallel}: {profile}")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args["profile"], max_name_column_width=70))
     losses = torch.stack([v for _, v in trainer._pending]).tolist()[: args["warmup"] + args["steps"]]
     from moe.parallel.transport import symmetric_bytes
 
@@ -103,7 +119,7 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
         result = {"parallel": parallel, "world": world, "step_s": step, "tokens_per_s_per_gpu": tokens / step,
                   "tflops_per_gpu": tokens * fpt / step / 1e12, "step_times_s": times, "losses": losses,
                   "peak_mem_gb": (torch.cuda.max_memory_allocated() + symmetric) / 2**30 if device_type == "cuda" else None,
-                  "symmetric_gb": symmetric / 2**30, "host_sync": sync}
+                  "symmetric_gb": symmetric / 2**30, "host_sync": sync, "profile": profile}
         torch.save(result, Path(out) / "result.pt")
     shutdown_distributed()
 
@@ -121,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--skew", action="store_true", help="route every token to experts of EP rank 0")
     p.add_argument("--sync-debug", action="store_true", help="one extra step with host syncs as errors")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="one more step under torch.profiler: rank 0 prints its ROWS top kernels and the NCCL time not hidden by compute")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
     if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
@@ -149,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir()
             mp.start_processes(_worker, args=(a.nproc, _free_port(), args, layout, str(out)), nprocs=a.nproc,
                                join=True, start_method="spawn")
-            result = torch.load(out / "result.pt", weights_only=False)
+            result = torch.load(out / "result.pt", weights_only=True)
             rows.append({"layout": ",".join(f"{k}={v}" for k, v in layout.items()), **result})
     base = rows[0]["step_s"]
     for r in rows:
