@@ -163,8 +163,15 @@ def log_mlflow(uri: str, experiment: str, runs: list[tuple[str, dict[str, Any], 
 def report(args: argparse.Namespace) -> int:
     from bench.common import write_result
 
+    if args.tail < 1:
+        print(f"--tail must be >= 1, got {args.tail}", file=sys.stderr)
+        return 2
     (ma, a), (mb, b) = load_curve(Path(args.a)), load_curve(Path(args.b))
     na, nb = ma["recipe"], mb["recipe"]
+    differ = sorted(k for k in set(ma["config"]) | set(mb["config"])
+                    if k not in ("precision", "checkpoint") and ma["config"].get(k) != mb["config"].get(k))
+    if differ:
+        print(f"warning: the two runs differ in more than the recipe: {', '.join(differ)}", file=sys.stderr)
     result = compare(a, b, args.tail)
     png = Path(args.plot) if args.plot else ROOT / "bench" / "results" / f"parity-{na}-{nb}.png"
     png.parent.mkdir(parents=True, exist_ok=True)

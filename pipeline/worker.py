@@ -93,12 +93,14 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
     submitter has gone; under the local executor the launching process holds it)."""
 
     rank = int(os.environ.get("RANK", "0"))
+    clean = False  # collective teardown only after a run every rank finished
     try:
         if lock and rank == 0:
             _HELD.append(RunLock(job.run_dir).acquire(f"training job {job.spec_path}"))
         summary = run(job, stop)
         if rank == 0 and not summary["preempted"]:
             _finalize_mlflow(job, ok=True)
+        clean = True
         return 0, summary
     except (ConfigError, TokenDataError, FileNotFoundError) as exc:
         code, message = 2, str(exc)
@@ -109,7 +111,7 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
     except RunDirBusy as exc:
         code, message = 2, str(exc)
     finally:
-        shutdown_distributed()
+        shutdown_distributed(clean=clean)
     print(f"error: {message}", file=sys.stderr, flush=True)
     if rank == 0:
         _finalize_mlflow(job, ok=False)

@@ -1,4 +1,6 @@
-"""Fused RMSNorm (Triton on CUDA, the eager torch reference elsewhere).
+"""Fused RMSNorm: torch's ``F.rms_norm`` on CUDA where x and the weight share a dtype, our
+Triton kernels where they do not (fp32 weights under autocast), the eager reference on CPU.
+The notes below are about the Triton kernels.
 
 The eager norm is ~7 memory-bound kernels forward (cast, pow, mean, add, rsqrt, mul, cast, mul)
 and keeps an fp32 copy of its input plus the normalised bf16 rows for backward. The fused
@@ -137,7 +139,8 @@ class _RMSNorm(torch.autograd.Function):
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton path applies (CUDA with Triton, or the interpreter; rows up to MAX_WIDTH)."""
-    return (use_triton(x) and x.dim() >= 1 and weight.dim() == 1 and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
+    return (use_triton(x) and x.dim() >= 1 and x.shape[-1] > 0 and weight.dim() == 1
+            and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
             and x.dtype in _DTYPES and weight.dtype in _DTYPES and weight.device == x.device)
 
 
@@ -163,7 +166,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rounds once (bf16(x * rstd * w)) where OLMoE rounds the normalised rows first, about one
     bf16 step apart. Mixed dtypes (fp32 weights under autocast) take our kernels, which keep
     OLMoE's order; CPU takes the eager reference."""
-    if x.is_cuda and x.dtype == weight.dtype and x.dtype in _DTYPES:
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in _DTYPES and x.shape[-1] > 0:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if fusable(x, weight):
         return _RMSNorm.apply(x, weight, eps)

@@ -68,10 +68,15 @@ class _Rope(torch.autograd.Function):
         return _launch(grad.contiguous(), cos, sin, -1.0), None, None
 
 
-def fusable(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    return (use_triton(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and cos.is_floating_point()
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cos.device == x.device
-            and cos.stride(-1) == 1)
+def fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None = None) -> bool:
+    """Whether the kernel applies: CUDA (or the interpreter), [b, h, s, d] with d even, and
+    rotate-half tables (cos[:, :d/2] == cos[:, d/2:]) covering the sequence; sin laid out as cos."""
+    sin = cos if sin is None else sin
+    return (use_triton(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cos.is_floating_point() and cos.dim() == 2 and cos.shape[-1] == x.shape[-1] and cos.shape[0] >= x.shape[-2]
+            and cos.device == x.device and cos.stride(-1) == 1
+            and sin.shape == cos.shape and sin.stride() == cos.stride() and sin.dtype == cos.dtype and sin.device == cos.device)
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, heads, seq, head_dim] by the tables cos/sin [>= seq, head_dim]."""
     seq = x.shape[-2]
-    if fusable(x, cos):
+    if fusable(x, cos, sin):
         # the kernel runs on [batch, seq, heads, head_dim]: the projection's layout, usually
         # what x is a transposed view of (then no copy is made)
         return _Rope.apply(x.transpose(1, 2), cos, sin).transpose(1, 2)

@@ -1,7 +1,9 @@
-"""RMSNorm, computed in fp32 and scaled after the cast back (as transformers' OLMoE does).
+"""RMSNorm with fp32 statistics.
 
-The computation lives in ``moe.kernels.rmsnorm``: the fused Triton kernels on CUDA, the eager
-reference (``rms_norm_reference``) on the CPU and for shapes the kernels do not take."""
+The computation lives in ``moe.kernels.rmsnorm``: torch's fused ``F.rms_norm`` on CUDA where x
+and the weight share a dtype (it rounds once, bf16(x * rstd * w), about one bf16 step from
+OLMoE's order), our Triton kernels for mixed dtypes, and on the CPU the eager reference
+(``rms_norm_reference``), which scales after the cast back exactly as transformers' OLMoE does."""
 
 from __future__ import annotations
 

@@ -52,10 +52,12 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(clean: bool = True) -> None:
+    """Tear down NVSHMEM (collectively only after a clean run: ``clean=False`` when this rank
+    failed, so that it never waits in a collective the others will not reach) and the group."""
     import sys
 
     if "moe.parallel.transport" in sys.modules:  # NVSHMEM goes first: its teardown is collective
-        sys.modules["moe.parallel.transport"].shutdown()
+        sys.modules["moe.parallel.transport"].shutdown(clean=clean)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

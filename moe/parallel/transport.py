@@ -146,20 +146,31 @@ def _nvshmem():
     return nv
 
 
-def shutdown(timeout_s: float = 60.0) -> None:
+def shutdown(clean: bool = True, timeout_s: float = 60.0) -> None:
     """Free the symmetric buffers and finalize NVSHMEM while the process group still exists.
 
-    NVSHMEM's free and finalize are collective: every rank calls this at the same point (after
-    a barrier), before torch.distributed is torn down. Left to interpreter exit, the ranks reach
-    it at different times with NCCL already gone, and a rank could wait forever. A watchdog ends
-    a teardown still stuck after ``timeout_s`` (the run's results are written by then)."""
+    NVSHMEM's free and finalize are collective. After a clean run every rank calls this at the
+    same point (after a barrier), before torch.distributed is torn down; left to interpreter
+    exit, the ranks would reach it at different times with NCCL already gone. After a failure
+    (``clean=False``: this rank raised, the others may still be training) no collective is
+    attempted, which could only hang: NVSHMEM is dropped and the process exit frees it. A clean
+    teardown still stuck after ``timeout_s`` (the run's results are written by then) ends the
+    process with status 0 and says so; an error inside it is reported and teardown goes on."""
     if "nv" not in _NV_STATE:
         return
     import sys
     import threading
 
+    if not clean:
+        _NV_STATE.pop("nv", None)
+        _NV_STATE.pop("transports", None)
+        atexit.unregister(_finalize)
+        return
+
     def stuck() -> None:
-        print(f"NVSHMEM teardown did not finish within {timeout_s:.0f} s; exiting without it", file=sys.stderr, flush=True)
+        print(f"NVSHMEM teardown did not finish within {timeout_s:.0f} s; exiting without it (results are written)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
         os._exit(0)
 
     timer = threading.Timer(timeout_s, stuck)
@@ -170,8 +181,12 @@ def shutdown(timeout_s: float = 60.0) -> None:
         if dist.is_initialized():
             dist.barrier()
         _finalize()
+    except Exception as exc:  # noqa: BLE001 - teardown reports and goes on; the run's status stands
+        print(f"warning: NVSHMEM teardown failed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        _NV_STATE.pop("nv", None)
     finally:
         timer.cancel()
+        atexit.unregister(_finalize)
 
 
 def _finalize() -> None:

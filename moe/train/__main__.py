@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-json", type=Path, help="write the run summary here (rank 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    clean = False  # collective teardown only after a run every rank finished
     try:
         data = json.loads(args.config.read_text())
         cfg = ExperimentConfig.load(data, args.overrides)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.summary_json and trainer.env.is_main:
             args.summary_json.parent.mkdir(parents=True, exist_ok=True)
             args.summary_json.write_text(json.dumps(summary.__dict__, indent=2, default=str))
+        clean = True
         return 0
     except (ConfigError, TokenDataError, FileNotFoundError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 4
     finally:
-        shutdown_distributed()
+        shutdown_distributed(clean=clean)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def _pct(v: float | None) -> str:
 
 
 def _commit() -> str:
-    """This checkout's commit (MOE_GIT_COMMIT where the tree was copied without .git)."""
+    """This checkout's commit, "-dirty" when it has uncommitted changes (MOE_GIT_COMMIT where the tree was copied without .git)."""
     if os.environ.get("MOE_GIT_COMMIT"):
         return os.environ["MOE_GIT_COMMIT"][:12]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -37,4 +37,10 @@ for shape in [(2, 5, 3, 8), (1, 7, 2, 64), (2, 3, 4, 6)]:
     for transposed in (True, False):
         case(*shape, torch.float32, transposed, 1e-6)
         case(*shape, torch.bfloat16, transposed, 2.0**-6)
+# tables that do not fit the input take the eager path (which raises on a short table)
+emb = RotaryEmbedding(8, 4, 10000.0)
+x = torch.randn(1, 2, 5, 8)
+assert not rope.fusable(x, emb.cos, emb.sin)  # 4 positions for a sequence of 5
+assert not rope.fusable(torch.randn(1, 2, 3, 6), emb.cos, emb.sin)  # head_dim 6 against an 8-wide table
+assert rope.fusable(torch.randn(1, 2, 3, 8), emb.cos, emb.sin)
 print("rope kernels ok")
