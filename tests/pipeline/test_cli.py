@@ -96,7 +96,7 @@ def test_plan_errors(workspace):
     assert_one_error_line(moe("plan", "--params", "nope.yaml"), 2, "nope.yaml: params file not found")
 
 
-BIG = ["--set", "model.preset=olmoe-1b-7b", "--set", "model.n_layers=16", "--set", "model.vocab_size=50304",
+BIG = ["--set", "model.preset=olmoe-1b-7b", "--set", "model.n_layers=18", "--set", "model.vocab_size=50304",
        "--set", "model.d_model=2048", "--set", "model.n_heads=16",
        "--set", "model.moe.num_experts=64", "--set", "model.moe.top_k=8", "--set", "model.moe.expert_hidden=1024",
        "--set", "data.seq_len=4096", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
