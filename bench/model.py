@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
         data.mkdir()
-        total_steps = args.warmup + args.steps + 1 + (1 if args.profile else 0)
+        total_steps = args.warmup + args.steps + 2  # + the sync-check step and a profiled one
+        # the data (and so the batches every step sees) must not depend on --profile
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = ExperimentConfig.load({
             "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
