@@ -88,7 +88,7 @@ class GradSync:
                 continue
             if not self.zero:
                 for bucket in _buckets([p.grad for p in params]):
-                    flat = _flatten_dense_tensors(bucket)
+                    flat = _flat(bucket)
                     dist.all_reduce(flat, group=spec.group)
                     flat.div_(divisor)
                     _copy_back(bucket, flat)
@@ -96,7 +96,7 @@ class GradSync:
             for owner_index in range(len(spec.ranks)):
                 mine = [p.grad for p in params if self.owner[p.name] == owner_index]
                 for bucket in _buckets(mine):
-                    flat = _flatten_dense_tensors(bucket)
+                    flat = _flat(bucket)
                     dist.reduce(flat, dst=spec.ranks[owner_index], group=spec.group)
                     if owner_index == spec.my_index:
                         flat.div_(divisor)
@@ -127,7 +127,7 @@ class GradSync:
             for owner_index in range(len(spec.ranks)):
                 tensors = [p.param.data for p in params if self.owner[p.name] == owner_index]
                 for bucket in _buckets(tensors):
-                    flat = _flatten_dense_tensors(bucket)
+                    flat = _flat(bucket)
                     dist.broadcast(flat, src=spec.ranks[owner_index], group=spec.group)
                     if owner_index != spec.my_index:
                         _copy_back(bucket, flat)
@@ -166,7 +166,17 @@ def _buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[lis
     return out
 
 
+def _flat(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor for a collective: a lone contiguous tensor (an expert weight's gradient is
+    itself a bucket: up to a GB) is used in place, not copied out and back; several are packed."""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        return bucket[0].view(-1)
+    return _flatten_dense_tensors(bucket)
+
+
 def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
+        return  # reduced in place
     for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
         t.copy_(reduced)
 
@@ -251,7 +261,7 @@ class OverlappedGradSync(GradSync):
                 if p.grad is None:
                     p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
             b.grads = [p.grad for p in b.params]
-            b.flat = _flatten_dense_tensors(b.grads)
+            b.flat = _flat(b.grads)
             if self.zero:
                 b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], group=b.spec.group, async_op=True)
             else:

@@ -91,3 +91,23 @@ def test_chunked_loss_matches_unfused_through_layouts(tmp_path, corpus, world, p
     ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train)
     got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "chunk"), parallel, {**train, "loss_chunk_tokens": 24})
     _assert_same(got, ref)
+
+
+def test_a_lone_contiguous_gradient_is_reduced_in_place():
+    from moe.parallel.grad_sync import _copy_back, _flat
+
+    g = torch.randn(4, 3)
+    flat = _flat([g])
+    assert flat.data_ptr() == g.data_ptr()  # no copy out
+    flat.mul_(2)  # what the collective does to it
+    before = g.clone()
+    _copy_back([g], flat)  # and none back
+    assert torch.equal(g, before)
+    t = torch.randn(3, 4).t()  # not contiguous: packed, then copied back
+    pair = [torch.randn(5), torch.randn(2, 2)]
+    for bucket in ([t], pair):
+        flat = _flat(bucket)
+        assert all(flat.data_ptr() != b.data_ptr() for b in bucket)
+        flat.fill_(7.0)
+        _copy_back(bucket, flat)
+        assert all(torch.equal(b, torch.full_like(b, 7.0)) for b in bucket)
