@@ -19,7 +19,7 @@ from pipeline.paper.claims import CLAIMS
 from pipeline.paper.config import PaperParams
 from pipeline.paper.hardware import Hardware, detect
 from pipeline.paper.measure import measure
-from pipeline.paper.report import _commit
+from pipeline.paper.report import commit_label
 from pipeline.paper.scaling import Scaled, paper_shape, predict_peak_gb
 
 
@@ -298,7 +298,7 @@ def run_stage(stage: str, params: PaperParams, tracker=None) -> Path:
         "stage": stage, "claim": dataclasses.asdict(claim), "hardware": dataclasses.asdict(hw) | {"describe": hw.describe()},
         "scaling": {"shape": shape.describe(), "notes": shape.notes, "model": shape.model,
                     "seq_len": shape.seq_len, "micro_batch_size": shape.micro_batch_size},
-        "steps_per_measurement": ctx.steps, "commit": _commit(), **out,
+        "steps_per_measurement": ctx.steps, "commit": commit_label(), **out,
     }
     for v in result["variants"]:
         v.pop("rows", None)  # the per-step rows stay in the run directory (metrics.jsonl)
