@@ -44,6 +44,8 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
     from moe.train.trainer import Trainer
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if args["sm_carveout"]:  # leave SMs to NCCL: GEMMs that honour it size their grids to the rest
+        torch._C._set_sm_carveout_experimental(args["sm_carveout"])
     cfg = ExperimentConfig.load({
         "model": {"preset": args["preset"], "n_layers": args["layers"], "max_seq_len": args["seq"]},
         "data": {"paths": [args["data"]], "seq_len": args["seq"], "verify_checksums": False},
@@ -112,6 +114,7 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
     from moe.parallel.transport import symmetric_bytes
 
     symmetric = symmetric_bytes()
+    grad_sync = getattr(trainer.layout, "sync", None)
     if rank == 0:
         tokens = args["micro"] * args["seq"]  # per GPU per step
         step = statistics.median(times)
@@ -119,7 +122,10 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
         result = {"parallel": parallel, "world": world, "step_s": step, "tokens_per_s_per_gpu": tokens / step,
                   "tflops_per_gpu": tokens * fpt / step / 1e12, "step_times_s": times, "losses": losses,
                   "peak_mem_gb": (torch.cuda.max_memory_allocated() + symmetric) / 2**30 if device_type == "cuda" else None,
-                  "symmetric_gb": symmetric / 2**30, "host_sync": sync, "profile": profile}
+                  "symmetric_gb": symmetric / 2**30, "host_sync": sync, "profile": profile,
+                  # buckets whose reduction started inside the last step's backward, of all
+                  "buckets_in_backward": [getattr(grad_sync, "launched_in_backward", None),
+                                          len(getattr(grad_sync, "buckets", []))]}
         torch.save(result, Path(out) / "result.pt")
     shutdown_distributed()
 
@@ -139,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-debug", action="store_true", help="one extra step with host syncs as errors")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="one more step under torch.profiler: rank 0 prints its ROWS top kernels and the NCCL time not hidden by compute")
+    p.add_argument("--sm-carveout", type=int, default=0, metavar="SMS",
+                   help="torch._C._set_sm_carveout_experimental(SMS) in every rank (SMs kept free for NCCL)")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
     if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
@@ -179,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = match[0]["losses"]
             r["loss_rel_diff_vs_nccl"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True))
     print_table(rows, ["layout", "world", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_vs_first", "peak_mem_gb",
-                       "host_sync", "loss_rel_diff_vs_nccl"])
-    payload = {"benchmark": "layout_step", "environment": environment(), "config": {k: v for k, v in vars(a).items()},
+                       "host_sync", "loss_rel_diff_vs_nccl", "buckets_in_backward"])
+    payload = {"benchmark": "layout_step", "environment": environment(),
+               "config": {**vars(a), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}},
                "results": rows}
     if not a.no_save:
         print(f"wrote {write_result('ep', payload)}")

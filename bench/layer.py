@@ -3,6 +3,7 @@
     python -m bench.layer                      # the two reference shapes, 16384 tokens, bf16
     python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
     python -m bench.layer --peers ours,ours_fp8,ours_fp8_all   # FP8 rowwise against our bf16
+    python -m bench.layer --peers ours,gemm,sonic   # and the grouped GEMMs alone: the ceiling
 
 SonicMoE (``sonic-moe`` 0.1.2, Python >= 3.12, Hopper) is optional: where it does not import,
 its row is skipped with a printed note and the run does not fail.
@@ -127,6 +128,65 @@ def build_ours_fp8(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype,
     layer.experts.gemm = Fp8GroupedGemm(Fp8Rule() if min_dim is None else Fp8Rule(min_dim))
     layer.bench_note = f"fp8_min_dim={layer.experts.gemm.rule.min_dim}"
     return layer
+class GroupedGemmOnly(nn.Module):
+    """The layer's six expert GEMMs alone (forward, dgrad and wgrad of gate_up and of down)
+    through our grouped-GEMM seam, on the rows and group sizes our router gives this input:
+    the rate a layer would reach if routing, gather, SwiGLU and combine were free. Its FLOPs
+    are the experts' only (no router)."""
+
+    def __init__(self, shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.layer = shape, build_ours(shape, w, dtype)
+        self.bench_note = "grouped GEMMs only (moe.layers.gemm), our routing's group sizes"
+
+    def bench_flops(self, tokens: int) -> float:
+        s = self.shape
+        return 6.0 * tokens * s.top_k * 3 * s.d * s.h
+
+    @torch.no_grad()
+    def prepare(self, x: torch.Tensor) -> None:
+        s, experts = self.shape, self.layer.experts
+        tokens = x.reshape(-1, s.d)
+        routing = self.layer.router(tokens)
+        order = torch.argsort(routing.experts.reshape(-1), stable=True)
+        self.offsets = routing.tokens_per_expert.cumsum(0).to(torch.int32)
+        g = torch.Generator(device=x.device).manual_seed(2)
+        n = order.numel()
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=g, device=x.device).to(experts.down.dtype)
+
+        self.rows = tokens.index_select(0, order // s.top_k).detach().requires_grad_(True)
+        self.act = randn(n, s.h).requires_grad_(True)  # what SwiGLU would hand the down projection
+        self.grad_h, self.grad_out = randn(n, 2 * s.h), randn(n, s.d)
+
+    def bench_step(self) -> None:
+        experts = self.layer.experts
+        h = experts.gemm(self.rows, experts.gate_up, self.offsets)
+        out = experts.gemm(self.act, experts.down, self.offsets)
+        torch.autograd.backward([h, out], [self.grad_h, self.grad_out])
+        self.last = (h, out)
+
+    def bench_clear(self) -> None:
+        self.rows.grad = self.act.grad = None
+
+    @torch.no_grad()
+    def bench_check(self) -> tuple[float, float]:
+        """Forward outputs and the rows' gradient against an fp32 per-expert loop."""
+        experts = self.layer.experts
+        h, out = self.last
+        ref_h, ref_out = torch.empty_like(h, dtype=torch.float32), torch.empty_like(out, dtype=torch.float32)
+        ref_dx = torch.empty_like(self.rows, dtype=torch.float32)
+        start = 0
+        for e, end in enumerate(self.offsets.tolist()):  # outside timing: a host loop is fine here
+            rows, act = self.rows[start:end].float(), self.act[start:end].float()
+            ref_h[start:end] = rows @ experts.gate_up[e].float().t()
+            ref_out[start:end] = act @ experts.down[e].float().t()
+            ref_dx[start:end] = self.grad_h[start:end].float() @ experts.gate_up[e].float()
+            start = end
+        return max(rel_error(h, ref_h), rel_error(out, ref_out)), rel_error(self.rows.grad, ref_dx)
+
+
 class PeerUnavailable(Exception):
     """An optional peer that does not import here: skipped with a note, not an error."""
 
@@ -176,6 +236,7 @@ PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "hf": ("transformers OlmoeSparseMoeBlock", build_hf),
     "titan": ("torchtitan 0.3.0 MoE", build_titan),
     "sonic": ("sonic-moe 0.1.2 (optional)", build_sonic),
+    "gemm": ("grouped GEMMs only (the ceiling)", GroupedGemmOnly),
 }
 
 
@@ -211,9 +272,16 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
             continue
         x = x32.to(dtype).requires_grad_(True)
         grad = grad32.to(dtype)
-        out = module(x)
-        out.backward(grad)
-        err_out, err_dx = rel_error(out, ref_out), rel_error(x.grad, ref_dx)
+        custom = getattr(module, "bench_step", None)  # a peer that times something else than the layer call
+        if custom is not None:
+            module.prepare(x)
+            custom()
+            err_out, err_dx = module.bench_check()
+            out = None
+        else:
+            out = module(x)
+            out.backward(grad)
+            err_out, err_dx = rel_error(out, ref_out), rel_error(x.grad, ref_dx)
         row: dict[str, Any] = {"peer": key, "name": name, "shape": shape.label, "rel_err_out": err_out, "rel_err_dx": err_dx}
         if getattr(module, "bench_note", None):
             row["note"] = module.bench_note
@@ -225,17 +293,20 @@ def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: t
         def step(module=module, x=x, grad=grad) -> None:
             module(x).backward(grad)
 
-        def clear(module=module, x=x) -> None:
+        def clear(module=module, x=x, custom=custom) -> None:
             x.grad = None
             module.zero_grad(set_to_none=True)
+            if custom is not None:
+                module.bench_clear()
             if args_weights_change:
                 with torch.no_grad():  # an optimizer step: new weight versions (FP8 copies are remade)
                     for p in module.parameters():
                         p.mul_(1.0)
 
-        timing = time_cuda(step, iters=iters, before=clear)
+        timing = time_cuda(custom or step, iters=iters, before=clear)
         row.update(timing)
-        row["tflops"] = shape.flops(tokens) / (timing["median_ms"] * 1e-3) / 1e12
+        flops = getattr(module, "bench_flops", shape.flops)(tokens)
+        row["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
         rows.append(row)
         del module, out
         if device.type == "cuda":

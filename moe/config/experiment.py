@@ -57,6 +57,8 @@ class ExperimentConfig(Config):
         if par.data_parallel == "fsdp":
             require(par.pp == 1 and par.ep == 1 and not par.shard_optimizer, "parallel.data_parallel",
                     "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false")
+            require(par.grad_reduce_dtype == "fp32", "parallel.grad_reduce_dtype",
+                    "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only")
         if par.pp > 1:
             require(not m.tie_embeddings, "model.tie_embeddings", "tied embeddings cannot be split over pipeline stages (parallel.pp > 1)")
         require(

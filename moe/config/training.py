@@ -149,6 +149,10 @@ class ParallelConfig(Config):
     # the last micro-batch's backward (overlapping the backward), instead of after it. With
     # pp > 1 the reduction stays after the pipeline step; fsdp overlaps on its own.
     overlap_grad_reduce: bool = False
+    # ddp: the dtype gradients travel in. fp32 reduces the fp32 accumulators as they are;
+    # bf16 halves the traffic (each bucket is cast for the collective and the sum cast back
+    # into fp32), as Megatron-Core does without grad_reduce_in_fp32.
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")

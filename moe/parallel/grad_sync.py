@@ -3,7 +3,8 @@
 Dense gradients are summed over the stage's data-parallel group, expert gradients only over
 the expert-data-parallel group (the ranks holding the same experts); both are divided by the
 data-parallel size, which makes the result the gradient of the global-batch mean loss.
-Reductions run on flat buckets of ~25 MB.
+Reductions run on flat buckets of ~25 MB, in fp32 or (``reduce_dtype`` bf16, half the
+traffic) in bf16 with the sum cast back into the fp32 gradients.
 
 ZeRO-1: each parameter has one owning rank in its group (greedy by size). Gradients are
 *reduced* to the owner, only the owner keeps the fp32 master and AdamW moments and steps,
@@ -47,8 +48,8 @@ def owners(sizes: dict[str, int], n_ranks: int) -> dict[str, int]:
 
 
 class GradSync:
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool) -> None:
-        self.mesh, self.zero = mesh, zero
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.mesh, self.zero, self.reduce_dtype = mesh, zero, reduce_dtype
         self.expert_names = set(expert_param_layout(model))
         self.specs = {
             "dense": ParamGroupSpec("dense", mesh.dp_group, mesh.dp_ranks, mesh.dp_rank),
@@ -88,7 +89,7 @@ class GradSync:
                 continue
             if not self.zero:
                 for bucket in _buckets([p.grad for p in params]):
-                    flat = _flat(bucket)
+                    flat = _flat(bucket, self.reduce_dtype)
                     dist.all_reduce(flat, group=spec.group)
                     flat.div_(divisor)
                     _copy_back(bucket, flat)
@@ -96,7 +97,7 @@ class GradSync:
             for owner_index in range(len(spec.ranks)):
                 mine = [p.grad for p in params if self.owner[p.name] == owner_index]
                 for bucket in _buckets(mine):
-                    flat = _flat(bucket)
+                    flat = _flat(bucket, self.reduce_dtype)
                     dist.reduce(flat, dst=spec.ranks[owner_index], group=spec.group)
                     if owner_index == spec.my_index:
                         flat.div_(divisor)
@@ -166,12 +167,18 @@ def _buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[lis
     return out
 
 
-def _flat(bucket: list[torch.Tensor]) -> torch.Tensor:
+def _flat(bucket: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """One tensor for a collective: a lone contiguous tensor (an expert weight's gradient is
-    itself a bucket: up to a GB) is used in place, not copied out and back; several are packed."""
-    if len(bucket) == 1 and bucket[0].is_contiguous():
-        return bucket[0].view(-1)
-    return _flatten_dense_tensors(bucket)
+    itself a bucket: up to a GB) is used in place, not copied out and back; several are packed.
+    With another ``dtype`` each tensor is cast straight into its slice of the packed buffer."""
+    if dtype is None or dtype == bucket[0].dtype:
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            return bucket[0].view(-1)
+        return _flatten_dense_tensors(bucket)
+    flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=bucket[0].device)
+    for t, view in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+        view.view(t.shape).copy_(t)
+    return flat
 
 
 def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
@@ -205,8 +212,8 @@ class OverlappedGradSync(GradSync):
     the same results as GradSync.reduce.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool) -> None:
-        super().__init__(model, mesh, zero)
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(model, mesh, zero, reduce_dtype)
         self.buckets: list[_Bucket] = []
         self.local: list[MasterParam] = []  # parameters whose group is this rank alone
         self.armed = False
@@ -261,7 +268,7 @@ class OverlappedGradSync(GradSync):
                 if p.grad is None:
                     p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
             b.grads = [p.grad for p in b.params]
-            b.flat = _flat(b.grads)
+            b.flat = _flat(b.grads, self.reduce_dtype)
             if self.zero:
                 b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], group=b.spec.group, async_op=True)
             else:

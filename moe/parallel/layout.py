@@ -115,7 +115,8 @@ class ParallelLayout:
             self.runner = PipelineRunner(views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum,
                                          self.env.device, self.virtual, self.chunk)
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
-        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero)
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
+        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype)
         return model
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.layer import PeerUnavailable, Shape, build_ours, build_sonic, make_weights, run_shape, sonic_weights
+from bench.layer import GroupedGemmOnly, PeerUnavailable, Shape, build_ours, build_sonic, make_weights, run_shape, sonic_weights
 
 SHAPE = Shape(d=16, h=8, experts=4, top_k=2)
 CPU = torch.device("cpu")
@@ -44,3 +44,20 @@ def test_sonic_weight_views_match_our_layer():
     with torch.no_grad():
         got = ours(x[None])[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gemm_only_peer_runs_our_routing_group_sizes_and_checks_itself():
+    """The ceiling peer times the six expert GEMMs on the rows our router picks; its self-check
+    (fp32 per-expert loop) passes, and a wrong result would not."""
+    w = make_weights(SHAPE, CPU)
+    peer = GroupedGemmOnly(SHAPE, w, torch.bfloat16)
+    x = torch.randn(1, 24, SHAPE.d).bfloat16()
+    peer.prepare(x)
+    assert peer.rows.shape == (24 * SHAPE.top_k, SHAPE.d) and int(peer.offsets[-1]) == 24 * SHAPE.top_k
+    peer.bench_step()
+    err_out, err_dx = peer.bench_check()
+    assert err_out < 1e-2 and err_dx < 1e-2
+    assert peer.layer.experts.gate_up.grad is not None and peer.layer.experts.down.grad is not None
+    assert peer.bench_flops(24) == 6 * 24 * SHAPE.top_k * 3 * SHAPE.d * SHAPE.h
+    peer.last[1].add_(1.0)  # a corrupted output is caught
+    assert peer.bench_check()[0] > 0.1

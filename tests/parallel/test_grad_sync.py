@@ -62,10 +62,14 @@ CASES = [
     # bf16 weights: the optimizer's hook fills the fp32 master gradient before ours reads it
     pytest.param("dp2-zero1-bf16-accum2", 2, {"shard_optimizer": True}, 2, "bf16", marks=pytest.mark.slow),
     pytest.param("dp4-ep2-zero1", 4, {"ep": 2, "shard_optimizer": True}, 2, "fp32", marks=pytest.mark.slow),
+    # gradients travel in bf16: each element is cast, summed and cast back the same way in
+    # whichever bucket it sits, so overlapped and after-backward agree exactly
+    ("dp2-bf16-reduce-accum2", 2, {"grad_reduce_dtype": "bf16"}, 2, "bf16"),
 ]
 
 
-@pytest.mark.parametrize("name, world, parallel, micro, recipe", CASES, ids=["dp2-accum2", "dp2-zero1-bf16-accum2", "dp4-ep2-zero1"])
+@pytest.mark.parametrize("name, world, parallel, micro, recipe", CASES,
+                         ids=["dp2-accum2", "dp2-zero1-bf16-accum2", "dp4-ep2-zero1", "dp2-bf16-reduce-accum2"])
 def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus, name, world, parallel, micro, recipe):
     train = {"micro_batch_size": micro}
     ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train, None, recipe)
@@ -76,6 +80,25 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
         early, total = r["early"]
         assert total > 2 and early >= 1, r["early"]
     _assert_same(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{}, {"shard_optimizer": True}], ids=["allreduce", "zero1"])
+def test_bf16_reduction_is_the_fp32_one_within_bf16_rounding(tmp_path, corpus, parallel):
+    train = {"micro_batch_size": 2}
+    ref = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "fp32"), parallel, train, None, "bf16")
+    got = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "bf16"), {**parallel, "grad_reduce_dtype": "bf16"}, train,
+                    None, "bf16")
+    for r, f in zip(got, ref, strict=True):
+        for k, g in f["grads"].items():
+            # each rank's addend and the sum are rounded to bf16 (8 bits of mantissa); where the
+            # addends cancel one element can be far off, the tensor as a whole cannot
+            err = (r["grads"][k] - g).norm() / g.norm().clamp_min(1e-12)
+            assert err <= 2**-7, (k, float(err))
+        if f["grads"]:  # (a rank reports the gradients it owns; without ZeRO rank 0 all of them)
+            assert any(not torch.equal(r["grads"][k], f["grads"][k]) for k in f["grads"])  # bf16 did travel
+        for step in f["losses"]:
+            assert r["losses"][step] == pytest.approx(f["losses"][step], rel=2e-2), step
 
 
 CHUNKED = [
@@ -111,3 +134,16 @@ def test_a_lone_contiguous_gradient_is_reduced_in_place():
         flat.fill_(7.0)
         _copy_back(bucket, flat)
         assert all(torch.equal(b, torch.full_like(b, 7.0)) for b in bucket)
+
+
+def test_a_bucket_is_cast_into_the_reduction_dtype_and_back():
+    from moe.parallel.grad_sync import _copy_back, _flat
+
+    bucket = [torch.randn(3, 4).t(), torch.randn(5)]  # fp32 gradients, one not contiguous
+    flat = _flat(bucket, torch.bfloat16)
+    assert flat.dtype == torch.bfloat16 and flat.numel() == 17
+    assert torch.equal(flat[:12].view(4, 3), bucket[0].bfloat16()) and torch.equal(flat[12:], bucket[1].bfloat16())
+    flat.div_(2)
+    expect = [(b.bfloat16() / 2).float() for b in bucket]
+    _copy_back(bucket, flat)
+    assert all(b.dtype == torch.float32 and torch.equal(b, e) for b, e in zip(bucket, expect, strict=True))

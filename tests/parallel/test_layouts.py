@@ -189,6 +189,8 @@ def resume_rank(rank, world, corpus, ckpt, parallel, micro, lb):
         ({"dp": 3}, 2, "parallel.dp: 3 does not match world size 2 / pp=1 = 2"),
         ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 3}, 2, "parallel.pp_virtual_stages: model.n_layers=4 is not divisible"),
         ({"data_parallel": "fsdp", "ep": 2}, 2, "parallel.data_parallel: fsdp is the baseline layout"),
+        ({"data_parallel": "fsdp", "grad_reduce_dtype": "bf16"}, 2, "parallel.grad_reduce_dtype: fsdp reduces its fp32 shards"),
+        ({"grad_reduce_dtype": "fp16"}, 2, "parallel.grad_reduce_dtype"),
     ],
 )
 def test_invalid_layouts_fail_clearly(tmp_path, corpus, parallel, world, message):
