@@ -157,11 +157,10 @@ def global_grad_norm(local: list[torch.Tensor], device: torch.device) -> torch.T
     return sq.sqrt()
 
 
-@torch.no_grad()
-def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef)
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings the global norm down to ``max_norm`` (1 when it is below); a
+    device scalar for the optimizer's fused step (MasterWeightAdamW.step(grad_scale=...))."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:

@@ -6,8 +6,8 @@ builds the same model from the same seed) and then drives each training step:
     model = layout.parallelize(model)
     opt = layout.optimizer(model, optim_cfg, master_weights)
     loss = layout.forward_backward(model, micro_batches, autocast)   # this step's mean loss
-    norm = layout.sync_gradients(opt, clip)                          # reduce, global norm, clip
-    opt.step(found_inf); layout.after_step(opt)
+    norm, scale = layout.sync_gradients(opt, clip)                   # reduce, global norm, clip factor
+    opt.step(found_inf, scale); layout.after_step(opt)
 
 ``ParallelLayout`` covers pipeline (pp), data (dp) and expert (ep) parallelism with resident
 experts and optional ZeRO-1; ``FsdpLayout`` is the FSDP2 baseline the paper compares against.
@@ -29,7 +29,7 @@ from moe.model import Transformer, run_stack
 from moe.nn.chunked_ce import chunked_linear_cross_entropy
 from moe.parallel.env import DistEnv
 from moe.parallel.expert_parallel import apply_expert_parallel
-from moe.parallel.grad_sync import GradSync, OverlappedGradSync, clip_, global_grad_norm
+from moe.parallel.grad_sync import GradSync, OverlappedGradSync, clip_coefficient, global_grad_norm
 from moe.parallel.mesh import Mesh, build_mesh
 from moe.parallel.pipeline import PipelineRunner, prune_for_stages
 from moe.train.optim import MasterWeightAdamW
@@ -49,7 +49,10 @@ class Layout(Protocol):
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor: ...
 
-    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor: ...
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reduce the gradients; (global norm, factor the optimizer step applies to every
+        gradient, or None where the gradients are already clipped)."""
+        ...
 
     def after_step(self, opt: MasterWeightAdamW) -> None: ...
 
@@ -135,15 +138,14 @@ class ParallelLayout:
         arm = self.sync.arm if isinstance(self.sync, OverlappedGradSync) else None
         return accumulate(model, micro, autocast, device, self.chunk, arm)
 
-    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for p in opt.params:  # every rank must bring the same tensors to the collectives
             if p.grad is None:
                 p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
         self.sync.reduce(opt)
         norm = global_grad_norm(self.sync.counted(opt), self.env.device)
-        if clip is not None:
-            clip_(opt.grads(), norm, clip)
-        return norm
+        # clipping happens inside the fused AdamW step (no pass of its own over the gradients)
+        return norm, (clip_coefficient(norm, clip) if clip is not None else None)
 
     def after_step(self, opt: MasterWeightAdamW) -> None:
         self.sync.broadcast_updates(opt)
@@ -190,10 +192,10 @@ class FsdpLayout:
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
         return accumulate(model, micro, autocast, self.env.device)
 
-    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> torch.Tensor:
+    def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = [p.grad_holder for p in opt.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"), foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm), None
 
     def after_step(self, opt: MasterWeightAdamW) -> None:
         return None

@@ -209,9 +209,9 @@ class Trainer:
         self.model.train()
         local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device))
         step_loss = self.layout.mean_loss(local)
-        norm = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
+        norm, grad_scale = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
         bad = ~(torch.isfinite(norm) & torch.isfinite(step_loss))
-        self.opt.step(found_inf=bad)
+        self.opt.step(found_inf=bad, grad_scale=grad_scale)
         self.layout.after_step(self.opt)
         self._lr = self.sched.get_last_lr()[0]
         self.sched.step()

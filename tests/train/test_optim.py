@@ -41,6 +41,32 @@ def test_found_inf_skips_the_update_on_device():
     assert not torch.equal(before[0], model.weight)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1e-3])
+def test_grad_scale_is_applied_inside_the_step_as_if_the_gradients_were_scaled(scale):
+    """Clipping rides in the fused step (grad_scale); the update is the one on scaled gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    results = []
+    for inside in (True, False):
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.copy_(torch.arange(16.0).view(4, 4) / 10)
+            model.bias.zero_()
+        opt = MasterWeightAdamW(model, OptimizerConfig(lr=0.1), master_weights=False)
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            if inside:
+                opt.step(grad_scale=torch.tensor(scale))
+            else:
+                torch._foreach_mul_([p.grad for p in model.parameters()], scale)
+                opt.step()
+            opt.zero_grad()
+        assert opt.inner.grad_scale is None and opt.inner.found_inf is None  # nothing lingers
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_no_weight_decay_on_norms_and_embeddings():
     model = nn.ModuleDict({"embed": nn.Embedding(5, 4), "norm": nn.LayerNorm(4), "proj": nn.Linear(4, 4, bias=False)})
     opt = MasterWeightAdamW(model, OptimizerConfig(weight_decay=0.1), master_weights=False)
