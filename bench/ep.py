@@ -110,6 +110,7 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
             profile = kernel_overlap(prof)
             print(f"rank 0, one profiled step of {parallel}: {profile}")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args["profile"], max_name_column_width=70))
+    trainer.layout.settle()  # ZeRO-1 weight broadcasts still in flight after the last step
     losses = torch.stack([v for _, v in trainer._pending]).tolist()[: args["warmup"] + args["steps"]]
     from moe.parallel.transport import symmetric_bytes
 

@@ -141,7 +141,7 @@ class GradSync:
             for owner_index in range(len(spec.ranks)):
                 tensors = [p.param.data for p in params if self.owner[p.name] == owner_index]
                 for bucket in _buckets(tensors):
-                    flat = _flat(bucket)
+                    flat = _receive_buffer(bucket, owner_index == spec.my_index)
                     dist.broadcast(flat, src=spec.ranks[owner_index], group=spec.group)
                     if owner_index != spec.my_index:
                         _copy_back(bucket, flat)
@@ -193,6 +193,14 @@ def _flat(bucket: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch
     return flat
 
 
+def _receive_buffer(bucket: list[torch.Tensor], sender: bool) -> torch.Tensor:
+    """The broadcast's tensor: the packed weights on the sender; on a receiver the lone tensor
+    itself or an empty buffer (its stale contents would be overwritten anyway)."""
+    if sender or (len(bucket) == 1 and bucket[0].is_contiguous()):
+        return _flat(bucket)
+    return torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+
+
 def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
     if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
         return  # reduced in place
@@ -211,8 +219,20 @@ class _Bucket:
     grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class _Update:
+    """One bucket of ZeRO-1 weight broadcasts: one owner, one group, <= 25 MB or one tensor."""
+
+    tensors: list[torch.Tensor]
+    spec: ParamGroupSpec
+    owner: int
+    work: object | None = None
+    flat: torch.Tensor | None = None
+
+
 class OverlappedGradSync(GradSync):
-    """GradSync whose reductions overlap the last micro-batch's backward.
+    """GradSync whose reductions overlap the last micro-batch's backward and, under ZeRO-1,
+    whose weight broadcasts overlap the next forward.
 
     ``attach`` fixes the buckets once, in reverse parameter order (about the order backward
     produces gradients), each of one kind (dense/expert), one ZeRO owner and <= 25 MB, and
@@ -222,6 +242,12 @@ class OverlappedGradSync(GradSync):
     bucket order so that every rank issues the same collectives in the same order. ``reduce``
     launches what is left (parameters that got no gradient), waits, divides and copies back:
     the same results as GradSync.reduce.
+
+    ZeRO-1 (``attach(opt, model)`` with a whole Transformer): ``broadcast_updates`` only
+    launches the owners' broadcasts, unit by unit in forward order (embedding, each block, the
+    final norm with the head), and a forward pre-hook on each unit waits for the broadcasts up
+    to its own on the device (no host sync) before it runs. ``settle`` waits for everything:
+    the trainer calls it before anything else reads the weights (a checkpoint, the end).
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
@@ -231,8 +257,76 @@ class OverlappedGradSync(GradSync):
         self.armed = False
         self.next = 0
         self.launched_in_backward = 0  # buckets of the last step reduced before backward ended
+        self.units: list[list[_Update]] = []  # ZeRO-1 broadcasts by forward unit (empty: not overlapped)
+        self.waited = 0  # units of the pending broadcasts already waited for
 
-    def attach(self, opt: MasterWeightAdamW) -> None:
+    def attach(self, opt: MasterWeightAdamW, model: nn.Module | None = None) -> None:
+        self._attach_reductions(opt)
+        if self.zero and model is not None:
+            self._attach_updates(opt, model)
+
+    def _attach_updates(self, opt: MasterWeightAdamW, model: nn.Module) -> None:
+        from moe.model import Transformer
+
+        if not isinstance(model, Transformer) or model.embed is None or model.norm is None or model.lm_head is None:
+            return  # a pipeline stage or another model: broadcasts stay after the step
+        by_param = {id(p.param): p for p in opt.params}
+        seen: set[int] = set()
+        units = [model.embed, *model.layers.values(), model.norm]
+        for i, module in enumerate(units):
+            members = list(module.parameters()) + (list(model.lm_head.parameters()) if module is model.norm else [])
+            params = []
+            for t in members:
+                if id(t) not in seen and id(t) in by_param:
+                    seen.add(id(t))
+                    params.append(by_param[id(t)])
+            updates: list[_Update] = []
+            for kind in ("dense", "expert"):
+                spec = self.specs[kind]
+                if len(spec.ranks) == 1:
+                    continue
+                for owner_index in range(len(spec.ranks)):
+                    mine = [p.param.data for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
+                    updates += [_Update(bucket, spec, owner_index) for bucket in _buckets(mine)]
+            self.units.append(updates)
+            module.register_forward_pre_hook(self._wait_hook(i))
+        if len(seen) != len(opt.params):  # a parameter outside every unit: keep the plain broadcast
+            self.units = []
+
+    def _wait_hook(self, index: int):
+        def hook(module: nn.Module, args: object) -> None:
+            self.settle(index + 1)
+
+        return hook
+
+    @torch.no_grad()
+    def broadcast_updates(self, opt: MasterWeightAdamW) -> None:
+        if not self.units:
+            super().broadcast_updates(opt)
+            return
+        self.settle()  # (the previous step's are long done: its forward waited for them)
+        for updates in self.units:
+            for u in updates:
+                sender = u.owner == u.spec.my_index
+                u.flat = _receive_buffer(u.tensors, sender)
+                u.work = dist.broadcast(u.flat, src=u.spec.ranks[u.owner], group=u.spec.group, async_op=True)
+        self.waited = 0
+
+    @torch.no_grad()
+    def settle(self, units: int | None = None) -> None:
+        """Make the current stream wait for the weight broadcasts of the first ``units`` forward
+        units (all by default), and unpack what arrived packed. A device-side wait."""
+        end = len(self.units) if units is None else min(units, len(self.units))
+        while self.waited < end:
+            for u in self.units[self.waited]:
+                if u.work is not None:
+                    u.work.wait()
+                    if u.owner != u.spec.my_index:
+                        _copy_back(u.tensors, u.flat)
+                    u.work = u.flat = None
+            self.waited += 1
+
+    def _attach_reductions(self, opt: MasterWeightAdamW) -> None:
         open_: dict[tuple, _Bucket] = {}
         sizes: dict[int, int] = {}
         for p in reversed(opt.params):

@@ -7,7 +7,8 @@ builds the same model from the same seed) and then drives each training step:
     opt = layout.optimizer(model, optim_cfg, master_weights)
     loss = layout.forward_backward(model, micro_batches, autocast)   # this step's mean loss
     norm, scale = layout.sync_gradients(opt, clip)                   # reduce, global norm, clip factor
-    opt.step(found_inf, scale); layout.after_step(opt)
+    opt.step(found_inf, scale); layout.after_step(opt)                # (ZeRO-1 weights may still be in flight:
+    layout.settle()                                                  #  the next forward waits for them, or this)
 
 ``ParallelLayout`` covers pipeline (pp), data (dp) and expert (ep) parallelism with resident
 experts and optional ZeRO-1; ``FsdpLayout`` is the FSDP2 baseline the paper compares against.
@@ -55,6 +56,10 @@ class Layout(Protocol):
         ...
 
     def after_step(self, opt: MasterWeightAdamW) -> None: ...
+
+    def settle(self) -> None:
+        """Every weight update has landed (before anything but the next forward reads them)."""
+        ...
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor: ...
 
@@ -125,7 +130,7 @@ class ParallelLayout:
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
         opt = MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
         if isinstance(self.sync, OverlappedGradSync):
-            self.sync.attach(opt)  # after the optimizer's own hooks: they fill the fp32 gradients
+            self.sync.attach(opt, model)  # after the optimizer's own hooks: they fill the fp32 gradients
         return opt
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
@@ -149,6 +154,11 @@ class ParallelLayout:
 
     def after_step(self, opt: MasterWeightAdamW) -> None:
         self.sync.broadcast_updates(opt)
+
+    def settle(self) -> None:
+        """Weight updates still in flight (ZeRO-1 broadcasts overlapping the next forward) land."""
+        if isinstance(self.sync, OverlappedGradSync):
+            self.sync.settle()
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's global mean loss on every rank (pipeline: only last stages hold one)."""
@@ -198,6 +208,9 @@ class FsdpLayout:
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm), None
 
     def after_step(self, opt: MasterWeightAdamW) -> None:
+        return None
+
+    def settle(self) -> None:
         return None
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:

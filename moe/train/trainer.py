@@ -133,6 +133,7 @@ class Trainer:
     # ----------------------------------------------------------------- state
 
     def save_checkpoint(self) -> Path:
+        self.layout.settle()  # ZeRO-1 weight broadcasts that overlap the next forward land first
         meta = {
             "config": self.cfg.to_dict(),
             "loader": self.loader.state_dict(),
@@ -258,6 +259,7 @@ class Trainer:
                 self.save_checkpoint()
         if self.step == self.start_step and self.step >= max_steps:
             log.info("nothing to do: already at step %d of %d", self.step, max_steps)
+        self.layout.settle()  # the weights a caller reads after fit are the last step's
         summary = TrainSummary(
             steps=self.step,
             start_step=self.start_step,

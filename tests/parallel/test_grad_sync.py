@@ -37,7 +37,8 @@ def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, re
     overlapped = isinstance(sync, OverlappedGradSync)
     grads = first_step_grads(trainer)
     early = (sync.launched_in_backward, len(sync.buckets)) if overlapped else None
-    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped, "early": early}
+    units = len(sync.units) if overlapped else 0  # forward units whose weight broadcasts overlap (ZeRO-1)
+    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped, "early": early, "units": units}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,8 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
     for r in got:  # the reduction did start inside the backward
         early, total = r["early"]
         assert total > 2 and early >= 1, r["early"]
+        # ZeRO-1: the weight broadcasts go by forward unit (embedding, 4 blocks, norm + head)
+        assert r["units"] == (6 if parallel.get("shard_optimizer") else 0), r["units"]
     _assert_same(got, ref)
 
 

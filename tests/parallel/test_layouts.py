@@ -148,6 +148,8 @@ MOVES = [
     ("pp2-ep2 -> single", {"pp": 2, "ep": 2}, 4, {}, 1),
     ("single -> pp2-dp2-ep2-zero1", {}, 1, {"pp": 2, "ep": 2, "shard_optimizer": True}, 4),
     ("dp2-zero1 -> ep2", {"shard_optimizer": True}, 2, {"ep": 2}, 2),
+    # the weight broadcasts overlap the next forward: the checkpoint waits for them first
+    ("dp2-zero1-overlapped -> single", {"shard_optimizer": True, "overlap_grad_reduce": True}, 2, {}, 1),
 ]
 
 
