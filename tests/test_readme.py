@@ -30,6 +30,8 @@ GPU = {
     "python -m bench.ep_dispatch --nproc 2", "python -m bench.fp8 gemm", "python -m bench.memory --write-calibration",
     "python -m bench.determinism --ep", "python -m bench.norm",
     "python -m bench.parity run --recipe fp8_rowwise --data data/tokens --out runs/parity/fp8",
+    "python -m bench.ep --nproc 1 --parallel ep=1", "python -m bench.ep --nproc 2 --parallel ep=1,shard_optimizer=true,overlap_grad_reduce=true",
+    "python -m bench.layer --peers ours,gemm,sonic",
 }
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
