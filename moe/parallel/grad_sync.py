@@ -139,12 +139,14 @@ class GradSync:
             if len(spec.ranks) == 1:
                 continue
             for owner_index in range(len(spec.ranks)):
-                tensors = [p.param.data for p in params if self.owner[p.name] == owner_index]
-                for bucket in _buckets(tensors):
-                    flat = _receive_buffer(bucket, owner_index == spec.my_index)
+                mine = [p.param for p in params if self.owner[p.name] == owner_index]
+                for bucket in _buckets(mine):
+                    data = [q.data for q in bucket]
+                    flat = _receive_buffer(data, owner_index == spec.my_index)
                     dist.broadcast(flat, src=spec.ranks[owner_index], group=spec.group)
                     if owner_index != spec.my_index:
-                        _copy_back(bucket, flat)
+                        _copy_back(data, flat)
+                        _mark_updated(bucket)
 
 
 def global_grad_norm(local: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -201,6 +203,13 @@ def _receive_buffer(bucket: list[torch.Tensor], sender: bool) -> torch.Tensor:
     return torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
 
 
+def _mark_updated(params: list[torch.Tensor]) -> None:
+    """Bump the version of parameters written through ``.data`` or by a collective, which
+    autograd does not see: caches keyed on it (the FP8 weight copies) must see new weights."""
+    for p in params:
+        torch.autograd.graph.increment_version(p)
+
+
 def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
     if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
         return  # reduced in place
@@ -223,7 +232,8 @@ class _Bucket:
 class _Update:
     """One bucket of ZeRO-1 weight broadcasts: one owner, one group, <= 25 MB or one tensor."""
 
-    tensors: list[torch.Tensor]
+    tensors: list[torch.Tensor]  # the parameters' .data
+    params: list[torch.Tensor]
     spec: ParamGroupSpec
     owner: int
     work: object | None = None
@@ -286,8 +296,8 @@ class OverlappedGradSync(GradSync):
                 if len(spec.ranks) == 1:
                     continue
                 for owner_index in range(len(spec.ranks)):
-                    mine = [p.param.data for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
-                    updates += [_Update(bucket, spec, owner_index) for bucket in _buckets(mine)]
+                    mine = [p.param for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
+                    updates += [_Update([q.data for q in bucket], bucket, spec, owner_index) for bucket in _buckets(mine)]
             self.units.append(updates)
             module.register_forward_pre_hook(self._wait_hook(i))
         if len(seen) != len(opt.params):  # a parameter outside every unit: keep the plain broadcast
@@ -323,6 +333,7 @@ class OverlappedGradSync(GradSync):
                     u.work.wait()
                     if u.owner != u.spec.my_index:
                         _copy_back(u.tensors, u.flat)
+                        _mark_updated(u.params)
                     u.work = u.flat = None
             self.waited += 1
 

@@ -150,6 +150,7 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> None:
         from moe.train.checkpoint import read_meta
 
+        self.layout.settle()  # no weight broadcast still in flight may land over what is loaded
         meta = read_meta(path)
         _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
         mismatch = determinism.resume_mismatch(meta.get("determinism"), self.determinism, path)
@@ -178,6 +179,7 @@ class Trainer:
         """Model weights only (fresh optimizer, schedule and data position)."""
         from moe.train.checkpoint import read_meta
 
+        self.layout.settle()
         _check_same_model(read_meta(path).get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
         targets, copies = load_targets(self.model, self.opt, with_optim=False)
         CheckpointManager.load(path, targets)

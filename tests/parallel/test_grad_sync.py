@@ -150,3 +150,23 @@ def test_a_bucket_is_cast_into_the_reduction_dtype_and_back():
     expect = [(b.bfloat16() / 2).float() for b in bucket]
     _copy_back(bucket, flat)
     assert all(b.dtype == torch.float32 and torch.equal(b, e) for b, e in zip(bucket, expect, strict=True))
+
+
+def fp8_rank(rank, world, corpus, ckpt, parallel):
+    cfg = tiny_config(Path(corpus), Path(ckpt), precision={"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0},
+                      model={"n_layers": 2}, parallel=parallel, checkpoint={"save": False},
+                      train={"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4, "log_every": 1})
+    trainer = Trainer(cfg)
+    return trainer.fit().losses
+
+
+@pytest.mark.slow
+def test_zero1_receivers_refresh_their_fp8_weight_copies(tmp_path, corpus):
+    """A ZeRO-1 receiver gets new weights by broadcast (through .data, or written by the
+    collective): the FP8 weight cache, keyed on the parameter's version, must see them, or
+    every later step computes with the first step's FP8 weights."""
+    ref = run_ranks(fp8_rank, 2, str(corpus), str(tmp_path / "ddp"), {})
+    for parallel in ({"shard_optimizer": True}, {"shard_optimizer": True, "overlap_grad_reduce": True}):
+        got = run_ranks(fp8_rank, 2, str(corpus), str(tmp_path / str(len(parallel))), parallel)
+        for r, f in zip(got, ref, strict=True):
+            assert r == f, parallel

@@ -200,3 +200,25 @@ def test_invalid_layouts_fail_clearly(tmp_path, corpus, parallel, world, message
         cfg = config(corpus, tmp_path / "x", parallel, 2)
         cfg.check_world(world)
     assert message in str(info.value)
+
+
+def reload_rank(rank, world, corpus, ckpt, parallel, micro, lb):
+    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, micro, 10, lb))
+    trainer.fit(stop_at=5)  # checkpoint at step 5
+    saved = trainer.last_checkpoint
+    for _ in range(2):  # two more steps: the last one's weight broadcasts are still in flight
+        trainer.train_step()
+        trainer.step += 1
+    trainer.load_checkpoint(saved)  # must not be overwritten by them
+    s = trainer.fit()
+    return {"losses": s.losses}
+
+
+def test_loading_a_checkpoint_waits_for_weight_broadcasts_in_flight(tmp_path, corpus):
+    """Overlapped ZeRO-1 leaves the last step's broadcasts to the next forward; a checkpoint
+    loaded before that forward must not be overwritten when they land."""
+    _, ref_losses = reference(tmp_path, corpus, 4, 0.0)
+    parallel = {"shard_optimizer": True, "overlap_grad_reduce": True}
+    losses = run_ranks(reload_rank, 2, str(corpus), str(tmp_path / "reload"), parallel, 2, 0.0)[0]["losses"]
+    for step in range(6, 11):
+        assert losses[step] == pytest.approx(ref_losses[step], rel=1e-4), step
