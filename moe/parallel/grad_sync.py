@@ -38,6 +38,34 @@ class ParamGroupSpec:
     my_index: int
 
 
+@dataclasses.dataclass
+class _Update:
+    """One bucket of ZeRO-1 weight broadcasts: one owner, one group, <= 25 MB or one tensor.
+    ``start`` sends (owner) or receives; ``land`` waits for it (on the device when it was
+    asynchronous) and, on a receiver, unpacks it and marks the parameters as changed."""
+
+    params: list[nn.Parameter]
+    spec: ParamGroupSpec
+    owner: int
+    work: object | None = None
+    flat: torch.Tensor | None = None
+
+    def start(self, async_op: bool) -> None:
+        sender = self.owner == self.spec.my_index
+        self.flat = _receive_buffer([q.data for q in self.params], sender)
+        self.work = dist.broadcast(self.flat, src=self.spec.ranks[self.owner], group=self.spec.group, async_op=async_op)
+
+    def land(self) -> None:
+        if self.flat is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        if self.owner != self.spec.my_index:
+            _copy_back([q.data for q in self.params], self.flat)
+            _mark_updated(self.params)
+        self.work = self.flat = None
+
+
 def owners(sizes: dict[str, int], n_ranks: int) -> dict[str, int]:
     """Greedy partition by size (largest first to the least loaded); deterministic."""
     load = [0] * n_ranks
@@ -134,19 +162,22 @@ class GradSync:
         """ZeRO-1: every owner sends its freshly stepped weights to the rest of its group."""
         if not self.zero:
             return
-        for kind, params in self._by_kind(opt).items():
+        for u in self._updates(opt.params):
+            u.start(async_op=False)
+            u.land()
+
+    def _updates(self, params: list[MasterParam]) -> list[_Update]:
+        """ZeRO-1 broadcast buckets of ``params``: by kind, then owner, <= 25 MB or one tensor
+        each (the same order on every rank); none for groups of one rank."""
+        out = []
+        for kind in ("dense", "expert"):
             spec = self.specs[kind]
             if len(spec.ranks) == 1:
                 continue
             for owner_index in range(len(spec.ranks)):
-                mine = [p.param for p in params if self.owner[p.name] == owner_index]
-                for bucket in _buckets(mine):
-                    data = [q.data for q in bucket]
-                    flat = _receive_buffer(data, owner_index == spec.my_index)
-                    dist.broadcast(flat, src=spec.ranks[owner_index], group=spec.group)
-                    if owner_index != spec.my_index:
-                        _copy_back(data, flat)
-                        _mark_updated(bucket)
+                mine = [p.param for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
+                out += [_Update(bucket, spec, owner_index) for bucket in _buckets(mine)]
+        return out
 
 
 def global_grad_norm(local: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -228,16 +259,6 @@ class _Bucket:
     grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
-class _Update:
-    """One bucket of ZeRO-1 weight broadcasts: one owner, one group, <= 25 MB or one tensor."""
-
-    tensors: list[torch.Tensor]  # the parameters' .data
-    params: list[torch.Tensor]
-    spec: ParamGroupSpec
-    owner: int
-    work: object | None = None
-    flat: torch.Tensor | None = None
 
 
 class OverlappedGradSync(GradSync):
@@ -290,15 +311,7 @@ class OverlappedGradSync(GradSync):
                 if id(t) not in seen and id(t) in by_param:
                     seen.add(id(t))
                     params.append(by_param[id(t)])
-            updates: list[_Update] = []
-            for kind in ("dense", "expert"):
-                spec = self.specs[kind]
-                if len(spec.ranks) == 1:
-                    continue
-                for owner_index in range(len(spec.ranks)):
-                    mine = [p.param for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
-                    updates += [_Update([q.data for q in bucket], bucket, spec, owner_index) for bucket in _buckets(mine)]
-            self.units.append(updates)
+            self.units.append(self._updates(params))
             module.register_forward_pre_hook(self._wait_hook(i))
         if len(seen) != len(opt.params):  # a parameter outside every unit: keep the plain broadcast
             self.units = []
@@ -317,9 +330,7 @@ class OverlappedGradSync(GradSync):
         self.settle()  # (the previous step's are long done: its forward waited for them)
         for updates in self.units:
             for u in updates:
-                sender = u.owner == u.spec.my_index
-                u.flat = _receive_buffer(u.tensors, sender)
-                u.work = dist.broadcast(u.flat, src=u.spec.ranks[u.owner], group=u.spec.group, async_op=True)
+                u.start(async_op=True)
         self.waited = 0
 
     @torch.no_grad()
@@ -329,12 +340,7 @@ class OverlappedGradSync(GradSync):
         end = len(self.units) if units is None else min(units, len(self.units))
         while self.waited < end:
             for u in self.units[self.waited]:
-                if u.work is not None:
-                    u.work.wait()
-                    if u.owner != u.spec.my_index:
-                        _copy_back(u.tensors, u.flat)
-                        _mark_updated(u.params)
-                    u.work = u.flat = None
+                u.land()
             self.waited += 1
 
     def _attach_reductions(self, opt: MasterWeightAdamW) -> None:
