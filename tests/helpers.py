@@ -48,6 +48,42 @@ def tiny_config(data_dir: Path, ckpt_dir: Path, **sections: Any) -> ExperimentCo
 REPO = Path(__file__).resolve().parents[1]
 
 
+class Planted:
+    """Pickles to a call of os.system that creates ``marker``: what an attacker would plant."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_pickle(path: Path, marker: Path) -> None:
+    """A torch.save file for .pt (what torch.load reads), a bare pickle for DCP's .metadata."""
+    import pickle
+
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save(Planted(marker), path)
+    else:
+        path.write_bytes(pickle.dumps(Planted(marker)))
+
+
+def reseal(step_dir: Path) -> None:
+    """Recompute meta.json's checksums, its own included, as an attacker who edits a checkpoint would."""
+    import hashlib
+    import json
+
+    from moe.train.checkpoint import meta_digest
+
+    meta = json.loads((step_dir / "meta.json").read_text())
+    if "files" in meta:
+        meta["files"] = {name: hashlib.sha256((step_dir / name).read_bytes()).hexdigest() for name in meta["files"]}
+    meta["meta_sha256"] = meta_digest(meta)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
 def run_under_triton_interpreter(args: list[str], expect: str, timeout: int = 600) -> None:
     """Run ``python *args`` with TRITON_INTERPRET=1 (a fresh process: the interpreter must be
     chosen before triton is imported) and assert it exits 0 and prints ``expect``."""
@@ -79,3 +115,64 @@ def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: t
             shutil.copy2(src, dest / f)
     return dest
 
+
+
+def plant_bytes_entry(step_dir: Path, marker: Path) -> None:
+    """What the audit planted: a `.metadata` entry of kind BytesStorageMetadata pointing at a
+    torch.save'd payload appended to a shard (DCP's default planner would torch.load it with
+    weights_only=False), every checksum resealed."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    buf = io.BytesIO()
+    torch.save(Planted(marker), buf)
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    md = pickle.loads((step_dir / ".metadata").read_bytes())
+    key = next(k for k in md.state_dict_metadata if k.startswith("model."))
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    template = next(iter(md.storage_data.values()))
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
+    md.storage_data[MetadataIndex(key)] = type(template)(relative_path=shard.name, offset=offset, length=len(buf.getvalue()))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(step_dir)
+
+
+def rewrite_checkpoint(step_dir: Path, change) -> None:
+    """Load every tensor of a checkpoint, apply ``change(tensors)`` and save it back in place
+    with valid checksums (a forger's or a bug's checkpoint: internally consistent)."""
+    import json
+    import shutil
+
+    import torch
+
+    from moe.train.checkpoint import CheckpointManager, load_plain
+    from moe.train.safe_dcp import read_metadata
+
+    md = read_metadata(step_dir / ".metadata")
+    flat = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    tree: dict = {}
+    for k, t in flat.items():
+        section, rest = k.split(".", 1)
+        if section == "optim":
+            name, field = rest.rsplit(".", 1)
+            tree.setdefault("optim", {}).setdefault(name, {})[field] = t
+        else:
+            tree.setdefault(section, {})[rest] = t
+    import torch.distributed.checkpoint as dcp
+
+    from moe.train.safe_dcp import SafeFileSystemReader
+
+    dcp.load(tree, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    change(tree)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    rng = load_plain(step_dir / "rng-rank00000.pt")
+    root, step = step_dir.parent, meta["step"]
+    shutil.rmtree(step_dir)
+    body = {k: v for k, v in meta.items() if k not in ("files", "meta_sha256", "step", "world_size")}
+    CheckpointManager(root, keep_last=100).save(step, tree, body, rng)

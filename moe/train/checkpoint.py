@@ -9,8 +9,10 @@ Layout of ``<dir>``::
 A save writes into the temporary directory and renames it only once every rank's shards,
 RNG states and meta.json are on disk, then rewrites ``latest`` atomically; a crash at any
 moment leaves the previous checkpoint as the latest. meta.json records the sha256 of every
-other file, verified at load (flipped bytes are an error, not garbage weights); a step
-directory that lost a file is an error, never a silent fall-back to an older step.
+other file and of itself (``meta_sha256``), all verified at load: flipped bytes, an edited
+value or a removed checksum list are errors, not garbage weights; loaded tensors must be
+finite. A step directory that lost a file is an error, never a silent fall-back to an older
+step. A save that fails (a full disk) removes its temporary directory and says why.
 
 Checkpoints come from other people, so loading one never unpickles arbitrary objects: RNG
 files load with ``weights_only=True`` and DCP's pickled ``.metadata`` through a restricted
@@ -36,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moe.train.safe_dcp import SafeFileSystemReader, read_metadata
+from moe.train.safe_dcp import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
@@ -157,6 +159,20 @@ class CheckpointManager:
         _barrier()
 
     def save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
+        """Write checkpoint ``step`` atomically; CheckpointError (the temporary directory
+        removed) when it cannot be written."""
+        _check_tensors_only(tensors)
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        try:
+            return self._save(step, tensors, meta, rng)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{tmp}: cannot write checkpoint step {step} ({_cause(exc)}){_space_note(self.root)}") from None
+
+    def _save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"
         if _rank() == 0:
@@ -177,7 +193,9 @@ class CheckpointManager:
         if rank == 0:
             world = dist.get_world_size() if _distributed() else 1
             files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META}
-            _write_atomic(tmp / META, json.dumps({**meta, "step": step, "world_size": world, "files": files}, indent=2, sort_keys=True))
+            sealed = {**meta, "step": step, "world_size": world, "files": files}
+            sealed["meta_sha256"] = meta_digest(sealed)
+            _write_atomic(tmp / META, json.dumps(sealed, indent=2, sort_keys=True))
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step (e.g. after resuming from it): replace it
                 trash = self.root / f".tmp-old-{final.name}"
@@ -208,6 +226,29 @@ class CheckpointManager:
         same_world = meta.get("world_size") == (dist.get_world_size() if _distributed() else 1)
         rng = load_plain(rng_file) if rng_file.is_file() and same_world else None
         return meta, rng
+
+
+def _check_tensors_only(tree: Any, where: str = "") -> None:
+    """A checkpoint holds tensors only: anything else would be pickled (and need unpickling)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_tensors_only(v, f"{where}.{k}" if where else str(k))
+    elif not isinstance(tree, torch.Tensor):
+        raise CheckpointError(f"checkpoint entry {where!r} is a {type(tree).__name__}; checkpoints hold tensors only")
+
+
+def _space_note(root: Path) -> str:
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        return ""
+    return f"; {free / 2**30:.2f} GiB free on its file system" + (" (the disk is full)" if free < 64 * 2**20 else "")
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of meta.json's content without its own checksum (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def load_plain(path: Path) -> Any:
@@ -242,12 +283,11 @@ def _sha256(path: Path) -> str:
 
 
 def verify_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every file meta.json lists is present with its recorded sha256 (older checkpoints list none)."""
+    """Every file meta.json lists is present with its recorded sha256; the list itself is
+    covered by meta.json's own checksum (read_meta), so it cannot be removed to skip this."""
     files = meta.get("files")
-    if files is None:
-        return
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path / META}: 'files' is not a mapping of file name to sha256")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"{path / META}: 'files' must map every file of the checkpoint to its sha256")
     for name, digest in sorted(files.items()):
         f = path / name
         if "/" in name or name.startswith(".."):
@@ -261,17 +301,38 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
 def load_tensors(path: str | os.PathLike, tensors: dict[str, Any]) -> None:
     """DCP-load (a subset of) a checkpoint's tensors in place; resharded to this layout."""
     path = resolve_checkpoint(path)
-    verify_files(path, read_meta(path))
+    meta = read_meta(path)
+    verify_files(path, meta)
     try:
-        read_metadata(path / ".metadata")
+        metadata = read_metadata(path / ".metadata")
     except Exception as exc:  # a foreign object, or not a pickle at all
         raise CheckpointError(f"{path / '.metadata'}: refused: not DCP checkpoint metadata ({_first_line(exc)})") from None
+    unlisted = sorted({i.relative_path for i in (metadata.storage_data or {}).values()} - set(meta["files"]))
+    if unlisted:
+        raise CheckpointError(f"{path / '.metadata'}: refused: its storage file {unlisted[0]} is not checksummed in meta.json")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), no_dist=not _distributed())
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(),
+                     no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
+    check_finite(tensors, path)
+
+
+def check_finite(tensors: dict[str, Any], path: Path) -> None:
+    """Every loaded floating-point value is finite: a NaN or inf weight is damage, never trained state."""
+    for key, t in _leaves(tensors):
+        if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: tensor {key} holds non-finite values (NaN or inf); refusing to load it")
+
+
+def _leaves(tree: Any, prefix: str = ""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
 
 
 def _first_line(exc: BaseException) -> str:
@@ -290,11 +351,21 @@ def _cause(exc: BaseException) -> str:
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    file = resolve_checkpoint(path) / META
+    """meta.json of a checkpoint, verified against its own checksum and its directory's step."""
+    ckpt = resolve_checkpoint(path)
+    file = ckpt / META
     try:
         meta = json.loads(file.read_bytes().decode("utf-8"))
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{file}: unreadable ({_first_line(exc)})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
         raise CheckpointError(f"{file}: not a checkpoint's meta.json (no integer 'step')")
+    if not isinstance(meta.get("meta_sha256"), str):
+        raise CheckpointError(f"{file}: has no meta_sha256 (written by an older version, or edited); refusing it")
+    if meta["meta_sha256"] != meta_digest(meta):
+        raise CheckpointError(f"{file}: does not match its meta_sha256: it was edited or damaged")
+    if meta["step"] != checkpoint_step(ckpt):
+        raise CheckpointError(f"{file}: says step {meta['step']}, but the directory is {ckpt.name}")
+    if not isinstance(meta.get("config", {}), dict):
+        raise CheckpointError(f"{file}: 'config' is not a mapping")
     return meta

@@ -46,12 +46,13 @@ def test_failed_save_leaves_previous_latest(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ck.dcp, "save", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="cannot write checkpoint step 2 .disk full"):
         save(mgr, 2, 2)
     assert latest_checkpoint(tmp_path).name == "step_00000001"
-    assert (tmp_path / ".tmp-step_00000002").exists()
+    assert not (tmp_path / ".tmp-step_00000002").exists()  # a failed save removes its temporary directory
+    (tmp_path / ".tmp-step_00000003").mkdir()  # what a killed save leaves
     mgr.clean_stale()
-    assert not (tmp_path / ".tmp-step_00000002").exists()
+    assert not (tmp_path / ".tmp-step_00000003").exists()
 
 
 def test_wrong_shapes_give_a_clear_error(tmp_path):
