@@ -39,9 +39,9 @@ def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
 
 def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
     """The run that already holds the result file with this content, if any."""
-    from mlflow.tracking import MlflowClient
+    from pipeline.tracking import mlflow_client
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None

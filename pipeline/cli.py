@@ -8,6 +8,7 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -89,18 +90,43 @@ def handle_errors(fn):
             if code is None:
                 raise
             fail(str(exc), code)
+        except ModuleNotFoundError as exc:
+            fail(missing_module_message(exc.name or str(exc)), 2)
         except FileNotFoundError as exc:
             fail(f"{exc.filename}: not found", 2)
         except OSError as exc:
-            if exc.filename is None:
+            if exc.filename is None and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 _unexpected(exc)
-            fail(f"{exc.filename}: {exc.strerror or exc}", 2)
+            where = exc.filename or os.getcwd()
+            fail(f"{where}: {exc.strerror or exc}" + (" (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""), 2)
+        except MemoryError:
+            fail("out of memory (the input or the model is larger than this machine holds)", 2)
+        except RecursionError:
+            fail("the input is nested too deeply to read", 2)
         except KeyboardInterrupt:
             fail("interrupted", 130)
         except Exception as exc:
             _unexpected(exc)
 
     return wrapper
+
+
+# What a missing module means: the extra (or option) that brings it.
+MISSING_MODULE_HINTS = {
+    "mlflow": "MLflow is not installed here: pip install 'moe-pipeline[pipeline]', or pass --no-mlflow",
+    "transformers": "transformers is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "tokenizers": "tokenizers is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "safetensors": "safetensors is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "submitit": "submitit is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "pyarrow": "pyarrow is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "matplotlib": "matplotlib is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "psycopg2": "psycopg2 is not installed here (a PostgreSQL MLflow backend needs it)",
+}
+
+
+def missing_module_message(name: str) -> str:
+    top = name.split(".")[0]
+    return MISSING_MODULE_HINTS.get(top, f"the Python module {top} is not installed here (pip install it, or the extra that has it)")
 
 
 def _library_error_code(exc: BaseException) -> int | None:
@@ -227,7 +253,8 @@ def submit(
     """Submit the training job to Slurm (submitit); prints the job id. GPU jobs are planned
     first (`moe plan`) and refused when predicted not to fit (--ignore-plan overrides)."""
     from pipeline.executors.slurm import SlurmExecutor
-    from pipeline.stages.train import container_tags, finish_train, make_job
+    from pipeline.run_lock import RunLock, command_line
+    from pipeline.stages.train import container_tags, finish_train, make_job, prepare_run
 
     flags = {"slurm.nodes": nodes, "slurm.tasks_per_node": tasks_per_node, "slurm.gpus_per_node": gpus_per_node,
              "slurm.partition": partition, "slurm.time_min": time_min}
@@ -242,6 +269,15 @@ def submit(
         return
     tracker = _tracker(cfg, "train", params, not no_mlflow)
     job = make_job(cfg, tracker)
+    try:
+        with RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (preparing the job)"):
+            start = prepare_run(job)  # resume, extend or refuse, before the job is queued
+    except BaseException:
+        if tracker:
+            tracker.end(ok=False)
+        raise
+    if tracker:
+        tracker.set_tags({"train.start": start})
     job.mlflow_finalize = not wait
     if tracker:
         tracker.set_tags(container_tags(cfg))
@@ -462,6 +498,7 @@ def convert(
         prov = convert_to_hf(
             checkpoint or cfg.checkpoint.dir, out or cfg.convert.output, load_tokens_tokenizer(cfg.tokenize.output),
             dtype=cfg.convert.dtype, max_shard_bytes=cfg.convert.max_shard_bytes,
+            tokenizer_file=Path(cfg.tokenize.output) / "tokenizer.json",
         )
         if tracker:
             tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
@@ -484,7 +521,8 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
     subset = "" if m["val_windows"] == m["val_windows_total"] else f" over the first {m['val_windows']} of {m['val_windows_total']} windows"
     console.print(f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
                   f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s")
-    console.print(f"sample: {m['sample']!r}", highlight=False)
+    capped = f" (capped at {m['generate_tokens']} tokens by model.max_seq_len)" if m.get("generation_capped") else ""
+    console.print(f"sample{capped}: {m['sample']!r}", highlight=False)
 
 
 @app.command()

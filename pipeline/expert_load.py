@@ -7,9 +7,12 @@ from metrics.jsonl."""
 from __future__ import annotations
 
 import csv
+import io
 import re
 from pathlib import Path
 from typing import Any
+
+from pipeline.outputs import csv_header, write_output_file
 
 KEY = re.compile(r"^expert_load/layer_(\d+)/expert_(\d+)$")
 COLUMNS = ["step", "layer", "expert", "row", "load"]
@@ -28,12 +31,12 @@ def load_table(rows: list[dict[str, Any]]) -> list[tuple[int, int, int, float]]:
 
 def write_csv(path: Path, table: list[tuple[int, int, int, float]]) -> None:
     """Long format, one row per (step, layer, expert); ``row`` labels the heatmap's y axis."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        for step, layer, expert, load in table:
-            w.writerow([step, layer, expert, f"L{layer:02d} E{expert:03d}", f"{load:.6g}"])
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(COLUMNS)
+    for step, layer, expert, load in table:
+        w.writerow([step, layer, expert, f"L{layer:02d} E{expert:03d}", f"{load:.6g}"])
+    write_output_file(path, buf.getvalue(), str(path), csv_header(COLUMNS))
 
 
 def write_png(path: Path, table: list[tuple[int, int, int, float]], title: str = "Expert load (tokens / layer mean)") -> bool:
@@ -69,9 +72,8 @@ def write_png(path: Path, table: list[tuple[int, int, int, float]], title: str =
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="tokens / mean over the layer's experts")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    from pipeline.plots import save_png
+
+    save_png(fig, path, dpi=100)
     plt.close(fig)
-    tmp.replace(path)
     return True

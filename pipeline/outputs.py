@@ -1,41 +1,244 @@
-"""Stage outputs replace only what a stage wrote before.
+"""Stage outputs replace only what a stage provably wrote, and no write follows a symlink.
 
-An output directory is replaced when it is absent, empty, or holds the marker file the
-stage writes (``manifest.json`` of the tokenise stage, ``moe_conversion.json`` of a
-conversion); anything else (a user's own folder, a file) is refused, naming the key, so a
-wrong ``--out`` or ``tokenize.output`` never deletes files we did not create.
+Directories (``tokenize.output``, ``convert --out``): the stage's record file inside the
+output (``manifest.json``, ``moe_conversion.json``) lists every other file it wrote with its
+size and sha256. An existing directory is replaced only when it is absent, empty, or holds
+exactly the files its record lists, unchanged; anything else (a user's folder that happens to
+hold a file of the same name, an output a user has edited or added to) is refused before any
+work, naming the key and the first file that does not belong.
+
+Single files (metrics, plots, samples): the sha256 of what we wrote is kept in the directory's
+ledger ``.moe-outputs.json``; an existing file is overwritten only when its content is what
+the ledger recorded, or when a recogniser that reads its content says it is this stage's
+format (a fresh clone that carries the outputs but not the ledger). Every write goes to a
+temporary name in the same directory and is renamed over the target, which replaces a
+symlink itself instead of writing through it; a symlink where an output belongs is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import PipelineError
 
+LEDGER = ".moe-outputs.json"
+Recognise = Callable[[Path], bool]
 
-def check_own_output(out: Path, marker: str, key: str) -> None:
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ plain safe writes
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename (never through a
+    symlink at ``path``); a failure (a full disk) leaves the old file and no temporary."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    payload = data.encode() if isinstance(data, str) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, most often: name the file
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path
+
+
+def open_for_write(path: str | os.PathLike, append: bool = False):
+    """A text file opened for writing that refuses to follow a symlink (logs, spools)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if Path(path).is_symlink():
+            raise PipelineError(f"{path}: is a symlink; refusing to write through it") from None
+        raise exc
+    return os.fdopen(fd, "a" if append else "w")
+
+
+# ------------------------------------------------------------------ single files
+
+
+def _ledger_path(path: Path) -> Path:
+    return path.parent / LEDGER
+
+
+def _read_ledger(directory: Path) -> dict[str, str]:
+    try:
+        data = json.loads((directory / LEDGER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def is_own_file(path: Path, recognise: Recognise | None = None) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    recorded = _read_ledger(path.parent).get(path.name)
+    if recorded is not None and recorded == sha256_file(path):
+        return True
+    if recognise is None:
+        return False
+    try:
+        return bool(recognise(path))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+
+
+def check_output_file(path: str | os.PathLike, key: str, recognise: Recognise | None = None) -> None:
+    """Before any work: ``path`` is absent or a file this stage wrote, else refuse naming ``key``."""
+    path = Path(path)
+    if path.is_symlink():
+        raise PipelineError(f"{key}: {path} is a symlink; refusing to write through it (remove it or choose another path)")
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise PipelineError(f"{key}: {path} exists and is not a file this stage wrote; refusing to replace it")
+    if not is_own_file(path, recognise):
+        raise PipelineError(
+            f"{key}: {path} exists and was not written by this stage (or was changed since); "
+            "refusing to overwrite it: choose another path or move the file away"
+        )
+
+
+def write_output_file(path: str | os.PathLike, data: str | bytes, key: str, recognise: Recognise | None = None) -> Path:
+    """Write an output file, replacing an existing one only when it is ours; record it in the
+    directory's ledger."""
+    path = Path(path)
+    check_output_file(path, key, recognise)
+    write_atomic(path, data)
+    record_output_file(path)
+    return path
+
+
+def record_output_file(path: Path) -> None:
+    """Enter a file just written (by us, e.g. through matplotlib) into its directory's ledger."""
+    ledger = _read_ledger(path.parent)
+    ledger[path.name] = sha256_file(path)
+    write_atomic(_ledger_path(path), json.dumps(ledger, indent=2, sort_keys=True) + "\n")
+
+
+def json_keys_within(allowed: set[str], required: str) -> Recognise:
+    """A recogniser for our JSON metrics files: an object holding ``required`` and no key of another schema."""
+
+    def recognise(path: Path) -> bool:
+        data = json.loads(path.read_text())
+        return isinstance(data, dict) and required in data and set(data) <= allowed
+
+    return recognise
+
+
+def csv_header(header: list[str]) -> Recognise:
+    def recognise(path: Path) -> bool:
+        with open(path, newline="") as f:
+            return f.readline().rstrip("\r\n") == ",".join(header)
+
+    return recognise
+
+
+# ------------------------------------------------------------------ directories
+
+
+def file_record(directory: Path, exclude: str) -> dict[str, dict[str, Any]]:
+    """Every file under ``directory`` (but ``exclude``): relative path -> size and sha256."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory).as_posix()
+        if rel == exclude or p.is_dir():
+            continue
+        out[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    return out
+
+
+def _foreign(out: Path, record_name: str) -> str | None:
+    """The first thing in ``out`` its record does not vouch for (None: all of it is ours)."""
+    record_path = out / record_name
+    if record_path.is_symlink() or not record_path.is_file():
+        return f"no {record_name}"
+    try:
+        record = json.loads(record_path.read_text())
+        files = record["written_files"]
+        if not isinstance(files, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{record_name} does not list the files this stage wrote"
+    seen = set()
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        if rel == record_name:
+            continue
+        if p.is_symlink():
+            return f"{rel} (a symlink)"
+        if p.is_dir():
+            if not any(f.startswith(rel + "/") for f in files):
+                return f"{rel}/"
+            continue
+        entry = files.get(rel)
+        if not isinstance(entry, dict):
+            return rel
+        if p.stat().st_size != entry.get("size") or sha256_file(p) != entry.get("sha256"):
+            return f"{rel} (changed since it was written)"
+        seen.add(rel)
+    return None
+
+
+def check_own_output(out: Path, record_name: str, key: str) -> None:
+    """Before any work: ``out`` is absent, empty, or exactly our earlier output."""
     if not out.exists() and not out.is_symlink():
         return
     if out.is_symlink() or not out.is_dir():
         raise PipelineError(f"{key}: {out} exists and is not a directory this stage wrote; refusing to replace it")
     if not any(out.iterdir()):
         return
-    if not (out / marker).is_file():
+    foreign = _foreign(out, record_name)
+    if foreign is not None:
         raise PipelineError(
-            f"{key}: {out} exists and holds files this stage did not write (no {marker}); "
+            f"{key}: {out} exists and holds files this stage did not write ({foreign}); "
             "refusing to replace it: choose another directory or move it away"
         )
 
 
-def replace_own_output(tmp: Path, out: Path, marker: str, key: str) -> None:
+def seal_output(tmp: Path, record_name: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Write the record file into the finished ``tmp``, listing every file in it."""
+    sealed = {**record, "written_files": file_record(tmp, record_name)}
+    write_atomic(tmp / record_name, json.dumps(sealed, indent=2, sort_keys=True) + "\n")
+    return sealed
+
+
+def replace_own_output(tmp: Path, out: Path, record_name: str, key: str) -> None:
     """Move the finished ``tmp`` to ``out``, removing only our own earlier output."""
-    check_own_output(out, marker, key)  # again: it may have changed while we worked
+    check_own_output(out, record_name, key)  # again: it may have changed while we worked
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
     else:
+        out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)

@@ -34,9 +34,17 @@ class TokenizeConfig(Config):
     vocab_size: int = 512
     # Stop reading documents after this many bytes of text (null: read everything).
     max_bytes: int | None = 4_000_000
+    # One document (a .txt/.py file, a .jsonl line, a parquet value) longer than this is skipped,
+    # counted and listed in manifest.json; never more than this of one is held in memory.
+    # Encoding needs ~150-200 bytes of memory per byte of text (one 8 MiB document: 1.3-1.6 GB
+    # in its worker); a 191 MB one aborts the tokenizers library (exit 134).
+    max_document_bytes: int = 8 << 20
     val_fraction: float = 0.05
     seed: int = 0
     workers: int = 2
+    # Fail (killing the encoding processes) when no batch of documents was encoded for this long:
+    # a dead-slow tokenizer (a backtracking pre-tokenizer regex) must not hang the stage.
+    stall_timeout_s: float = 600.0
     # Tokens per output shard (a shard never splits a document).
     shard_tokens: int = 2_000_000
     output: str = "data/tokens"
@@ -49,6 +57,8 @@ class TokenizeConfig(Config):
         require(self.seed >= 0, k("seed"), f"must be >= 0, got {self.seed}")
         require(0 < self.val_fraction < 1, k("val_fraction"), "must lie strictly between 0 and 1")
         require(self.workers >= 1, k("workers"), "must be >= 1")
+        require(self.max_document_bytes > 0, k("max_document_bytes"), f"must be > 0, got {self.max_document_bytes}")
+        require(self.stall_timeout_s > 0, k("stall_timeout_s"), f"must be > 0, got {self.stall_timeout_s}")
         require(self.shard_tokens >= 1024, k("shard_tokens"), "must be >= 1024")
         if self.max_bytes is not None:
             require(self.max_bytes > 0, k("max_bytes"), "must be > 0 (or null)")
@@ -176,15 +186,22 @@ class EvaluateConfig(Config):
     # Fail the stage when our loss and transformers' differ by more than this (relative).
     max_rel_diff: float = 1e-4
     prompt: str = "def "
+    # Greedy sample length, from our model and transformers'; capped at what the model allows
+    # (model.max_seq_len minus the prompt), and the cap named in the metrics.
     generate_tokens: int = 24
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     output: str = "metrics/eval.json"
+
+    # A sample, not a benchmark: our greedy loop reruns the whole sequence for every token.
+    GENERATE_TOKENS_LIMIT = 4096
 
     def _check(self, p: str) -> None:
         require(self.batch_size >= 1, f"{p}.batch_size", "must be >= 1")
         if self.max_batches is not None:
             require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1 (or null: the whole split)")
         require(self.generate_tokens >= 0, f"{p}.generate_tokens", f"must be >= 0, got {self.generate_tokens}")
+        require(self.generate_tokens <= self.GENERATE_TOKENS_LIMIT, f"{p}.generate_tokens",
+                f"must be <= {self.GENERATE_TOKENS_LIMIT}, got {self.generate_tokens}")
         require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
 
 
@@ -220,18 +237,71 @@ class PipelineConfig(ExperimentConfig):
         return Path(self.tokenize.output)
 
 
+MAX_PARAMS_BYTES = 1 << 20  # a params file is a page of settings, not data
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = 100_000
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses what a params file never needs and an attacker uses: aliases
+    (a "billion laughs" expands a few lines into gigabytes), deep nesting (recursion), a huge
+    node count, and duplicate keys (PyYAML keeps the last one silently)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(None, None, "aliases (*name) are not allowed in a params file",
+                                                    event.start_mark)
+        self._nodes += 1
+        if self._nodes > MAX_YAML_NODES:
+            raise yaml.constructor.ConstructorError(None, None, f"more than {MAX_YAML_NODES} values", self.peek_event().start_mark)
+        self._depth += 1
+        if self._depth > MAX_YAML_DEPTH:
+            raise yaml.constructor.ConstructorError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                                    self.peek_event().start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_params_text(text: str, source: str) -> Any:
+    """YAML of a params file (or an override), with the strict loader's limits."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
+
+
 def read_params_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
+    if path.stat().st_size > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{path}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES} bytes")
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text (UTF-8) YAML file") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    data = parse_params_text(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return data

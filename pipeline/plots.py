@@ -5,9 +5,11 @@ keeps them as artifacts. The numbers behind them stay in plots/*.csv."""
 from __future__ import annotations
 
 import csv
-import os
+import io
 from pathlib import Path
 from typing import Any
+
+from pipeline.outputs import csv_header, write_output_file
 
 TRAIN_DIR = Path("plots/train")
 EVAL_DIR = Path("plots/eval")
@@ -29,12 +31,27 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [s for s, _ in pts], [v for _, v in pts]
 
 
+SOFTWARE = "moe-pipeline"  # written into every PNG's Software text chunk: how a rerun knows the file is ours
+
+
+def png_bytes(fig, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": SOFTWARE}, **kwargs)
+    return buf.getvalue()
+
+
+def is_our_png(path: Path) -> bool:
+    head = path.read_bytes()[:4096]
+    return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + SOFTWARE.encode() in head
+
+
+def save_png(fig, path: Path, **kwargs) -> Path:
+    """Write a figure as an output PNG (replacing only our own earlier one; never through a symlink)."""
+    return write_output_file(path, png_bytes(fig, **kwargs), str(path), is_our_png)
+
+
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    tmp.replace(path)
-    return path
+    return save_png(fig, path, dpi=100, bbox_inches="tight")
 
 
 def expert_load_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int], list[list[float]]]:
@@ -47,13 +64,14 @@ def expert_load_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int]
 
 def write_expert_load_csv(rows: list[dict[str, Any]], path: Path = EXPERT_LOAD_CSV) -> None:
     steps, layers, m = expert_load_matrix(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "layer", "expert_load_max_over_mean"])
-        for li, layer in enumerate(layers):
-            for si, step in enumerate(steps):
-                w.writerow([step, layer, m[li][si]])
+    header = ["step", "layer", "expert_load_max_over_mean"]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    for li, layer in enumerate(layers):
+        for si, step in enumerate(steps):
+            w.writerow([step, layer, m[li][si]])
+    write_output_file(path, buf.getvalue(), str(path), csv_header(header))
 
 
 def train_figures(rows: list[dict[str, Any]], out: Path = TRAIN_DIR) -> list[Path]:

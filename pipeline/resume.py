@@ -1,12 +1,19 @@
-"""Resume or start afresh when DVC reruns the train stage.
+"""Resume, extend, or refuse when the train stage runs where checkpoints already are.
 
 The run directory is a ``persist: true`` output in dvc.yaml, so DVC no longer deletes the
 checkpoints before rerunning the stage: an interrupted ``dvc repro`` resumes where it stopped.
-Whether the checkpoints belong to the run asked for now is decided by a hash of the
-training-relevant config stored in every checkpoint's meta.json (model, optimiser, schedule,
-data, steps, seeds, precision; not the layout, which checkpoints are independent of, nor
-checkpoint/log cadence). Checkpoints of another config are removed (only the step directories
-and ``latest`` the trainer wrote) and training starts afresh.
+Whether the checkpoints belong to the run asked for now is decided by comparing the
+training-relevant config stored in the newest checkpoint's meta.json (model, optimiser,
+schedule, data, steps, seeds, precision; not the layout, which checkpoints are independent
+of, nor checkpoint/log cadence) with the config asked for:
+
+- the same: resume;
+- only ``train.max_steps`` differs and lies beyond the checkpoint: continue (extend) from the
+  checkpoint, the schedule following the curve of the new length (stated in one line);
+- anything else: a checkpoint is never deleted to start afresh. The stage refuses, naming the
+  keys that differ and how to start afresh, unless every file of those checkpoints is stored
+  in the project's DVC cache (a finished ``dvc repro`` committed them; ``dvc checkout`` brings
+  them back), in which case the working copies are removed and training starts afresh.
 """
 
 from __future__ import annotations
@@ -15,48 +22,186 @@ import hashlib
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from moe.train.checkpoint import _STEP_DIR, META, latest_checkpoint, read_meta
+from moe.train.checkpoint import _STEP_DIR, META, CheckpointError, latest_checkpoint, list_checkpoints, read_meta
+from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline.resume")
 
 # Keys that do not change what a run computes.
 NOT_HASHED = {
-    "checkpoint": {"dir", "every", "keep_last", "resume", "init_from"},
-    "train": {"log_every", "peak_tflops", "device"},
+    "checkpoint": {"dir", "every", "keep_last", "resume", "init_from", "save"},
+    "train": {"log_every", "peak_tflops", "device", "eval_every"},
     "parallel": None,  # checkpoints are layout-independent (tested); None: the whole section
 }
+MODEL_LABELS = ("preset", "preset_overrides")  # how the config was written, not what it is
 
 
-def config_key(config: dict[str, Any]) -> str:
-    """sha256 of the training-relevant part of an ExperimentConfig.to_dict()."""
+def _relevant(config: dict[str, Any]) -> dict[str, Any]:
     relevant = {}
     for section, values in sorted(config.items()):
         skip = NOT_HASHED.get(section, set())
         if skip is None:
             continue
-        if section == "model" and isinstance(values, dict):  # labels, not shape
-            values = {k: v for k, v in values.items() if k not in ("preset", "preset_overrides")}
+        if section == "model" and isinstance(values, dict):
+            values = {k: v for k, v in values.items() if k not in MODEL_LABELS}
         relevant[section] = {k: v for k, v in values.items() if k not in skip} if isinstance(values, dict) else values
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
+    return relevant
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """sha256 of the training-relevant part of an ExperimentConfig.to_dict()."""
+    return hashlib.sha256(json.dumps(_relevant(config), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def differing_keys(saved: dict[str, Any], config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted training-relevant keys whose values differ: key -> (there, here)."""
+    out: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        elif a != b:
+            out[prefix] = (a, b)
+
+    walk(_relevant(saved), _relevant(config), "")
+    return out
 
 
 def prepare_checkpoints(config: dict[str, Any]) -> str:
-    """'resume', 'fresh' (nothing there) or 'restart' (checkpoints of another config removed)."""
+    """'fresh' (nothing there), 'resume', 'extend' (a longer max_steps) or 'restart' (the
+    checkpoints of another config were in the DVC cache and are removed here); raises
+    PipelineError instead of deleting a checkpoint that is not stored anywhere else."""
     root = Path(config["checkpoint"]["dir"])
-    latest = latest_checkpoint(root)
+    try:
+        latest = latest_checkpoint(root)
+    except CheckpointError as exc:
+        raise PipelineError(str(exc)) from None
     if latest is None or config["checkpoint"].get("resume") == "never":
-        return "fresh"
-    theirs = config_key(read_meta(latest).get("config", {}))
-    if theirs == config_key(config):
+        return "fresh"  # with resume=never the trainer refuses a directory that holds checkpoints
+    saved = read_meta(latest).get("config", {})
+    diffs = differing_keys(saved, config)
+    step = int(read_meta(latest)["step"])
+    init_from = config["checkpoint"].get("init_from")
+    if not diffs:
         log.info("resuming from %s (same training config)", latest)
         return "resume"
-    for p in root.iterdir():  # only what the trainer wrote: step_* checkpoint dirs, their temps, `latest`
-        if (_STEP_DIR.match(p.name) and (p / META).is_file()) or p.name.startswith(".tmp-step_"):
+    if set(diffs) == {"train.max_steps"} and config["train"]["max_steps"] > step:
+        _say(extension_note(saved, config, step))
+        return "extend"
+    if init_from and _inside(Path(init_from), root):
+        raise PipelineError(
+            f"checkpoint.init_from: {init_from} lies inside checkpoint.dir={root}, which holds checkpoints of another "
+            f"training config ({_describe(diffs)}); set checkpoint.dir (and executor.run_dir) to a new directory to "
+            "start a run from it"
+        )
+    if stored_in_dvc_cache(root):
+        removed = remove_own_checkpoints(root)
+        _say(f"{root} held checkpoints of another training config ({_describe(diffs)}), all stored in the DVC cache "
+             f"(`dvc checkout` restores them): removed {removed} working copies, starting afresh")
+        return "restart"
+    beyond = (f"; its checkpoint is at step {step}, beyond train.max_steps={config['train']['max_steps']}"
+              if set(diffs) == {"train.max_steps"} else "")
+    raise PipelineError(
+        f"checkpoint.dir: {root} holds checkpoints of another training config ({_describe(diffs)}){beyond}. "
+        "Nothing was deleted. To continue them, use their config; to start afresh, set checkpoint.dir and "
+        f"executor.run_dir to new directories (or move {root} away)"
+    )
+
+
+def extension_note(saved: dict[str, Any], config: dict[str, Any], step: int) -> str:
+    """The line that states how an extended run's learning rate goes on."""
+    from moe.config import ScheduleConfig
+    from moe.train.optim import lr_lambda
+
+    schedule = ScheduleConfig.from_dict(config["schedule"])
+    lr = float(config["optim"]["lr"])
+    old, new = saved["train"]["max_steps"], config["train"]["max_steps"]
+    before = lr * lr_lambda(ScheduleConfig.from_dict(saved["schedule"]), old)(step - 1)
+    after = lr * lr_lambda(schedule, new)(step)
+    return (f"extending the run from train.max_steps={old} to {new}: continuing from the checkpoint at step {step}; "
+            f"the {schedule.decay} schedule now runs over {new} steps (lr {after:.3g} at step {step + 1}, "
+            f"was {before:.3g} at step {step})")
+
+
+def _say(line: str) -> None:
+    """One line on the stage's console (and the log): how the run starts is the user's business."""
+    log.info("%s", line)
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def _describe(diffs: dict[str, tuple[Any, Any]], limit: int = 3) -> str:
+    parts = [f"{k}={a!r} there, {b!r} here" for k, (a, b) in list(diffs.items())[:limit]]
+    more = len(diffs) - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------ the DVC cache
+
+
+def dvc_cache_dir(start: Path) -> Path | None:
+    """The DVC cache of the project ``start`` lies in (None outside a DVC project)."""
+    from pipeline.project import project_root
+
+    root = project_root(start)
+    if not (root / ".dvc").is_dir():
+        return None
+    try:
+        r = subprocess.run([sys.executable, "-m", "dvc", "cache", "dir"], cwd=root, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = r.stdout.strip().splitlines()
+    return Path(lines[-1]) if r.returncode == 0 and lines else None
+
+
+def _md5(path: Path) -> str:
+    h = hashlib.md5()  # noqa: S324 - DVC's content address, not a security hash
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def stored_in_dvc_cache(root: Path) -> bool:
+    """Every file of every checkpoint under ``root`` is in the DVC cache with the same content."""
+    cache = dvc_cache_dir(root)
+    if cache is None:
+        return False
+    steps = list_checkpoints(root)
+    files = [f for s in steps for f in s.rglob("*") if f.is_file()]
+    for f in files:
+        digest = _md5(f)
+        obj = cache / "files" / "md5" / digest[:2] / digest[2:]
+        if not obj.is_file() or obj.stat().st_size != f.stat().st_size:
+            return False
+    return bool(files)
+
+
+def remove_own_checkpoints(root: Path) -> int:
+    """Remove the step directories (each exactly the files its meta.json lists) and ``latest``."""
+    removed = 0
+    for p in sorted(root.iterdir()):
+        if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink():
+            listed = set(read_meta(p)["files"]) | {META}
+            present = {f.name for f in p.iterdir()}
+            if present != listed or any(f.is_dir() or f.is_symlink() for f in p.iterdir()):
+                raise PipelineError(f"{p}: holds files its meta.json does not list; refusing to remove it")
             shutil.rmtree(p)
-        elif p.name == "latest" and p.is_file():
-            p.unlink()
-    log.warning("%s held checkpoints of another training config (%s): starting afresh", root, theirs[:12])
-    return "restart"
+            removed += 1
+    latest = root / "latest"
+    if latest.is_file() and not latest.is_symlink() and _STEP_DIR.match(latest.read_text().strip()):
+        latest.unlink()
+    return removed

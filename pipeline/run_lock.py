@@ -1,8 +1,10 @@
-"""One writer per run directory: an exclusive lock on ``<run_dir>/.lock`` naming its holder.
+"""One writer per run: an exclusive lock on ``.lock`` in every directory a run writes (its run
+directory and its checkpoint directory), naming its holder.
 
 ``flock`` is released by the kernel when the holding process dies (kill -9 included), so a
 stale lock never blocks a resume; on NFS Linux maps it to a POSIX lock, which other nodes see.
-The file itself is left in place (removing it would let two processes lock different files).
+The file itself is left in place (removing it would let two processes lock different files),
+is never followed if it is a symlink, and is taken before a run touches anything.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from pipeline.errors import PipelineError
 
 LOCK_NAME = ".lock"
+_HELD_HERE: dict[str, int] = {}  # lock file -> how many RunLock objects of this process hold it
 
 
 class RunDirBusy(PipelineError):
@@ -32,23 +35,46 @@ def describe_holder(info: dict) -> str:
 
 
 class RunLock:
-    def __init__(self, run_dir: str | os.PathLike) -> None:
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
-        self._fd: int | None = None
+    """``RunLock(run_dir, checkpoint_dir)``: both directories, or neither."""
 
-    def acquire(self, command: str) -> RunLock:
-        """Take the lock or raise RunDirBusy naming the holder; records who holds it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def __init__(self, run_dir: str | os.PathLike, *also: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self.dirs = list(dict.fromkeys(Path(os.path.abspath(d)) for d in (run_dir, *also)))
+        self.path = self.run_dir / LOCK_NAME
+        self._fds: list[tuple[str, int]] = []
+
+    def acquire(self, command: str, reentrant: bool = False) -> RunLock:
+        """Take every lock or raise RunDirBusy naming the holder (taking none). ``reentrant``:
+        a lock this process already holds (the stage, for the executor it starts) is shared."""
+        try:
+            for d in self.dirs:
+                self._take(d, command, reentrant)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _take(self, directory: Path, command: str, reentrant: bool) -> None:
+        path = directory / LOCK_NAME
+        key = str(path)
+        if reentrant and _HELD_HERE.get(key):
+            _HELD_HERE[key] += 1
+            self._fds.append((key, -1))
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if path.is_symlink():
+                raise PipelineError(f"{path}: is a symlink; a run's lock file must be a plain file (remove the link)") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
             raise RunDirBusy(
-                f"{self.run_dir}: in use by {describe_holder(holder)} (lock {self.path}); "
-                "wait for it to end or stop it first"
+                f"{directory}: in use by {describe_holder(holder)} (lock {path}); wait for it to end or stop it first"
             ) from None
         info = {
             "pid": os.getpid(),
@@ -59,19 +85,23 @@ class RunLock:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        self._fd = fd
-        return self
+        _HELD_HERE[key] = 1
+        self._fds.append((key, fd))
 
     def check_free(self) -> None:
-        """Raise RunDirBusy when someone holds the lock (for a submitter whose job takes it)."""
+        """Raise RunDirBusy when someone holds a lock (for a submitter whose job takes it)."""
         self.acquire("check").release()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        while self._fds:
+            key, fd = self._fds.pop()
+            _HELD_HERE[key] = _HELD_HERE.get(key, 1) - 1
+            if fd < 0:
+                continue
+            _HELD_HERE.pop(key, None)
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def __enter__(self) -> RunLock:
         return self

@@ -87,14 +87,16 @@ def _record_stop(job: TrainJob, message: str) -> None:
     """The reason as an MLflow tag; the run ends FAILED (here, or by a waiting `moe submit`)."""
     if not job.mlflow_run_id:
         return
-    from pipeline.worker import _finalize_mlflow
+    from pipeline.redact import redact
+    from pipeline.worker import _finalize_mlflow, job_uri
 
     try:
-        from mlflow.tracking import MlflowClient
+        from pipeline.tracking import mlflow_client, within_deadline
 
-        MlflowClient(job.mlflow_uri).set_tag(job.mlflow_run_id, "moe.stop_reason", message)
+        # job.mlflow_uri is redacted (job.json keeps no password): the full one is in the environment
+        within_deadline(lambda: mlflow_client(job_uri(job)).set_tag(job.mlflow_run_id, "moe.stop_reason", message), "tagging")
     except Exception as exc:  # tracking is best effort from a job
-        print(f"warning: could not tag MLflow run {job.mlflow_run_id}: {exc}", file=sys.stderr)
+        print(f"warning: could not tag MLflow run {job.mlflow_run_id}: {redact(str(exc))}", file=sys.stderr)
     _finalize_mlflow(job, ok=False)
 
 

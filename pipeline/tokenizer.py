@@ -11,6 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pipeline.errors import PipelineError
+from pipeline.outputs import write_atomic
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -79,7 +80,7 @@ def load_tokenizer(path: str | Path) -> TokenizerInfo:
 def write_hf_tokenizer_files(info: TokenizerInfo, directory: Path, max_length: int) -> None:
     """tokenizer.json plus the small files AutoTokenizer reads."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tokenizer.json").write_text(info.json_text)
+    write_atomic(directory / "tokenizer.json", info.json_text)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": info.eos_token,
@@ -89,8 +90,8 @@ def write_hf_tokenizer_files(info: TokenizerInfo, directory: Path, max_length: i
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_atomic(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     special = {"eos_token": info.eos_token}
     if info.pad_token:
         special["pad_token"] = info.pad_token
-    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    write_atomic(directory / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")

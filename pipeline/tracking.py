@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
 from pipeline.redact import redact
 
@@ -47,8 +48,16 @@ HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
+# A server that answers one byte every few seconds never trips a read timeout: every tracking
+# call also has a total deadline, after which the stage goes on offline (spooling).
+DEADLINE_ENV = "MOE_TRACKING_DEADLINE_S"
+DEFAULT_DEADLINE_S = 30.0
 STAGE_FALLBACK = Path("mlflow-fallback.jsonl")
 OFFLINE_PREFIX = "offline-"
+
+
+class TrackingTimeout(TimeoutError):
+    pass
 
 
 def bound_http() -> None:
@@ -58,9 +67,97 @@ def bound_http() -> None:
         os.environ.setdefault(k, v)
 
 
+def deadline_s() -> float:
+    try:
+        return max(0.1, float(os.environ.get(DEADLINE_ENV, DEFAULT_DEADLINE_S)))
+    except ValueError:
+        return DEFAULT_DEADLINE_S
+
+
+def within_deadline(fn, what: str = "tracking call", seconds: float | None = None):
+    """``fn()``, or TrackingTimeout once the deadline passes (the call goes on in a daemon
+    thread, which dies with the process; nothing waits for it)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name=f"moe-{what}", daemon=True)
+    t.start()
+    limit = deadline_s() if seconds is None else seconds
+    t.join(limit)
+    if t.is_alive():
+        raise TrackingTimeout(f"{what} did not finish within {limit:.0f} s (${DEADLINE_ENV})")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def client_uri(uri: str) -> str:
+    """The URI MLflow itself sees: credentials of an http(s) URI move to MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD (MLflow's own basic-auth variables, inherited by jobs), so nothing
+    MLflow prints or raises ("View run ... at: URL") can carry the password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    from urllib.parse import unquote
+
+    if user:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    if password:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient for ``uri`` with bounded HTTP and no credential in the URI it keeps."""
+    from mlflow.tracking import MlflowClient
+
+    bound_http()
+    return MlflowClient(tracking_uri=client_uri(uri))
+
+
+class StoreBroken(PipelineError):
+    """A local SQLite tracking store that exists but cannot be used (half-migrated, damaged):
+    not an unreachable server to spool around, but a file to repair."""
+
+
+def check_local_store(uri: str, exc: BaseException) -> None:
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri[len("sqlite:///"):])
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    raise StoreBroken(f"{db}: the MLflow store cannot be used ({redact(first)[:300]}); restore it from a backup, "
+                      "run `mlflow db upgrade` on it, or move it away (a new one is created)") from None
+
+
+def redacted_copy(path: Path) -> Path:
+    """``path`` itself, or a copy under a temporary directory with every URI password masked."""
+    import tempfile
+
+    text = path.read_text(errors="replace")
+    masked = redact(text)
+    if masked == text:
+        return path
+    out = Path(tempfile.mkdtemp(prefix="moe-redacted-")) / path.name
+    out.write_text(masked)
+    return out
+
+
 def spool(path: Path, row: dict[str, Any]) -> None:
+    from pipeline.outputs import open_for_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with open_for_write(path, append=True) as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -200,8 +297,6 @@ class Tracker:
 
     def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"),
                  fallback: Path = STAGE_FALLBACK, parent_name: str | None = None) -> None:
-        from mlflow.tracking import MlflowClient
-
         bound_http()
         self.cfg, self.stage, self.params_path, self.fallback = cfg, stage, params_path, fallback
         self.parent_name = parent_name
@@ -218,18 +313,24 @@ class Tracker:
         }
         self._monitor = None
         try:
-            self.client = MlflowClient(tracking_uri=self.uri)
-            self.experiment_id = self._experiment()
-            self.parent_id = self._parent()
-            self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
-            self.client.update_run(self.parent_id, status="RUNNING")
-        except Exception as exc:  # unreachable server, database down, bad URI
+            within_deadline(lambda: self._connect(tags), "MLflow run creation")
+        except ModuleNotFoundError:
+            raise
+        except Exception as exc:  # unreachable or hanging server, database down, bad URI
+            check_local_store(self.uri, exc)  # a broken local store is an error, not offline
             self.parent_id = None
             self.run_id = f"{OFFLINE_PREFIX}{uuid.uuid4().hex}"
             self._fail(exc)
             spool(self.fallback, {"run_id": self.run_id, "create": {"experiment": cfg.experiment, "tags": tags}})
         else:
             self._monitor = start_system_metrics(self.uri, self.run_id)
+
+    def _connect(self, tags: dict[str, str]) -> None:
+        self.client = mlflow_client(self.uri)
+        self.experiment_id = self._experiment()
+        self.parent_id = self._parent()
+        self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
+        self.client.update_run(self.parent_id, status="RUNNING")
 
     def _fail(self, exc: BaseException) -> None:
         if not self.failed:
@@ -242,12 +343,12 @@ class Tracker:
         """Run ``fn`` against the server; on failure (now or earlier) spool ``row`` instead."""
         if not self.failed:
             try:
-                fn()
+                within_deadline(fn, "MLflow call")
                 return
             except Exception as exc:
                 self._fail(exc)
         if row:
-            spool(self.fallback, {"run_id": self.run_id, **row})
+            spool(self.fallback, {"run_id": self.run_id, "uri": redact(self.uri), **row})
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.cfg.experiment)
@@ -273,7 +374,7 @@ class Tracker:
                 **standard_tags("pipeline")}
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
-            self.client.log_artifact(run_id, str(self.params_path))
+            self.client.log_artifact(run_id, str(redacted_copy(self.params_path)))
         # The parent spans the pipeline: RUNNING while a stage runs, ended (with the pipeline's
         # final metrics and plots) by each stage that finishes, FAILED if one fails.
         return run_id
@@ -313,8 +414,11 @@ class Tracker:
         self._send(send, {"tags": tags})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        if Path(path).exists():
-            self._send(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path), {})
+        """A file as an artifact; text files go with every URI password masked."""
+        path = Path(path)
+        if path.is_file():
+            sent = redacted_copy(path) if path.suffix in (".yaml", ".yml", ".lock", ".json", ".txt", ".jsonl") else path
+            self._send(lambda: self.client.log_artifact(self.run_id, str(sent), artifact_path), {})
 
     def log_stage_start(self, flat_params: Mapping[str, Any]) -> None:
         self.log_params(flat_params)
@@ -332,9 +436,9 @@ class Tracker:
     def end(self, ok: bool) -> None:
         if self._monitor is not None:
             try:
-                self._monitor.finish()
+                within_deadline(self._monitor.finish, "system metrics", seconds=min(10.0, deadline_s()))
             except Exception as exc:  # system metrics are best effort
-                log.warning("system metrics: %s", exc)
+                log.warning("system metrics: %s", redact(str(exc)))
             self._monitor = None
         status = "FINISHED" if ok else "FAILED"
 
@@ -350,7 +454,8 @@ class Tracker:
     def stop_system_metrics(self) -> None:
         """For a run this process hands over (``moe submit`` without --wait: the job ends it)."""
         if self._monitor is not None:
-            self._monitor.finish()
+            with contextlib.suppress(Exception):
+                within_deadline(self._monitor.finish, "system metrics", seconds=min(10.0, deadline_s()))
             self._monitor = None
 
 
@@ -391,7 +496,7 @@ def start_system_metrics(uri: str, run_id: str):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         monitor = SystemMetricsMonitor(run_id, sampling_interval=float(os.environ.get("MOE_SYSTEM_METRICS_INTERVAL", "2")),
-                                       samples_before_logging=1, tracking_uri=uri)
+                                       samples_before_logging=1, tracking_uri=client_uri(uri))
         monitor.start()
         return monitor
     except Exception as exc:  # never fail a stage for its telemetry
@@ -434,10 +539,10 @@ def finish_parent(client, parent_id: str) -> None:
 
 def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.lock")) -> None:
     """After `moe repro`: tag the parent run with the final DVC hashes and attach dvc.lock."""
-    from mlflow.tracking import MlflowClient
+    within_deadline(lambda: _finalize_pipeline(mlflow_client(tracking_uri(cfg)), cfg, key, lock_path), "pipeline finalisation")
 
-    bound_http()
-    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+
+def _finalize_pipeline(client, cfg: MlflowConfig, key: str, lock_path: Path) -> None:
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is None:
         return
@@ -450,7 +555,7 @@ def finalize_pipeline(cfg: MlflowConfig, key: str, lock_path: Path = Path("dvc.l
     for path, md5 in dvc_out_hashes(lock_path).items():
         client.set_tag(run_id, f"dvc.out.{path}", md5)
     if lock_path.is_file():
-        client.log_artifact(run_id, str(lock_path))
+        client.log_artifact(run_id, str(redacted_copy(lock_path)))
 
 
 def _finite(v: Any) -> bool:
@@ -474,9 +579,7 @@ class MlflowSink:
 
     def _get_client(self):
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(tracking_uri=self.uri)
+            self._client = mlflow_client(self.uri)
         return self._client
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -495,23 +598,25 @@ class MlflowSink:
 
                 now = int(time.time() * 1000)
                 items = [Metric(k, float(v), now, step) for step, m in batch for k, v in m.items()]
-                for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-                    self._get_client().log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
+                def send() -> None:
+                    for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+                        self._get_client().log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
+                within_deadline(send, "MLflow metrics")
                 return
             except Exception as exc:  # network, server or database down: keep training
                 self.failed = True
                 log.warning("MLflow unreachable (%s); metrics go to %s for `moe mlflow-sync`", redact(str(exc)), self.fallback)
-        self.fallback.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.fallback, "a") as f:
-            for step, m in batch:
-                f.write(json.dumps({"run_id": self.run_id, "step": step, "metrics": m}) + "\n")
+        for step, m in batch:
+            spool(self.fallback, {"run_id": self.run_id, "uri": redact(self.uri), "step": step, "metrics": m})
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if not tags or self.failed:
             return
         try:
-            for k, v in tags.items():
-                self._get_client().set_tag(self.run_id, k, v)
+            within_deadline(lambda: [self._get_client().set_tag(self.run_id, k, redact(str(v))) for k, v in tags.items()],
+                            "MLflow tags")
         except Exception as exc:  # keep training without tracking
             self.failed = True
             log.warning("MLflow unreachable (%s); continuing without tags", redact(str(exc)))
@@ -520,14 +625,29 @@ class MlflowSink:
         self.flush()
 
 
+def check_spooled_runs_exist(client, rows: list[dict[str, Any]], uri: str) -> None:
+    """Every run a spool writes to (but those it creates) is in the target store: a sync against
+    another store must fail, not report "uploaded 0" and mark the spool synced."""
+    created = {r["run_id"] for r in rows if "create" in r}
+    for run_id in sorted({r.get("run_id") for r in rows} - created):
+        if not isinstance(run_id, str) or run_id.startswith(OFFLINE_PREFIX):
+            continue
+        try:
+            client.get_run(run_id)
+        except Exception:
+            recorded = next((r["uri"] for r in rows if r.get("run_id") == run_id and r.get("uri")), None)
+            where = f"; the spool was written for {recorded}" if recorded else ""
+            raise PipelineError(f"run {run_id} is not in {redact(uri)}{where}: sync against the store it was created in "
+                                "(run `moe mlflow-sync` from the project directory, or set MLFLOW_TRACKING_URI); "
+                                "nothing was uploaded and the spool is kept") from None
+
+
 def sync_fallback(paths: Path | list[Path], uri: str) -> int:
     """Send what jobs and stages spooled (metrics, params, tags, final status; runs created
     offline) to the tracking server; rename each file ``*.synced`` after. Returns the number
     of metric values sent."""
     from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
 
-    bound_http()
     files = [p for p in ([paths] if isinstance(paths, Path) else paths) if p.is_file()]
     if not files:
         return 0
@@ -538,10 +658,9 @@ def sync_fallback(paths: Path | list[Path], uri: str) -> int:
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
-                    from pipeline.errors import PipelineError
-
                     raise PipelineError(f"{path}:{lineno}: not a JSON line; fix or remove it and sync again") from None
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
+    check_spooled_runs_exist(client, rows, uri)
     ids: dict[str, str] = {}
     for row in rows:  # runs that were created offline first
         if "create" in row:

@@ -61,9 +61,9 @@ def run(job: TrainJob, stop=None) -> dict:
     if summary["steps"] == summary["start_step"] and not summary["preempted"]:
         summary = finished_summary(job, summary)
     if trainer.env.is_main and not summary["preempted"]:
-        tmp = job.summary_path.with_name(job.summary_path.name + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
-        os.replace(tmp, job.summary_path)
+        from pipeline.outputs import write_atomic
+
+        write_atomic(job.summary_path, json.dumps(summary, indent=2, default=str))
     return summary
 
 
@@ -96,7 +96,7 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
     clean = False  # collective teardown only after a run every rank finished
     try:
         if lock and rank == 0:
-            _HELD.append(RunLock(job.run_dir).acquire(f"training job {job.spec_path}"))
+            _HELD.append(RunLock(job.run_dir, job.checkpoint_dir).acquire(f"training job {job.spec_path}"))
         summary = run(job, stop)
         if rank == 0 and not summary["preempted"]:
             _finalize_mlflow(job, ok=True)
@@ -129,15 +129,15 @@ def _finalize_mlflow(job: TrainJob, ok: bool) -> None:
     if not (job.mlflow_finalize and job.mlflow_run_id) or job.mlflow_run_id.startswith("offline-"):
         return
     try:
-        from mlflow.tracking import MlflowClient
+        from pipeline.tracking import mlflow_client, within_deadline
 
-        from pipeline.tracking import bound_http
+        def close() -> None:
+            client = mlflow_client(job_uri(job))
+            client.set_terminated(job.mlflow_run_id, "FINISHED" if ok else "FAILED")
+            if job.summary_path.is_file():
+                client.log_artifact(job.mlflow_run_id, str(job.summary_path))
 
-        bound_http()
-        client = MlflowClient(job_uri(job))
-        client.set_terminated(job.mlflow_run_id, "FINISHED" if ok else "FAILED")
-        if job.summary_path.is_file():
-            client.log_artifact(job.mlflow_run_id, str(job.summary_path))
+        within_deadline(close, "closing the MLflow run")
     except Exception as exc:  # tracking is best effort from a job
         from pipeline.redact import redact
 

@@ -66,6 +66,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)
+        if value is None and "none" in choices:  # `--set train.recompute=none` parses as null
+            return "none"
         if not any(value == c and type(value) is type(c) for c in choices):
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -242,6 +244,8 @@ def parse_value(text: str) -> Any:
         return json.loads(stripped)
     except ValueError:
         pass
+    except RecursionError:
+        raise ConfigError(f"override value {stripped[:40]!r}...: nested too deeply") from None
     if stripped.startswith("[") and stripped.endswith("]"):
         inner = stripped[1:-1].strip()
         return [parse_value(p.strip()) for p in inner.split(",")] if inner else []

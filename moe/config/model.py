@@ -7,6 +7,12 @@ from typing import Any, Literal
 
 from moe.config.base import Config, ConfigError, deep_merge, require
 
+# Bounds far beyond any model trained today: larger values are typos that would only end in an
+# allocation failure (a 1e9-position RoPE table is 512 GB).
+MAX_SEQ_LEN = 1 << 20
+MAX_VOCAB = 1 << 22
+MAX_WIDTH = 1 << 17
+
 
 @dataclasses.dataclass
 class MoEConfig(Config):
@@ -39,6 +45,8 @@ class MoEConfig(Config):
     def _check(self, p: str) -> None:
         k = lambda name: f"{p}.{name}" if p else name  # noqa: E731
         require(self.num_experts >= 1, k("num_experts"), f"must be >= 1, got {self.num_experts}")
+        require(self.num_experts <= 1 << 14, k("num_experts"), f"must be <= {1 << 14}, got {self.num_experts}")
+        require(self.expert_hidden <= MAX_WIDTH, k("expert_hidden"), f"must be <= {MAX_WIDTH}, got {self.expert_hidden}")
         require(self.top_k >= 1, k("top_k"), f"must be >= 1, got {self.top_k}")
         require(
             self.top_k <= self.num_experts,
@@ -115,6 +123,8 @@ class ModelConfig(Config):
         k = lambda name: f"{p}.{name}" if p else name  # noqa: E731
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             require(getattr(self, name) >= 1, k(name), f"must be >= 1, got {getattr(self, name)}")
+        for name, limit in (("max_seq_len", MAX_SEQ_LEN), ("vocab_size", MAX_VOCAB), ("d_model", MAX_WIDTH), ("n_layers", 4096)):
+            require(getattr(self, name) <= limit, k(name), f"must be <= {limit}, got {getattr(self, name)}")
         require(
             self.d_model % self.n_heads == 0,
             k("d_model"),

@@ -75,10 +75,14 @@ def write_token_file(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     data = arr.tobytes()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a full disk: say which file, leave no temporary behind
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     info = TokenFileInfo(
         dtype=dtype,
         vocab_size=vocab_size,
@@ -98,7 +102,11 @@ def write_token_file(
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:  # a full disk: say which file, leave no temporary behind
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     os.replace(tmp, path)
 
 

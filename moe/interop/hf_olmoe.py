@@ -8,6 +8,7 @@ loads (v5 fuses it on load); reading accepts that layout and v5's fused one.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,8 @@ import torch
 from moe.config import ConfigError, ModelConfig
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# At most 9 digits: a hostile name's 5000-digit index would make int() raise (Python's digit limit).
+_HF_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.(.+)$")
 
 _DENSE_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -135,44 +137,201 @@ def check_hf_settings(hf: Mapping[str, Any], source: str = "config.json") -> Non
             raise ConversionError(f"{source}: {key}={value!r} is not expressed by the OLMoE converter; refusing rather than ignoring it")
 
 
-def model_config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """Our ModelConfig for an HF OLMoE config.json mapping."""
+# config.json's typed settings: what each must hold (JSON types, checked before any use).
+_HF_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_experts", "num_experts_per_tok")
+_HF_OPTIONAL: dict[str, tuple[str, Any]] = {  # key -> (kind, value when absent)
+    "num_key_value_heads": ("integer or null", None),
+    "max_position_embeddings": ("integer", 4096),
+    "rope_theta": ("number", 10000.0),
+    "rms_norm_eps": ("number", 1e-5),
+    "initializer_range": ("number", 0.02),
+    "router_aux_loss_coef": ("number", 0.01),
+    "tie_word_embeddings": ("bool", False),
+    "norm_topk_prob": ("bool", False),
+    "rope_parameters": ("object or null", None),
+    "rope_scaling": ("object or null", None),
+}
+# Our dotted keys -> the config.json key they come from, so that a range error names the file's key.
+_HF_KEY_OF = {
+    "model.vocab_size": "vocab_size", "model.d_model": "hidden_size", "model.n_layers": "num_hidden_layers",
+    "model.n_heads": "num_attention_heads", "model.n_kv_heads": "num_key_value_heads",
+    "model.max_seq_len": "max_position_embeddings", "model.rope_theta": "rope_theta", "model.norm_eps": "rms_norm_eps",
+    "model.init_std": "initializer_range", "model.moe.num_experts": "num_experts", "model.moe.top_k": "num_experts_per_tok",
+    "model.moe.expert_hidden": "intermediate_size", "model.moe.lb_loss_weight": "router_aux_loss_coef",
+}
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null")
+    if kind.startswith("integer"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":  # JSON has no NaN or Infinity, but Python's json module reads them
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    return isinstance(value, Mapping)  # "object or null"
+
+
+def hf_setting(hf: Mapping[str, Any], key: str, source: str = "config.json") -> Any:
+    """One typed config.json setting (its default when absent); refused by file and key when missing or mistyped."""
+    kind, default = ("integer", None) if key in _HF_REQUIRED_INTS else _HF_OPTIONAL[key]
+    if key not in hf:
+        if key in _HF_REQUIRED_INTS:
+            raise ConversionError(f"{source}: {key} is missing (an OLMoE config.json sets it)")
+        return default
+    value = hf[key]
+    if not _is_kind(value, kind):
+        raise ConversionError(f"{source}: {key} must be {'an' if kind[0] in 'io' else 'a'} {kind}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_rope(hf: Mapping[str, Any], source: str) -> float:
+    """rope_theta of a config with default RoPE (the only kind our model has)."""
+    rope = hf_setting(hf, "rope_parameters", source) or {}
+    scaling = hf_setting(hf, "rope_scaling", source) or {}
+    for key, settings in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        kind = settings.get("rope_type", settings.get("type"))
+        if kind not in (None, "default"):
+            raise ConversionError(f"{source}: {key} has rope_type {kind!r}; only default RoPE is supported")
+    theta = rope.get("rope_theta", hf_setting(hf, "rope_theta", source))
+    if not _is_kind(theta, "number"):
+        raise ConversionError(f"{source}: rope_parameters.rope_theta must be a number, got {type(theta).__name__} {theta!r}")
+    return float(theta)
+
+
+def model_config_from_hf(hf: Any, source: str = "config.json") -> ModelConfig:
+    """Our ModelConfig for an HF OLMoE config.json mapping; every problem named by file and key."""
+    if not isinstance(hf, Mapping):
+        raise ConversionError(f"{source}: expected a JSON object of settings, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type != "olmoe":
         raise ConversionError(f"{source}: model_type is {model_type!r}, not 'olmoe'; only OLMoE checkpoints convert")
     check_hf_settings(hf, source)
-    if hf.get("clip_qkv") is not None:
-        raise ConversionError(f"{source}: clip_qkv={hf['clip_qkv']} is not supported")
-    if hf.get("attention_bias"):
-        raise ConversionError(f"{source}: attention_bias=true is not supported")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    if (rope.get("rope_type") or "default") != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise ConversionError(f"{source}: only default RoPE is supported")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    setting = lambda key: hf_setting(hf, key, source)  # noqa: E731
+    theta = _check_rope(hf, source)
     data = {
-        "vocab_size": hf["vocab_size"],
-        "d_model": hf["hidden_size"],
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": hf["num_attention_heads"],
-        "n_kv_heads": hf.get("num_key_value_heads") or None,
-        "max_seq_len": hf.get("max_position_embeddings", 4096),
-        "rope_theta": float(theta),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "vocab_size": setting("vocab_size"),
+        "d_model": setting("hidden_size"),
+        "n_layers": setting("num_hidden_layers"),
+        "n_heads": setting("num_attention_heads"),
+        "n_kv_heads": setting("num_key_value_heads"),
+        "max_seq_len": setting("max_position_embeddings"),
+        "rope_theta": theta,
+        "norm_eps": float(setting("rms_norm_eps")),
         "qk_norm": True,
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "init_std": float(hf.get("initializer_range", 0.02)),
+        "tie_embeddings": setting("tie_word_embeddings"),
+        "init_std": float(setting("initializer_range")),
         "moe": {
-            "num_experts": hf["num_experts"],
-            "top_k": hf["num_experts_per_tok"],
-            "expert_hidden": hf["intermediate_size"],
-            "normalize_top_k": bool(hf.get("norm_topk_prob", False)),
-            "lb_loss_weight": float(hf.get("router_aux_loss_coef", 0.01)),
+            "num_experts": setting("num_experts"),
+            "top_k": setting("num_experts_per_tok"),
+            "expert_hidden": setting("intermediate_size"),
+            "normalize_top_k": setting("norm_topk_prob"),
+            "lb_loss_weight": float(setting("router_aux_loss_coef")),
         },
     }
     if data["n_kv_heads"] == data["n_heads"]:
         data["n_kv_heads"] = None
-    return ModelConfig.from_dict(data, prefix="model").validate("model")
+    try:
+        return ModelConfig.from_dict(data, prefix="model").validate("model")
+    except ConfigError as exc:  # a range or combination error: name the file's key, and ours
+        ours, _, why = str(exc).partition(": ")
+        key = f"{_HF_KEY_OF[ours]} ({ours})" if ours in _HF_KEY_OF else ours
+        raise ConversionError(f"{source}: {key}: {why}") from None
+
+
+# ------------------------------------------------------------------ tensor names and shapes
+
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d{1,9})\.(gate_proj|up_proj|down_proj)\.weight$")
+_HF_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers v5's layout
+
+
+def _hf_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A layer's tensors other than the experts (OLMoE's QK-norm spans the whole q and k projections)."""
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return {
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q), "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+        "mlp.gate.weight": (cfg.moe.num_experts, d),
+    }
+
+
+def hf_tensor_shape(cfg: ModelConfig, name: str, source: str = "checkpoint") -> tuple[int, ...] | None:
+    """The shape config.json implies for one HF OLMoE tensor (None: a buffer transformers recomputes);
+    refused by name when the tensor has no place in this model (an unknown name, a layer or expert past the config's)."""
+    d, hidden, n_exp = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (cfg.vocab_size, d)
+    if name == "model.norm.weight":
+        return (d,)
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    m = _HF_LAYER.match(name)
+    if m and int(m.group(1)) >= cfg.n_layers:
+        raise ConversionError(f"{source}: tensor {name}: layer {m.group(1)} does not exist (config.json num_hidden_layers={cfg.n_layers})")
+    rest, layer_shapes = (m.group(2) if m else ""), _hf_layer_shapes(cfg)
+    if rest in layer_shapes:
+        return layer_shapes[rest]
+    if em := _HF_EXPERT.match(rest):
+        if int(em.group(1)) >= n_exp:
+            raise ConversionError(f"{source}: tensor {name}: expert {em.group(1)} does not exist (config.json num_experts={n_exp})")
+        return (d, hidden) if em.group(2) == "down_proj" else (hidden, d)
+    if rest in _HF_FUSED:
+        return (n_exp, d, hidden) if rest.endswith("down_proj") else (n_exp, 2 * hidden, d)
+    raise ConversionError(f"{source}: tensor {name} has no counterpart in our OLMoE model")
+
+
+def _first_missing(cfg: ModelConfig, names: frozenset[str] | set[str]) -> str | None:
+    """The first tensor the config needs that ``names`` lacks. Stops at the first gap, so its work is
+    bounded by len(names) even when config.json claims a billion layers or experts."""
+    top = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+    for name in top:
+        if name not in names:
+            return name
+    for i in range(cfg.n_layers):
+        prefix = f"model.layers.{i}."
+        for rest in _hf_layer_shapes(cfg):
+            if prefix + rest not in names:
+                return prefix + rest
+        if any(prefix + f in names for f in _HF_FUSED):
+            wanted = (prefix + f for f in _HF_FUSED)
+        else:
+            wanted = (f"{prefix}mlp.experts.{e}.{kind}.weight" for e in range(cfg.moe.num_experts)
+                      for kind in ("gate_proj", "up_proj", "down_proj"))
+        for name in wanted:
+            if name not in names:
+                return name
+    return None
+
+
+def check_hf_tensors(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint") -> None:
+    """Every tensor name and shape of an HF OLMoE checkpoint against its config.json: nothing unknown,
+    nothing extra, nothing missing, one expert layout per layer, every shape the config's."""
+    fused_layers, per_expert_layers = set(), set()
+    for name, shape in shapes.items():
+        want = hf_tensor_shape(cfg, name, source)
+        if want is not None and tuple(shape) != want:
+            raise ConversionError(f"{source}: tensor {name} has shape {tuple(shape)}, config.json says {want}")
+        if (m := _HF_LAYER.match(name)) and m.group(2) in _HF_FUSED:
+            fused_layers.add(int(m.group(1)))
+        elif m and _HF_EXPERT.match(m.group(2)):
+            per_expert_layers.add(int(m.group(1)))
+    if both := fused_layers & per_expert_layers:
+        raise ConversionError(f"{source}: model.layers.{min(both)} holds both the fused (mlp.experts.gate_up_proj) and the "
+                              "per-expert expert tensors; a checkpoint has one layout")
+    missing = _first_missing(cfg, set(shapes))
+    if missing:
+        raise ConversionError(f"{source}: tensor {missing} is missing")
+
+
+def check_tied_lm_head(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """With tie_word_embeddings, a separate lm_head.weight is dropped: only if it is the embedding."""
+    head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
+    if cfg.tie_embeddings and head is not None and embed is not None and not torch.equal(head.float(), embed.float()):
+        raise ConversionError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight; "
+                              "refusing to drop it (set tie_word_embeddings to false to keep both)")
 
 
 def to_hf(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -227,7 +386,7 @@ def from_hf(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], source: str 
             i, rest = int(m.group(1)), m.group(2)
             if rest in _DENSE_NAMES_REV:
                 out[f"layers.{i}.{_DENSE_NAMES_REV[rest]}"] = t
-            elif em := re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest):
+            elif em := _HF_EXPERT.match(rest):
                 experts.setdefault((i, em.group(2)), {})[int(em.group(1))] = t
             elif rest == "mlp.experts.gate_up_proj":
                 out[f"layers.{i}.mlp.experts.gate_up"] = t
@@ -254,6 +413,7 @@ def from_hf(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], source: str 
         up = torch.stack([parts["up_proj"][e] for e in range(n_exp)])
         out[f"layers.{i}.mlp.experts.gate_up"] = torch.cat([gate, up], dim=1)
         out[f"layers.{i}.mlp.experts.down"] = torch.stack([parts["down_proj"][e] for e in range(n_exp)])
+    check_tied_lm_head(cfg, hf_state, source)
     if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     elif "lm_head.weight" not in out and "embed.weight" in out:

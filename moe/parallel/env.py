@@ -22,11 +22,12 @@ class DistEnv:
         return self.rank == 0
 
 
-def pick_device(preference: str, local_rank: int = 0) -> torch.device:
+def pick_device(preference: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
+    """``key``: the setting ``preference`` came from, named when it cannot be met."""
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is available")
+        raise RuntimeError(f"{key} is 'cuda' but no CUDA device is available")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

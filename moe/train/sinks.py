@@ -38,16 +38,23 @@ class JsonlSink:
 
     def _open_from(self, step: int):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():
+        if self.path.is_file() and not self.path.is_symlink():
             kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) < step]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
+            with _open_no_follow(tmp, os.O_TRUNC) as f:
+                f.write("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
-        return open(self.path, "a")
+        return _open_no_follow(self.path, os.O_APPEND)
 
     def close(self, summary: dict[str, Any]) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def _open_no_follow(path: Path, mode_flag: int):
+    """Open for writing without following a symlink at ``path`` (never write through a planted link)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | mode_flag, 0o644)
+    return os.fdopen(fd, "a" if mode_flag == os.O_APPEND else "w")
 
 
 def _step_of(line: str) -> float:

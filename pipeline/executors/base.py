@@ -27,10 +27,14 @@ class TrainJob:
     def spec_path(self) -> Path:
         return Path(self.run_dir) / "job.json"
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.config["checkpoint"]["dir"])
+
     def write(self) -> Path:
-        self.spec_path.parent.mkdir(parents=True, exist_ok=True)
-        self.spec_path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
-        return self.spec_path
+        from pipeline.outputs import write_atomic
+
+        return write_atomic(self.spec_path, json.dumps(dataclasses.asdict(self), indent=2))
 
     @classmethod
     def read(cls, path: str | Path) -> TrainJob:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.executors.base import JobResult, TrainJob
+from pipeline.outputs import open_for_write
 from pipeline.run_lock import RunLock, command_line
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -44,7 +45,8 @@ class LocalExecutor:
         self.stream_rank0 = stream_rank0
 
     def run(self, job: TrainJob) -> JobResult:
-        with RunLock(job.run_dir).acquire(f"{command_line()} (local executor)"), _ForwardSignals() as forward:
+        lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (local executor)", reentrant=True)
+        with lock, _ForwardSignals() as forward:
             return self._run(job, forward)
 
     def _run(self, job: TrainJob, forward: _ForwardSignals) -> JobResult:
@@ -68,6 +70,7 @@ class LocalExecutor:
                 "MOE_PARENT_PID": str(os.getpid()),  # pipeline.worker: die with us; we hold the run lock
             }
             log_path = logs / f"rank{rank}.log"
+            log_file = open_for_write(log_path)  # refuses a symlink planted there, before anything starts
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.worker", str(spec)],
                 env=env,
@@ -75,7 +78,7 @@ class LocalExecutor:
                 stderr=subprocess.STDOUT,
                 text=True,
             )
-            t = threading.Thread(target=_pump, args=(proc, log_path, rank == 0 and self.stream_rank0), daemon=True)
+            t = threading.Thread(target=_pump, args=(proc, log_file, rank == 0 and self.stream_rank0), daemon=True)
             t.start()
             procs.append((proc, log_path))
             forward.procs.append(proc)
@@ -128,8 +131,8 @@ class _ForwardSignals:
             signal.signal(s, old)
 
 
-def _pump(proc: subprocess.Popen, log_path: Path, echo: bool) -> None:
-    with open(log_path, "w") as f:
+def _pump(proc: subprocess.Popen, log_file, echo: bool) -> None:
+    with log_file as f:
         for line in proc.stdout:
             f.write(line)
             f.flush()

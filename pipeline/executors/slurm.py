@@ -37,6 +37,30 @@ FORWARD_USR2_TO_TASKS = [
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
+def check_script_value(value: str, what: str) -> str:
+    """A value written into the batch script (a path, most often) must be one line: a newline
+    or another control character would end an ``#SBATCH`` line or a quoted word there and start
+    a command of its own (quoting protects spaces, not line breaks inside #SBATCH comments)."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise PipelineError(f"{what}: {value!r} contains a control character ({bad!r}); it would reach the sbatch "
+                            "script: rename it or run from another directory")
+    return value
+
+
+def check_script_paths(slurm: SlurmConfig, container: ContainerConfig) -> None:
+    """Every path the generated script names, derived from the working directory included."""
+    check_script_value(os.getcwd(), "the working directory")
+    check_script_value(str(Path(slurm.folder).absolute()), "slurm.folder (absolute)")
+    check_script_value(sys.executable, "the Python interpreter")
+    for name in ("image", "workdir"):
+        value = getattr(container, name)
+        if value:
+            check_script_value(str(value), f"container.{name}")
+    for m in container.mounts:
+        check_script_value(m, "container.mounts")
+
+
 def launch_python(container: ContainerConfig, gpus: bool) -> tuple[str, list[str]]:
     """(python command, extra srun args) that start a task in the container runtime."""
     workdir = container.workdir or os.getcwd()
@@ -73,6 +97,7 @@ class SlurmExecutor:
     def _executor(self):
         import submitit
 
+        check_script_paths(self.slurm, self.container)
         s = self.slurm
         python, srun_args = launch_python(self.container, s.gpus_per_node > 0)
         ex = submitit.AutoExecutor(folder=s.folder, cluster="slurm", slurm_max_num_timeout=s.max_requeues, slurm_python=python)
@@ -103,7 +128,7 @@ class SlurmExecutor:
         return inner._make_submission_file_text(inner._submitit_command_str, "<uid>")
 
     def submit(self, job: TrainJob) -> str:
-        RunLock(job.run_dir).check_free()  # the job's rank 0 takes it when it starts
+        RunLock(job.run_dir, job.checkpoint_dir).check_free()  # the job's rank 0 takes it when it starts
         job.max_requeues = self.slurm.max_requeues
         job.write()
         if self.container.runtime == "charliecloud" and self.container.image:

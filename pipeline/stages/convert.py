@@ -8,6 +8,7 @@ training from (``checkpoint.init_from``). Both write to a temporary directory an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,12 +18,21 @@ from typing import Any
 import torch
 
 from moe.config import ExperimentConfig, ModelConfig
-from moe.interop import ConversionError, check_expressible, from_hf, hf_config, model_config_from_hf, to_hf
+from moe.interop import (
+    ConversionError,
+    check_expressible,
+    check_hf_tensors,
+    check_tied_lm_head,
+    from_hf,
+    hf_config,
+    model_config_from_hf,
+    to_hf,
+)
 from moe.model import Transformer
 from moe.train.checkpoint import CheckpointManager, load_tensors, read_meta, resolve_checkpoint
 from moe.train.state import expert_param_layout, full_model_targets, split_experts
 from pipeline.errors import PipelineError
-from pipeline.outputs import check_own_output, replace_own_output
+from pipeline.outputs import check_own_output, replace_own_output, seal_output
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
@@ -53,6 +63,23 @@ def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, dict[str, to
     full, targets = full_model_targets(model_shapes(cfg), expert_names(cfg))
     load_tensors(ckpt, {"model": targets})
     return cfg, full, meta
+
+
+def check_checkpoint_tokenizer(checkpoint: str | Path, tokenizer: TokenizerInfo, tokenizer_file: str | Path | None = None) -> None:
+    """A checkpoint meets only the tokenizer it was trained with (its meta.json's data.tokenizer_hash,
+    when it records one: a conversion from HF does not), and never one with more tokens than its
+    embedding has rows."""
+    ckpt = resolve_checkpoint(checkpoint)
+    config = read_meta(ckpt).get("config") or {}
+    recorded = (config.get("data") or {}).get("tokenizer_hash")
+    vocab_size = ModelConfig.from_dict(config.get("model")).vocab_size
+    named = tokenizer_file or "the tokenizer (tokenize.output)"
+    if tokenizer.vocab_size > vocab_size:
+        raise PipelineError(f"{named}: {tokenizer.vocab_size} tokens, more than the checkpoint's model.vocab_size={vocab_size} "
+                            f"({ckpt / 'meta.json'})")
+    if recorded is not None and recorded != tokenizer.sha256:
+        raise PipelineError(f"{named}: tokenizer {tokenizer.sha256[:12]} is not the one {ckpt} was trained with "
+                            f"({ckpt / 'meta.json'}: data.tokenizer_hash {str(recorded)[:12]})")
 
 
 def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
@@ -95,9 +122,11 @@ def _commit_dir(tmp: Path, out: Path) -> None:
 
 
 def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerInfo | None, *, dtype: str = "float32",
-                  max_shard_bytes: int = 2_000_000_000) -> dict[str, Any]:
+                  max_shard_bytes: int = 2_000_000_000, tokenizer_file: str | Path | None = None) -> dict[str, Any]:
     out = Path(out)
     check_own_output(out, MARKER, "convert.output (--out)")  # before any work
+    if tokenizer:
+        check_checkpoint_tokenizer(checkpoint, tokenizer, tokenizer_file)
     cfg, state, meta = load_checkpoint_weights(checkpoint)
     check_expressible(cfg)
     hf_state = {k: v.to(DTYPES[dtype]) for k, v in to_hf(cfg, state).items()}
@@ -117,46 +146,172 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerI
             "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,
             "dtype": dtype,
         }
-        (tmp / MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
+        seal_output(tmp, MARKER, provenance)  # lists every file: proof of what we wrote
         _commit_dir(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(exc):
+            raise PipelineError(f"{out}: cannot write the converted model: no space left on the device "
+                                f"({_first_line(exc)}); nothing was written") from None
         raise
     return provenance
 
 
-def read_hf_state(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC, from Python's own writes or as text from safetensors' Rust writer."""
+    import errno
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise PipelineError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
+    return (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# Weights we read: floating point that every layer of ours computes in (safetensors' dtype codes).
+HF_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_OTHER_DTYPES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # only to name them in the error
+INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class HfDirectory:
+    """An HF OLMoE directory whose config.json and safetensors headers passed every check (no tensor read yet)."""
+
+    path: Path
+    cfg: ModelConfig
+    shards: dict[str, list[str]]  # file name -> the tensors it holds
+
+
+def file_inside(directory: Path, name: Any, named_by: str) -> Path:
+    """``directory/name`` for a plain file name that stays inside ``directory``: no ``../``, no absolute
+    path, no symlink out (a hostile directory must not make us read someone else's files)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise PipelineError(f"{named_by}: {name!r} is not a plain file name inside {directory}")
+    path = directory / name
+    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
+        raise PipelineError(f"{path}: a symlink pointing outside {directory} (to {path.resolve()}); refusing to read it "
+                            "(copy the file into the directory)")
+    if not path.is_file():
+        raise PipelineError(f"{path}: not found or not a file (named by {named_by})")
+    return path
+
+
+def read_json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
+        raise PipelineError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    if not (directory / "config.json").exists():
+        raise PipelineError(f"{directory}: no config.json; not a Hugging Face model directory")
+    path = file_inside(directory, "config.json", str(directory))
+    return model_config_from_hf(read_json_file(path), str(path))
+
+
+def shard_names(directory: Path) -> dict[str, str] | list[str]:
+    """The index's weight_map (tensor -> file), or the one file of an unsharded checkpoint."""
+    single = directory / "model.safetensors"
+    has_single = single.exists() or single.is_symlink()
+    if has_single and (directory / INDEX).exists():  # transformers would load the one, we would check the other
+        raise PipelineError(f"{directory}: holds both model.safetensors and {INDEX}; a checkpoint has one or the other")
+    if (directory / INDEX).exists():
+        path = file_inside(directory, INDEX, str(directory))
+        index = read_json_file(path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise PipelineError(f"{path}: weight_map must be a non-empty object of tensor name -> file name")
+        for name, file in weight_map.items():
+            file_inside(directory, file, f"{path}: weight_map[{name!r}]")
+        return weight_map
+    if has_single:
+        file_inside(directory, "model.safetensors", str(directory))
+        return ["model.safetensors"]
+    raise PipelineError(f"{directory}: no model.safetensors or {INDEX}")
+
+
+def read_headers(directory: Path, files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """tensor name -> (file, dtype code, shape), from the safetensors headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    headers: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    for file in files:
         try:
-            state.update(load_file(str(directory / f)))
-        except Exception as exc:
-            raise PipelineError(f"{directory / f}: unreadable safetensors file ({exc})") from None
-    return state
+            with safe_open(str(directory / file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle is not iterable
+                    part = f.get_slice(name)
+                    if name in headers:
+                        raise PipelineError(f"{directory}: tensor {name} is in both {headers[name][0]} and {file}")
+                    headers[name] = (file, part.get_dtype(), tuple(part.get_shape()))
+        except SafetensorError as exc:
+            raise PipelineError(f"{directory / file}: unreadable safetensors file ({exc})") from None
+    return headers
+
+
+def open_hf_dir(directory: str | Path) -> HfDirectory:
+    """Check an HF OLMoE directory without reading its weights: config.json's keys and types, every
+    shard a file inside the directory, the index matching the shards, and every tensor's name, shape
+    and dtype against the config."""
+    directory = Path(directory)
+    cfg = read_hf_config(directory)
+    names = shard_names(directory)
+    files = sorted(set(names.values())) if isinstance(names, dict) else names
+    headers = read_headers(directory, files)
+    if isinstance(names, dict):
+        for name, (file, _, _) in headers.items():
+            if names.get(name) != file:
+                raise PipelineError(f"{directory / INDEX}: its weight_map puts tensor {name} in {names.get(name)}, but {file} holds it")
+        if unlisted := sorted(set(names) - set(headers)):
+            raise PipelineError(f"{directory / INDEX}: weight_map names tensor {unlisted[0]}, which no shard holds")
+    for name, (file, dtype, _) in headers.items():
+        if dtype not in HF_WEIGHT_DTYPES:
+            raise ConversionError(f"{directory / file}: tensor {name} is {_OTHER_DTYPES.get(dtype, dtype)}; weights must be "
+                                  f"{', '.join(HF_WEIGHT_DTYPES.values())}")
+    check_hf_tensors(cfg, {name: shape for name, (_, _, shape) in headers.items()}, str(directory))
+    shards: dict[str, list[str]] = {f: [] for f in files}
+    for name, (file, _, _) in headers.items():
+        shards[file].append(name)
+    return HfDirectory(directory, cfg, shards)
+
+
+def load_hf_weights(hf: HfDirectory, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor, one at a time, each refused by name unless finite; a tied lm_head.weight only
+    if it is the embedding. ``keep=False`` checks them without holding them (nothing returned)."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file, names in hf.shards.items():
+        with safe_open(str(hf.path / file), framework="pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if not bool(torch.isfinite(t).all()):
+                    raise ConversionError(f"{hf.path / file}: tensor {name} holds NaN or infinite values")
+                if keep or name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    state[name] = t
+    check_tied_lm_head(hf.cfg, state, str(hf.path))
+    return state if keep else {}
+
+
+def check_hf_dir(directory: str | Path) -> ModelConfig:
+    """The one validator of an HF OLMoE directory (config, tensor names, shapes, dtypes, values), for
+    `moe convert --from-hf` and before `moe evaluate` hands a directory to transformers (whose
+    from_pretrained would initialise a missing tensor at random and say nothing)."""
+    hf = open_hf_dir(directory)
+    load_hf_weights(hf, keep=False)
+    return hf.cfg
 
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
     hf_dir, out = Path(hf_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PipelineError(f"{out}: already exists and is not an empty directory; refusing to write a checkpoint there")
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise PipelineError(f"{hf_dir}: no config.json; not a Hugging Face model directory")
-    try:
-        hf_cfg = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise PipelineError(f"{config_path}: not valid JSON ({exc})") from None
-    cfg = model_config_from_hf(hf_cfg, str(config_path))
-    ours = {k: v.float() for k, v in from_hf(cfg, read_hf_state(hf_dir), str(hf_dir)).items()}
+    hf = open_hf_dir(hf_dir)
+    cfg = hf.cfg
+    ours = {k: v.float() for k, v in from_hf(cfg, load_hf_weights(hf), str(hf_dir)).items()}
     expected = model_shapes(cfg)
     for name, shape in expected.items():
         if name not in ours:

@@ -4,7 +4,9 @@ generation sample from both."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -18,12 +20,15 @@ from moe.data import TokenDataset
 from moe.model import Transformer
 from moe.parallel.env import pick_device
 from pipeline.errors import PipelineError
+from pipeline.outputs import check_output_file, json_keys_within, sha256_file, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import validation_figure
-from pipeline.stages.convert import load_checkpoint_weights
+from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir, load_checkpoint_weights
 from pipeline.stages.tokenize import read_manifest
 from pipeline.stages.train import read_metric_rows
 from pipeline.tokenizer import load_tokenizer
+
+log = logging.getLogger("pipeline.evaluate")
 
 
 def load_our_model(checkpoint: str | Path, device: torch.device) -> Transformer:
@@ -64,23 +69,73 @@ def greedy(model: Transformer, prompt: list[int], new_tokens: int, eos_id: int, 
     return ids[len(prompt):]
 
 
-def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
+def generation_length(requested: int, prompt_len: int, max_seq_len: int) -> tuple[int, bool]:
+    """(tokens to generate, whether evaluate.generate_tokens was cut to what the model allows)."""
+    room = max_seq_len - prompt_len
+    if room < 1 and requested > 0:
+        raise PipelineError(f"evaluate.prompt: {prompt_len} tokens leave no room to generate within the model's "
+                            f"{max_seq_len} positions (model.max_seq_len)")
+    new_tokens = min(requested, room)
+    if new_tokens < requested:
+        log.warning("evaluate.generate_tokens=%d: the model has %d positions (model.max_seq_len), %d after the %d-token "
+                    "prompt; generating %d", requested, max_seq_len, new_tokens, prompt_len, new_tokens)
+    return new_tokens, new_tokens < requested
+
+
+def load_hf_model(hf_dir: Path, device: torch.device):
+    """transformers' model of a directory that passed our validator first: from_pretrained initialises
+    a missing tensor at random, and fails deep inside on a config that disagrees with the weights."""
     from transformers import AutoModelForCausalLM
 
-    device = pick_device(cfg.evaluate.device)
-    checkpoint = checkpoint or cfg.checkpoint.dir
-    hf_dir = Path(hf_dir or cfg.convert.output)
-    manifest = read_manifest(cfg.tokenize.output)
-    tok_info = load_tokenizer(Path(cfg.tokenize.output) / "tokenizer.json")
-    if tok_info.sha256 != manifest["tokenizer"]["sha256"]:
-        raise PipelineError(f"{cfg.tokenize.output}/tokenizer.json does not match its manifest (tokenizer hash differs)")
-
-    ours = load_our_model(checkpoint, device)
     if not (hf_dir / "config.json").is_file():
         raise PipelineError(f"{hf_dir}: no converted model; run the convert stage first (moe convert)")
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
+    check_hf_dir(hf_dir)
+    hf, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
     if type(hf).__name__ != "OlmoeForCausalLM":
         raise PipelineError(f"{hf_dir}: transformers loaded {type(hf).__name__}, not OlmoeForCausalLM")
+    if info["missing_keys"] or info["mismatched_keys"]:  # our names and transformers' disagree: never run on random weights
+        raise PipelineError(f"{hf_dir}: transformers did not load {sorted(info['missing_keys'] or info['mismatched_keys'])[:3]}")
+    return hf.to(device).eval()
+
+
+EVAL_METRIC_KEYS = {
+    "val_loss", "val_perplexity", "hf_val_loss", "hf_rel_diff", "val_tokens", "val_windows", "val_windows_total",
+    "eval_tokens_per_s", "hf_eval_tokens_per_s", "generation_matches_hf", "generate_tokens", "generation_capped",
+    "sample_sha256", "tasks", "suite", "checkpoint", "step", "format",
+}
+recognise_metrics = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
+
+
+def output_paths(cfg: PipelineConfig) -> tuple[Path, Path]:
+    out = Path(cfg.evaluate.output)
+    return out, out.with_name(out.stem + "_sample.txt")
+
+
+def recognise_sample(path: Path) -> bool:
+    """Our sample: the metrics file beside it records its sha256."""
+    metrics = path.with_name(path.name[: -len("_sample.txt")] + ".json")
+    return metrics.is_file() and json.loads(metrics.read_text()).get("sample_sha256") == sha256_file(path)
+
+
+def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
+    try:
+        device = pick_device(cfg.evaluate.device, key="evaluate.device")
+    except RuntimeError as exc:
+        raise PipelineError(str(exc)) from None
+    checkpoint = checkpoint or cfg.checkpoint.dir
+    hf_dir = Path(hf_dir or cfg.convert.output)
+    out, sample_path = output_paths(cfg)
+    check_output_file(out, "evaluate.output", recognise_metrics)  # before any work: never a user's file
+    check_output_file(sample_path, "evaluate.output (its _sample.txt)", recognise_sample)
+    manifest = read_manifest(cfg.tokenize.output)
+    tok_file = Path(cfg.tokenize.output) / "tokenizer.json"
+    tok_info = load_tokenizer(tok_file)
+    if tok_info.sha256 != manifest["tokenizer"]["sha256"]:
+        raise PipelineError(f"{cfg.tokenize.output}/tokenizer.json does not match its manifest (tokenizer hash differs)")
+    check_checkpoint_tokenizer(checkpoint, tok_info, tok_file)  # the data is that tokenizer's (TokenDataset checks)
+
+    ours = load_our_model(checkpoint, device)
+    hf = load_hf_model(hf_dir, device)
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)
     val = TokenDataset([str(Path(cfg.tokenize.output) / "val")], seq_len, tokenizer_hash=tok_info.sha256)
@@ -100,12 +155,17 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
 
     tok = tok_info.build()
     prompt = tok.encode(cfg.evaluate.prompt, add_special_tokens=False).ids or [tok_info.eos_id]
-    ours_ids = greedy(ours, prompt, cfg.evaluate.generate_tokens, tok_info.eos_id, device)
-    hf_out = hf.generate(
-        torch.tensor([prompt], device=device), max_new_tokens=cfg.evaluate.generate_tokens, do_sample=False,
-        eos_token_id=tok_info.eos_id, pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
-    )
-    hf_ids = hf_out[0, len(prompt):].tolist()
+    # transformers generates past its max_position_embeddings: both stop where the model does
+    max_len = min(ours.cfg.max_seq_len, hf.config.max_position_embeddings)
+    new_tokens, capped = generation_length(cfg.evaluate.generate_tokens, len(prompt), max_len)
+    ours_ids = greedy(ours, prompt, new_tokens, tok_info.eos_id, device)
+    hf_ids: list[int] = []
+    if new_tokens:  # transformers refuses max_new_tokens=0
+        hf_out = hf.generate(
+            torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False,
+            eos_token_id=tok_info.eos_id, pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
+        )
+        hf_ids = hf_out[0, len(prompt):].tolist()
     sample = cfg.evaluate.prompt + tok.decode(ours_ids, skip_special_tokens=False)
 
     metrics = {
@@ -120,12 +180,13 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "eval_tokens_per_s": tokens / seconds,
         "hf_eval_tokens_per_s": tokens / hf_seconds,
         "generation_matches_hf": float(ours_ids == hf_ids),
+        # the sample's length limit: evaluate.generate_tokens, or less where the model ends first
+        "generate_tokens": new_tokens,
+        "generation_capped": float(capped),
     }
-    out = Path(cfg.evaluate.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sample_path = out.with_name(out.stem + "_sample.txt")
-    sample_path.write_text(sample + "\n")
-    out.write_text(json.dumps(metrics, indent=2) + "\n")
+    metrics["sample_sha256"] = hashlib.sha256((sample + "\n").encode()).hexdigest()
+    write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)
+    write_output_file(out, json.dumps(metrics, indent=2) + "\n", "evaluate.output", recognise_metrics)
     train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     if tracker:

@@ -8,8 +8,10 @@ tokenizer it was made with.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,13 @@ from moe.config import ConfigError, ExperimentConfig
 from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
+from pipeline.outputs import csv_header, json_keys_within, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import TRAIN_DIR, train_figures
 from pipeline.redact import has_password, redact
 from pipeline.resume import prepare_checkpoints
+from pipeline.run_dirs import check_run_dirs
+from pipeline.run_lock import RunLock, command_line
 from pipeline.stages.tokenize import read_manifest
 
 SECRET_URI_ENV = "MOE_MLFLOW_TRACKING_URI"  # the full tracking URI for jobs, by environment only
@@ -57,11 +62,16 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentCon
         for p in (Path(value), *Path(value).parents):
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"{key}: {value} is not a directory ({p} is a file)")
-    if cfg.executor.kind == "local" and cfg.train.device == "cuda":
+    check_run_dirs(cfg.executor.run_dir, cfg.checkpoint.dir)  # read only: before the lock creates anything
+    if cfg.executor.kind == "local":
         import torch
 
-        if not torch.cuda.is_available():
+        if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
+        if cfg.train.device == "cpu" or not torch.cuda.is_available():
+            from moe.train.plan import check_host_memory
+
+            check_host_memory(exp, world_size(cfg))  # before anything is allocated
     return exp
 
 
@@ -81,16 +91,30 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> Tr
     )
 
 
+def prepare_run(job: TrainJob) -> str:
+    """Under the run's lock: its directories hold only what runs write, and the checkpoints
+    there are resumed, extended or refused (pipeline.resume); never deleted unless stored."""
+    check_run_dirs(job.run_dir, job.checkpoint_dir)
+    start = prepare_checkpoints(job.config)  # DVC keeps the run dir (persist); resume only the same config
+    if start in ("fresh", "restart") and job.metrics_path.is_file() and not job.metrics_path.is_symlink():
+        job.metrics_path.unlink()  # our own history of a run whose checkpoints are gone; a resumed job keeps it
+    return start
+
+
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
     job = make_job(cfg, tracker)
-    start = prepare_checkpoints(job.config)  # DVC keeps the run dir (persist); resume only the same config
-    if tracker:
-        tracker.set_tags({"train.start": start})
-    if start != "resume" and job.metrics_path.exists():
-        job.metrics_path.unlink()  # a fresh run; a resumed job keeps the history (its sink trims re-run steps)
-    if tracker and cfg.executor.kind == "slurm":
-        tracker.set_tags(container_tags(cfg))
-    result = build_executor(cfg).run(job)
+    lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (train stage)")
+    try:
+        start = prepare_run(job)
+        if tracker:
+            tracker.set_tags({"train.start": start})
+        if tracker and cfg.executor.kind == "slurm":
+            tracker.set_tags(container_tags(cfg))
+        if cfg.executor.kind == "slurm":
+            lock.release()  # the job's rank 0 takes it on the cluster
+        result = build_executor(cfg).run(job)
+    finally:
+        lock.release()
     if not result.ok:
         raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
     return finish_train(cfg, job, tracker)
@@ -132,12 +156,22 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
 
 def read_metric_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of metrics.jsonl, one per step: a resumed job re-runs the steps after its last
-    checkpoint, and the later row (the one the finished model descends from) wins."""
+    checkpoint, and the later row (the one the finished model descends from) wins. A damaged
+    line (a kill mid-write, an edit) is skipped with one warning naming it, as the training
+    sink itself drops it on the next resume."""
     by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    damaged = []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            by_step[row["step"]] = row
+            by_step[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            damaged.append(lineno)
+    if damaged:
+        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)",
+              file=sys.stderr, flush=True)
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -182,19 +216,28 @@ def load_alarm_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"load_alarm": len(layers), "load_alarm_first_step": first}
 
 
+TRAIN_METRIC_KEYS = {
+    "steps", "final_loss", "params_total", "params_active", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_device",
+    "tflops_per_device", "lb_loss", "z_loss", "expert_load_max_over_mean", "expert_load_min_over_mean", "expert_load_cv",
+    "expert_load_entropy", "load_alarm", "load_alarm_first_step", "skipped_steps", "mfu", "router_health",
+    "router_health_first_step",
+}
+LOSS_COLUMNS = ["step", "loss"]
+THROUGHPUT_COLUMNS = ["step", "tokens_per_s_per_device", "tflops_per_device"]
+
+
+def csv_text(header: list[str], rows: list[list[Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue()
+
+
 def write_outputs(metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    METRICS_FILE.parent.mkdir(parents=True, exist_ok=True)
-    METRICS_FILE.write_text(json.dumps(metrics, indent=2) + "\n")
-    LOSS_PLOT.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOSS_PLOT, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "loss"])
-        for r in rows:
-            if isinstance(r.get("loss"), (int, float)):
-                w.writerow([r["step"], r["loss"]])
-    with open(THROUGHPUT_PLOT, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "tokens_per_s_per_device", "tflops_per_device"])
-        for r in rows:
-            if "tokens_per_s_per_device" in r:
-                w.writerow([r["step"], r["tokens_per_s_per_device"], r["tflops_per_device"]])
+    write_output_file(METRICS_FILE, json.dumps(metrics, indent=2) + "\n", "metrics/train.json",
+                      json_keys_within(TRAIN_METRIC_KEYS, "final_loss"))
+    loss = [[r["step"], r["loss"]] for r in rows if isinstance(r.get("loss"), (int, float))]
+    write_output_file(LOSS_PLOT, csv_text(LOSS_COLUMNS, loss), str(LOSS_PLOT), csv_header(LOSS_COLUMNS))
+    speed = [[r["step"], r["tokens_per_s_per_device"], r["tflops_per_device"]] for r in rows if "tokens_per_s_per_device" in r]
+    write_output_file(THROUGHPUT_PLOT, csv_text(THROUGHPUT_COLUMNS, speed), str(THROUGHPUT_PLOT), csv_header(THROUGHPUT_COLUMNS))

@@ -86,3 +86,11 @@ def in_trained(trained_dir, monkeypatch):
     monkeypatch.chdir(trained_dir)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return trained_dir
+
+
+@pytest.fixture
+def ws(trained_dir, tmp_path, monkeypatch):
+    """A private copy of the shared trained workspace (tokens, checkpoints), as cwd."""
+    from tests.pipeline.hostile import make_workspace
+
+    return make_workspace(trained_dir, tmp_path, monkeypatch)

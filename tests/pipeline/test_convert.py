@@ -1,6 +1,7 @@
 """Conversion against transformers' own OlmoeForCausalLM, both directions."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from safetensors.torch import save_file
 
 from moe.interop import ConversionError
 from pipeline.errors import PipelineError
-from pipeline.stages.convert import convert_from_hf, convert_to_hf, load_checkpoint_weights, load_tokens_tokenizer
+from pipeline.stages.convert import check_hf_dir, convert_from_hf, convert_to_hf, load_checkpoint_weights, load_tokens_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,3 +101,140 @@ def test_non_olmoe_or_broken_hf_dirs_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="is missing"):
         convert_from_hf(e, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+# ----------------------------------------------------------- the HF directory validator
+
+def transformers_dir(path: Path, dtype=torch.float32, **over) -> Path:
+    """An OLMoE directory written by transformers itself (its own names, layout and config.json)."""
+    config = transformers.OlmoeConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=0, **over)
+    transformers.OlmoeForCausalLM(config).to(dtype).save_pretrained(path)
+    return path
+
+
+def rewrite(path: Path, change) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    change(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_transformers_own_directories_pass_and_convert(tmp_path, dtype):
+    d = transformers_dir(tmp_path / "hf", dtype)
+    assert check_hf_dir(d).moe.num_experts == 4
+    convert_from_hf(d, tmp_path / "ck")
+    assert (tmp_path / "ck/latest").is_file()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [(lambda s: s["model.norm.weight"].fill_(float("inf")), "tensor model.norm.weight holds NaN or infinite values"),
+     (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].double()}), "tensor model.norm.weight is float64"),
+     (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.int64)}), "tensor model.norm.weight is int64"),
+     (lambda s: s.pop("model.layers.1.post_attention_layernorm.weight"), "tensor model.layers.1.post_attention_layernorm.weight is missing"),
+     (lambda s: s.update({"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(8, 16)}), "expert 9 does not exist")],
+)
+def test_hostile_weights_are_refused_by_tensor_name(tmp_path, change, words):
+    d = transformers_dir(tmp_path / "hf")
+    rewrite(d / "model.safetensors", change)
+    with pytest.raises(ConversionError, match=re.escape(words)):
+        check_hf_dir(d)
+    with pytest.raises(ConversionError, match=re.escape(words)):
+        convert_from_hf(d, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_tied_lm_head_must_be_the_embedding(tmp_path):
+    d = transformers_dir(tmp_path / "hf")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ConversionError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        check_hf_dir(d)
+    rewrite(d / "model.safetensors", lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
+    assert check_hf_dir(d).tie_embeddings
+
+
+def shard_with_index(d: Path, shard: str, target: Path | None = None) -> None:
+    """model.safetensors moved to `target` (default: d/shard), and an index naming `shard` for every tensor."""
+    from safetensors import safe_open
+
+    with safe_open(d / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    (d / "model.safetensors").rename(target or d / shard)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+
+
+def test_every_shard_is_a_file_inside_the_directory(tmp_path):
+    d = transformers_dir(tmp_path / "hf")
+    shard_with_index(d, "../outside.safetensors", tmp_path / "outside.safetensors")
+    with pytest.raises(PipelineError, match=re.escape("'../outside.safetensors' is not a plain file name inside")):
+        check_hf_dir(d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(index["weight_map"], "shard.safetensors")}))
+    (d / "shard.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    with pytest.raises(PipelineError, match="a symlink pointing outside"):
+        check_hf_dir(d)
+    (d / "shard.safetensors").unlink()
+    (tmp_path / "outside.safetensors").rename(d / "real.safetensors")
+    (d / "shard.safetensors").symlink_to("real.safetensors")  # a link within the directory is fine
+    check_hf_dir(d)
+
+
+def test_the_index_must_match_the_shards(tmp_path):
+    d = transformers_dir(tmp_path / "hf")
+    shard_with_index(d, "a.safetensors")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({"weight_map": {**index["weight_map"], "model.norm.weight": "b.safetensors"}}))
+    save_file({"x": torch.zeros(1)}, str(d / "b.safetensors"))
+    with pytest.raises(PipelineError, match="puts tensor model.norm.weight in b.safetensors, but a.safetensors holds it"):
+        check_hf_dir(d)
+    index_path.write_text(json.dumps({"weight_map": {**index["weight_map"], "model.ghost.weight": "a.safetensors"}}))
+    with pytest.raises(PipelineError, match="weight_map names tensor model.ghost.weight, which no shard holds"):
+        check_hf_dir(d)
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(PipelineError, match="holds both model.safetensors and model.safetensors.index.json"):
+        check_hf_dir(d)
+    (d / "model.safetensors").unlink()
+    index_path.write_text(json.dumps({"weight_map": index["weight_map"]}))
+    (d / "a.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(PipelineError, match="a.safetensors: unreadable safetensors file"):
+        check_hf_dir(d)
+
+
+def test_a_deeply_nested_config_json_is_one_clear_error(tmp_path):
+    d = transformers_dir(tmp_path / "hf")
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PipelineError, match="config.json: not valid JSON"):
+        check_hf_dir(d)
+
+
+def test_convert_refuses_another_tokenizer_naming_both_hashes(in_trained, tmp_path):
+    from tokenizers import Tokenizer
+
+    from pipeline.tokenizer import describe
+
+    tok = load_tokens_tokenizer("data/tokens")
+    other = Tokenizer.from_str(tok.json_text)
+    other.add_tokens(["<another>"])
+    other = describe(other)
+    meta = json.loads(next(Path("runs/train/checkpoints").glob("step_*/meta.json")).read_text())
+    with pytest.raises(PipelineError) as exc:
+        convert_to_hf("runs/train/checkpoints", tmp_path / "hf", other, tokenizer_file="other/tokenizer.json")
+    assert str(exc.value).startswith("other/tokenizer.json: tokenizer ")
+    assert other.sha256[:12] in str(exc.value) and meta["config"]["data"]["tokenizer_hash"][:12] in str(exc.value)
+    big = Tokenizer.from_str(tok.json_text)
+    big.add_tokens([f"<t{i}>" for i in range(400)])
+    with pytest.raises(PipelineError, match="tokens, more than the checkpoint's model.vocab_size=320"):
+        convert_to_hf("runs/train/checkpoints", tmp_path / "hf", describe(big))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_converted_from_hf_records_no_tokenizer_and_converts_with_one_that_fits(in_trained, tmp_path):
+    tok = load_tokens_tokenizer("data/tokens")
+    convert_to_hf("runs/train/checkpoints", tmp_path / "hf", tok)
+    convert_from_hf(tmp_path / "hf", tmp_path / "ck")
+    convert_to_hf(tmp_path / "ck", tmp_path / "hf2", tok)  # no data.tokenizer_hash to compare: only the vocabulary is

@@ -1,116 +1,37 @@
 """Hostile but fair input and faults (issue 10): every case is one row of CASES.
 
-Each row runs a real `moe` command (in-process through typer's runner; training goes through
-the real local executor) or a library call against a real workspace, and is classified:
-
-    clear     non-zero exit with one `error:` line (or the expected exception), nothing else broken
-    ok        the fault was absorbed as documented (exit 0, e.g. spooled metrics, a loud skip)
-    traceback an unexpected exception or a traceback in the output
-    silent    exit 0 / no error where one was due
-    lost      a file we did not create was deleted
-    leaked    a planted password appeared in output or files
-    executed  planted code ran
-
-The module prints the table and the counts (tried / clear / traceback / silent / lost / ...).
+The harness (outcomes, workspace, running) is tests/pipeline/hostile.py; the later audit's
+cases are in test_hostile_audit.py. The session prints every table and the counts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
-import pickle
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from tests.pipeline.conftest import REPO
-
-SECRET = "hunter2-s3cret"
-RESULTS: dict[str, tuple[str, str]] = {}
-
-
-@dataclasses.dataclass
-class Case:
-    id: str
-    item: int
-    args: list[str] | None = None  # `moe` arguments
-    call: Callable | None = None  # or a library-level case: call(ws) asserts what must happen
-    setup: Callable | None = None  # setup(ws) before the command
-    expect: str = "clear"
-    check: Callable | None = None  # check(ws, result) -> outcome override or None
-    env: dict | None = None
-    slow: bool = False
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-class Planted:
-    """Pickles to a call of os.system that creates ``marker``: what an attacker would plant."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def plant_pickle(path: Path, marker: Path) -> None:
-    """A torch.save file for .pt (what torch.load reads), a bare pickle for DCP's .metadata."""
-    if path.suffix == ".pt":
-        import torch
-
-        torch.save(Planted(marker), path)
-    else:
-        path.write_bytes(pickle.dumps(Planted(marker)))
-
-
-def reseal(step_dir: Path) -> None:
-    """Recompute meta.json's checksums, as an attacker who edits a checkpoint would."""
-    import hashlib
-
-    meta = json.loads((step_dir / "meta.json").read_text())
-    if "files" in meta:
-        meta["files"] = {name: hashlib.sha256((step_dir / name).read_bytes()).hexdigest() for name in meta["files"]}
-        (step_dir / "meta.json").write_text(json.dumps(meta))
-
-
-def ckpt(ws: Path) -> Path:
-    from moe.train.checkpoint import latest_checkpoint
-
-    return latest_checkpoint(ws / "runs/train/checkpoints")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def user_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "notes.txt").write_text("my notes\n")
-
-
-def sentinel_files(ws: Path) -> list[Path]:
-    return [p for p in ws.rglob("notes.txt")] + [p for p in ws.rglob("precious*")]
-
+from tests.pipeline.hostile import (
+    REPO,
+    SECRET,
+    Case,
+    _app,
+    ckpt,
+    flip_byte,
+    free_port,
+    params_for,
+    plant_pickle,
+    reseal,
+    run_case,
+    user_dir,
+)
 
 # ------------------------------------------------------------------------ the cases
 
@@ -184,13 +105,13 @@ def _tokenize_into_user_dir(ws):
 
 
 def _convert_twice(ws):
-    (ws / "runs/hf").mkdir(parents=True, exist_ok=True)
-    (ws / "runs/hf/moe_conversion.json").write_text("{}\n")
-    (ws / "runs/hf/stale.bin").write_text("old output\n")
+    """A genuine earlier conversion (every file listed, unchanged) is ours to replace."""
+    r = CliRunner().invoke(_app(), ["convert", "--no-mlflow"])
+    assert r.exit_code == 0, r.output
 
 
 def _converted_again(ws, result):
-    return None if not (ws / "runs/hf/stale.bin").exists() and (ws / "runs/hf/config.json").is_file() else "silent"
+    return None if (ws / "runs/hf/config.json").is_file() and (ws / "runs/hf/moe_conversion.json").is_file() else "silent"
 
 
 def _binary_corpus(ws):
@@ -435,87 +356,6 @@ CASES = [
 ]
 
 
-def _app():
-    from pipeline.cli import app
-
-    return app
-
-
-# -------------------------------------------------------------------------- running
-
-
-@pytest.fixture
-def ws(trained_dir, tmp_path, monkeypatch):
-    """A private copy of the shared trained workspace (tokens, checkpoints), as cwd."""
-    root = tmp_path / "ws"
-    shutil.copytree(trained_dir, root, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", "mlruns"))
-    monkeypatch.chdir(root)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return root
-
-
-def run_cli(case: Case, ws: Path) -> tuple[str, str]:
-    if case.setup:
-        case.setup(ws)
-    before = sentinel_files(ws)
-    result = CliRunner().invoke(_app(), case.args, catch_exceptions=True)
-    out = result.output
-    lost = [p for p in before if not p.exists()]
-    if (ws / "injected").exists() or (ws / "EXECUTED").exists() or "\ntouch injected" in out:
-        outcome = "executed"
-    elif lost:
-        outcome = "lost"
-    elif (result.exception is not None and not isinstance(result.exception, SystemExit)) or "Traceback" in out:
-        outcome = "traceback"
-    elif result.exit_code == 0:
-        outcome = "ok" if case.expect == "ok" else "silent"
-    else:
-        # the command's own last line (a training run streams rank 0's log above it)
-        lines = out.strip().splitlines()
-        outcome = "clear" if lines and lines[-1].startswith("error:") and result.exit_code != 1 else "traceback"
-    if case.check and outcome in ("ok", "clear"):
-        outcome = case.check(ws, result) or outcome
-    return outcome, out.strip().splitlines()[-1] if out.strip() else ""
-
-
-def run_call(case: Case, ws: Path) -> tuple[str, str]:
-    if case.setup:
-        case.setup(ws)
-    try:
-        case.call(ws)
-    except (AssertionError, pytest.fail.Exception) as exc:
-        return "silent", (str(exc).splitlines() or ["assertion"])[0]
-    except Exception as exc:  # an unexpected exception is a finding
-        return "traceback", f"{type(exc).__name__}: {exc}"
-    if (ws / "EXECUTED").exists():
-        return "executed", ""
-    return ("ok" if case.expect == "ok" else "clear"), ""
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.slow else []) for c in CASES])
+@pytest.mark.parametrize("case", params_for(CASES))
 def test_hostile(case: Case, ws, monkeypatch):
-    for k, v in (case.env or {}).items():
-        monkeypatch.setenv(k, f"http://127.0.0.1:{free_port()}" if v == "unreachable" else v)
-    started = time.monotonic()
-    outcome, detail = run_call(case, ws) if case.call else run_cli(case, ws)
-    RESULTS[case.id] = (outcome, f"{time.monotonic() - started:5.1f}s {detail}")
-    assert outcome == case.expect, f"{case.id}: {outcome} ({detail})"
-    assert not (ws / "injected").exists() and not (ws / "EXECUTED").exists()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report(request):
-    yield
-    if not RESULTS:
-        return
-    counts = Counter(o for o, _ in RESULTS.values())
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    lines = ["", "hostile-input cases (issue 10):"]
-    lines += [f"  {cid:42s} {o:9s} {d[:100]}" for cid, (o, d) in RESULTS.items()]
-    lines.append("tried {} / clear error {} / absorbed ok {} / traceback {} / silent {} / lost {} / leaked {} / executed {}".format(
-        len(RESULTS), *(counts.get(k, 0) for k in ("clear", "ok", "traceback", "silent", "lost", "leaked", "executed"))))
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for line in lines:
-            (tr.write_line(line) if tr else print(line))
+    run_case("issue 10", case, ws, monkeypatch)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from pipeline.outputs import LEDGER
 from pipeline.plots import expert_load_matrix, train_figures, validation_figure, write_expert_load_csv
 from pipeline.stages.train import read_metric_rows
 
@@ -13,7 +14,8 @@ def test_training_and_validation_figures(trained_dir, tmp_path):
     written = train_figures(rows, tmp_path / "train")
     assert sorted(p.name for p in written) == ["expert_load.png", "loss.png", "lr.png", "throughput_mfu.png"]
     assert all(p.read_bytes().startswith(PNG) for p in written)
-    assert not [p for p in (tmp_path / "train").iterdir() if p.name.startswith(".")]  # no temporaries left
+    left = [p.name for p in (tmp_path / "train").iterdir() if p.name.startswith(".")]
+    assert left == [LEDGER]  # no temporaries left; the ledger of what was written (pipeline.outputs)
     assert validation_figure(rows, 3.0, 3.0, tmp_path / "eval").read_bytes().startswith(PNG)
 
 

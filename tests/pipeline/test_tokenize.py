@@ -8,7 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from moe.config import ConfigError
 from moe.data import TokenDataset, open_token_file
+from pipeline.corpus import Source, read_documents
 from pipeline.errors import PipelineError
 from pipeline.params import TokenizeConfig
 from pipeline.stages.tokenize import run_tokenize
@@ -112,3 +114,51 @@ def test_bad_input_fails_clearly_and_writes_nothing(workspace, setup, kw, messag
     assert message in str(info.value)
     assert not Path("out").exists()
     assert not list(Path(".").glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("key", ["max_document_bytes", "stall_timeout_s"])
+def test_bounds_must_be_positive(key):
+    with pytest.raises(ConfigError, match=f"tokenize.{key}: must be > 0"):
+        TokenizeConfig(**{key: 0}).validate("tokenize")
+
+
+def test_documents_over_the_bound_are_skipped_unread_and_listed(workspace):
+    """In every format; the documents after an over-long line keep their place (and their split)."""
+    d = Path("long")
+    d.mkdir()
+    texts = [f"document number {i} is short and fine" for i in range(6)]
+    with open(d / "a.jsonl", "w") as f:
+        for t in [texts[0], "y" * 5000, texts[1]]:
+            f.write(json.dumps({"text": t}) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        for t in ["z" * 5000, texts[2], texts[3]]:
+            f.write(json.dumps({"text": t}) + "\n")
+    (d / "c.txt").write_text("w " * 2000)
+    (d / "d.txt").write_text(texts[4])
+    pq.write_table(pa.table({"text": [texts[5], "\u00e9" * 600]}), d / "e.parquet")  # 600 chars, 1200 bytes
+    m = run_tokenize(cfg(inputs=["long"], max_document_bytes=1000))
+    assert sorted(s["source"] for s in m["skipped_documents"]) == ["long/a.jsonl:2", "long/b.jsonl.gz:1", "long/c.txt", "long/e.parquet:1"]
+    assert all("tokenize.max_document_bytes (1000 bytes)" in s["reason"] for s in m["skipped_documents"])
+    assert m["skipped_files"] == [] and m["params"]["max_document_bytes"] == 1000
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 6
+    keys = [doc.key for doc in read_documents(Source(d / "a.jsonl", "long/a.jsonl"), "text", 1000)]
+    assert keys == ["long/a.jsonl:1", "long/a.jsonl:3"]
+
+
+def test_lone_surrogates_become_replacement_characters(workspace):
+    Path("corpus/odd.jsonl").write_text('{"text": "abc \\ud800 def"}\n{"text": "\\udfff and a pair \\ud83d\\ude00"}\n')
+    docs = [d.text for d in read_documents(Source(Path("corpus/odd.jsonl"), "odd.jsonl"), "text", 1 << 20)]
+    assert docs == ["abc \ufffd def", "\ufffd and a pair \U0001f600"]
+    m = run_tokenize(cfg())
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 62
+
+
+def test_encoding_in_batches_does_not_change_the_output(workspace, monkeypatch):
+    """BATCH_CHARS splits a file's documents into several encode calls (a heartbeat after each)."""
+    import pipeline.stages.tokenize as stage
+
+    monkeypatch.setattr(stage, "BATCH_CHARS", 500)
+    run_tokenize(cfg(output="small_batches", workers=2, inputs=["corpus", "stdlib"], max_bytes=200_000))
+    monkeypatch.setattr(stage, "BATCH_CHARS", 1 << 30)
+    run_tokenize(cfg(output="one_batch", workers=1, inputs=["corpus", "stdlib"], max_bytes=200_000))
+    assert tree_digest(Path("small_batches")) == tree_digest(Path("one_batch"))

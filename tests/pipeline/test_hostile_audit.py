@@ -1,0 +1,562 @@
+"""The hostile-input audit of main d3992cd (issue 25), one row per item it found, beside the
+issue-10 table (test_hostile.py). Items 7, 10's evaluate rows and 13's convert/evaluate rows
+are in test_hostile_hf.py; 8's and 12's tokenizer rows in test_hostile_tokenize.py.
+The harness is tests/pipeline/hostile.py; the session prints every table and the counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.helpers import plant_bytes_entry, rewrite_checkpoint
+from tests.pipeline.hostile import REPO, SECRET, Case, _app, ckpt, free_port, params_for, reseal, run_case, user_dir
+
+TABLE = "issue 25: audit"
+TRAIN = ["train", "--no-mlflow"]
+
+
+def _no_exec(ws, result):
+    return "executed" if (ws / "EXECUTED").exists() else None
+
+
+def _run(ws: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ws, env=full, capture_output=True, text=True,
+                          timeout=300)
+
+
+# ---------------------------------------------------------------- 1: code through a checkpoint
+
+
+def _plant_bytes(ws):
+    plant_bytes_entry(ckpt(ws), ws / "EXECUTED")
+
+
+def _plant_bytes_for_evaluate(ws):
+    r = _run(ws, "convert", "--no-mlflow")
+    assert r.returncode == 0, r.stderr
+    _plant_bytes(ws)
+
+
+def _unfinish(ws):
+    """Make the run resumable (drop the newest step) and plant in the one it resumes from."""
+    import shutil
+
+    root = ws / "runs/train/checkpoints"
+    steps = sorted(p for p in root.iterdir() if p.name.startswith("step_"))
+    shutil.rmtree(steps[-1])
+    (root / "latest").write_text(steps[-2].name + "\n")
+    _plant_bytes(ws)
+
+
+# ---------------------------------------------------------------- 2: outputs and users' files
+
+
+def _webapp(ws):
+    app = ws / "webapp"
+    (app / "src").mkdir(parents=True)
+    (app / "manifest.json").write_text(json.dumps({"name": "my app", "start_url": "/"}))
+    (app / "index.html").write_text("<html>precious</html>")
+    (app / "src/app.js").write_text("console.log('precious')")
+
+
+def _adapter_dir(ws):
+    d = ws / "adapter"
+    d.mkdir()
+    (d / "moe_conversion.json").write_text("{}\n")
+    (d / "README.md").write_text("my adapter\n")
+    (d / "adapter.bin").write_bytes(b"\0precious")
+
+
+def _own_conversion_edited(ws):
+    r = _run(ws, "convert", "--no-mlflow", "--out", "hfmine")
+    assert r.returncode == 0, r.stderr
+    (ws / "hfmine/notes.txt").write_text("my notes about this model\n")
+
+
+def _user_readme(ws):
+    (ws / "README.md").write_text("# my project\n")
+    r = _run(ws, "convert", "--no-mlflow")
+    assert r.returncode == 0, r.stderr
+
+
+def _user_sample(ws):
+    _user_readme(ws)
+    (ws / "metrics").mkdir(exist_ok=True)
+    (ws / "metrics/notes_sample.txt").write_text("my sample notes\n")
+
+
+# ---------------------------------------------------------------- 3: reruns and checkpoints
+
+
+def _extended(ws, result):
+    log = (ws / "runs/train/logs/rank0.log").read_text()
+    rows = [json.loads(line)["step"] for line in (ws / "runs/train/metrics.jsonl").read_text().splitlines()]
+    if "resumed from" not in log or "step_00000008" not in log or rows[0] != 1 or rows[-1] != 12:
+        return "lost"
+    return None if "extending the run" in result.output else "silent"
+
+
+class Holder:
+    """A process holding a run's lock (another `moe train`), ended by teardown."""
+
+    procs: list[subprocess.Popen] = []
+
+    @classmethod
+    def start(cls, ws: Path, *dirs: str) -> None:
+        code = ("import sys, time; from pipeline.run_lock import RunLock; RunLock(*sys.argv[1:]).acquire('moe train'); "
+                "print('held', flush=True); time.sleep(120)")
+        proc = subprocess.Popen([sys.executable, "-c", code, *dirs], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "held"
+        cls.procs.append(proc)
+
+    @classmethod
+    def stop(cls, ws: Path) -> None:
+        while cls.procs:
+            p = cls.procs.pop()
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- 4: a path into sbatch
+
+
+def _newline_cwd(ws):
+    evil = ws / "evil\ntouch injected #"
+    evil.mkdir()
+    (evil / "params.yaml").write_text((ws / "params.yaml").read_text())
+    cwd = os.getcwd()
+    os.chdir(evil)
+    try:
+        r = CliRunner().invoke(_app(), ["submit", "--dry-run", "--set", "slurm.partition=gpu"])
+    finally:
+        os.chdir(cwd)
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error:"), r.output
+    assert "\ntouch injected" not in r.output and "control character" in r.output, r.output
+
+
+# ---------------------------------------------------------------- 5: a trickling server
+
+
+class TricklingServer:
+    """Accepts HTTP and answers one byte every ``every`` seconds, forever."""
+
+    def __init__(self, every: float = 4.0) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.every, self.stop = every, False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn) -> None:
+        try:
+            conn.recv(65536)
+            for b in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{}" * 100:
+                if self.stop:
+                    break
+                conn.send(bytes([b]))
+                time.sleep(self.every)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+_SERVERS: list[TricklingServer] = []
+
+
+def _trickling(ws):
+    srv = TricklingServer()
+    _SERVERS.append(srv)
+    (ws / "uri").write_text(f"http://127.0.0.1:{srv.port}")
+
+
+def _trickle_train(ws):
+    """`moe train` against the trickling server ends (offline, spooled) instead of hanging."""
+    _trickling(ws)
+    t0 = time.monotonic()
+    r = _run(ws, "train", "--set", "train.max_steps=10", "--set", "checkpoint.dir=runs/t/ck", "--set", "executor.run_dir=runs/t",
+             env={"MLFLOW_TRACKING_URI": (ws / "uri").read_text(), "MOE_TRACKING_DEADLINE_S": "5"})
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (ws / "runs/t/summary.json").is_file() and took < 150, took
+
+
+def _stop_servers(ws):
+    for s in _SERVERS:
+        s.stop = True
+        s.sock.close()
+    _SERVERS.clear()
+
+
+# ---------------------------------------------------------------- 6: checkpoint integrity
+
+
+def _edit_meta(ws, **changes):
+    path = ckpt(ws) / "meta.json"
+    meta = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is None:
+            meta.pop(k)
+        else:
+            meta[k] = v
+    path.write_text(json.dumps(meta))
+
+
+def _drop_files_list(ws):
+    _edit_meta(ws, files=None)
+
+
+def _drop_files_list_resealed(ws):
+    _edit_meta(ws, files=None)
+    reseal(ckpt(ws))
+
+
+def _flip_after_drop(ws):
+    from tests.pipeline.hostile import flip_byte
+
+    _drop_files_list_resealed(ws)
+    flip_byte(next(ckpt(ws).glob("*.distcp")))
+
+
+def _edit_top_k(ws):
+    path = ckpt(ws) / "meta.json"
+    meta = json.loads(path.read_text())
+    meta["config"]["model"]["moe"]["top_k"] = 1
+    path.write_text(json.dumps(meta))
+
+
+def _edit_step_resealed(ws):
+    _unfinished_checkpoint_step(ws)
+    _edit_meta(ws, step=18)
+    reseal(ckpt(ws))
+
+
+def _unfinished_checkpoint_step(ws):
+    import shutil
+
+    root = ws / "runs/train/checkpoints"
+    steps = sorted(p for p in root.iterdir() if p.name.startswith("step_"))
+    shutil.rmtree(steps[-1])
+    (root / "latest").write_text(steps[-2].name + "\n")
+
+
+def _nan_weights(ws):
+    def nan(tree):
+        tree["model"]["embed.weight"][1, 2] = float("nan")
+
+    rewrite_checkpoint(ckpt(ws), nan)
+
+
+# ---------------------------------------------------------------- 8: resources
+
+
+def _yaml_bomb(ws):
+    lines = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, 12):
+        lines.append(f"{chr(97 + i)}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] * 9)}]")
+    (ws / "bomb.yaml").write_text("\n".join(lines) + "\n")
+
+
+def _yaml_deep(ws):
+    (ws / "deep.yaml").write_text("a: " + "[" * 50_000 + "]" * 50_000 + "\n")
+
+
+def _yaml_duplicate(ws):
+    text = (ws / "params.yaml").read_text()
+    (ws / "dup.yaml").write_text(text + "\noptim:\n  lr: 0.5\n")
+
+
+def _olmoe_params(ws):
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    params["model"] = {"preset": "olmoe-1b-7b"}
+    (ws / "olmoe.yaml").write_text(yaml.safe_dump(params))
+
+
+def _damaged_metrics(ws):
+    path = ws / "runs/train/metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines.insert(1, '{"step": 2, "loss": 1.0, oops')
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _damaged_metrics_kept(ws, result):
+    return None if "metrics.jsonl:2" in result.output and "skipped" in result.output else "silent"
+
+
+def _no_mlflow_module(ws):
+    code = ("import sys; sys.modules['mlflow'] = None; sys.argv = ['moe', 'tokenize', '--set', 'tokenize.output=tok2']; "
+            "from pipeline.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                       text=True, timeout=300)
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error:") and "moe-pipeline[pipeline]" in last and "--no-mlflow" in last, last
+
+
+def _half_migrated_store(ws):
+    """A store left between two schema versions (a migration that a full disk interrupted),
+    made in another process (MLflow caches a store's engine per process)."""
+    code = ("import sqlite3, sys; from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///' + sys.argv[1]).search_experiments(); "
+            "db = sqlite3.connect(sys.argv[1]); db.execute(\"UPDATE alembic_version SET version_num = '0584bdc529eb'\"); db.commit()")
+    subprocess.run([sys.executable, "-c", code, str(ws / "mlflow.db")], check=True, capture_output=True, timeout=120)
+
+
+def _store_named(ws, result):
+    return None if "mlflow.db" in result.output.strip().splitlines()[-1] else "silent"
+
+
+SMALL_MOUNTS: list[Path] = []
+
+
+def _full_disk(ws):
+    mount = ws / "full"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()})")
+    SMALL_MOUNTS.append(mount)
+
+
+def _unmount(ws):
+    while SMALL_MOUNTS:
+        subprocess.run(["umount", "-l", str(SMALL_MOUNTS.pop())], check=False)
+
+
+def _nothing_partial(target: str):
+    def check(ws, result):
+        left = [p.name for p in (ws / "full").iterdir()] if (ws / "full").is_dir() else []
+        out = result.output.strip().splitlines()[-1]
+        if "disk is full" not in out and "No space left" not in out:
+            return "silent"
+        return "lost" if any(not n.startswith(".") and n == target for n in left) else None
+
+    return check
+
+
+def _full_disk_convert(ws):
+    _full_disk(ws)
+
+
+def _full_disk_checkpoint(ws):
+    _full_disk(ws)
+
+
+# ---------------------------------------------------------------- 9: credentials
+
+
+def _live_server(ws, result):  # noqa: ARG001 - used as a call
+    pass
+
+
+def _credentials_masked_everywhere(ws):
+    """A live MLflow server; the tracking URI carries a password: nothing keeps or prints it."""
+    from mlflow.tracking import MlflowClient
+
+    port = free_port()
+    store = ws / "srv"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}.db",
+                               "--default-artifact-root", str(store), "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"], cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                MlflowClient(f"http://127.0.0.1:{port}").search_experiments()
+                break
+            except Exception:
+                time.sleep(0.5)
+        uri = f"http://alice:{SECRET}@127.0.0.1:{port}"
+        outputs = []
+        for env in ({}, {"MLFLOW_TRACKING_URI": uri}):
+            args = ["train", "--set", "train.max_steps=2", "--set", f"checkpoint.dir=runs/c{len(outputs)}/ck",
+                    "--set", f"executor.run_dir=runs/c{len(outputs)}"]
+            if not env:
+                args += ["--set", f"mlflow.tracking_uri={uri}"]
+            r = _run(ws, *args, env=env)
+            assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-1500:]
+            outputs.append(r.stdout + r.stderr)
+        for out in outputs:
+            assert SECRET not in out, [line for line in out.splitlines() if SECRET in line][:4]
+        found = [p for p in store.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+        assert not found, f"the password is stored in {found[:3]}"
+        with sqlite3.connect(f"{store}.db") as db:
+            for table in ("params", "tags"):
+                rows = db.execute(f"SELECT * FROM {table}").fetchall()  # noqa: S608 - a fixed table name
+                assert not any(SECRET in str(row) for row in rows), table
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
+# ---------------------------------------------------------------- 10, 11: locks, symlinks
+
+
+def _hold_checkpoint_dir(ws):
+    Holder.start(ws, "runs/first", "runs/train/checkpoints")
+
+
+def _hold_run_dir(ws):
+    Holder.start(ws, "runs/train")
+
+
+def _symlink(name: str):
+    def setup(ws):
+        target = ws / "precious.txt"
+        target.write_text("keep me\n")
+        link = ws / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        link.symlink_to(target)
+
+    return setup
+
+
+def _symlinked_plot(ws):
+    _symlink("plots/train_loss.csv")(ws)
+
+
+def _symlinked_sample(ws):
+    r = _run(ws, "convert", "--no-mlflow")
+    assert r.returncode == 0, r.stderr
+    _symlink("metrics/eval_sample.txt")(ws)
+
+
+def _user_run_dir(ws):
+    user_dir(ws / "mydir")
+
+
+# ---------------------------------------------------------------- 13: mismatches
+
+
+def _spool_for_another_store(ws):
+    (ws / "runs/train/mlflow-fallback.jsonl").write_text(
+        json.dumps({"run_id": "0123456789abcdef0123456789abcdef", "uri": "sqlite:////somewhere/mlflow.db", "step": 1,
+                    "metrics": {"loss": 1.0}}) + "\n")
+    (ws / "elsewhere").mkdir()
+
+
+def _sync_elsewhere(ws):
+    r = _run(ws / "elsewhere", "mlflow-sync", str(ws / "runs/train"))
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error:") and "is not in" in last, last
+    assert (ws / "runs/train/mlflow-fallback.jsonl").is_file(), "the spool was marked synced"
+
+
+CKPT_FILES = ("runs/train/checkpoints/*/*", "runs/train/metrics.jsonl")
+
+CASES = [
+    # 1: no checkpoint path reaches an unrestricted unpickling
+    Case("bytes-entry-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_bytes, check=_no_exec),
+    Case("bytes-entry-evaluate", 1, ["evaluate", "--no-mlflow"], setup=_plant_bytes_for_evaluate, check=_no_exec, slow=True),
+    Case("bytes-entry-init-from", 1, [*TRAIN, "--set", "checkpoint.init_from=runs/train/checkpoints",
+                                      "--set", "checkpoint.dir=runs/other/ck", "--set", "executor.run_dir=runs/other"],
+         setup=_plant_bytes, check=_no_exec, slow=True),
+    Case("bytes-entry-resume", 1, TRAIN, setup=_unfinish, check=_no_exec, slow=True),
+    Case("bytes-entry-rerun-finished", 1, TRAIN, setup=_plant_bytes, check=_no_exec, slow=True),
+    # 2: replace only what we provably wrote
+    Case("tokenize-output-webapp-with-manifest", 2, ["tokenize", "--no-mlflow", "--set", "tokenize.output=webapp"],
+         setup=_webapp, keep=("webapp/**/*",)),
+    Case("convert-out-marker-beside-user-files", 2, ["convert", "--no-mlflow", "--out", "adapter"], setup=_adapter_dir,
+         keep=("adapter/*",)),
+    Case("convert-out-own-output-with-user-notes", 2, ["convert", "--no-mlflow", "--out", "hfmine"],
+         setup=_own_conversion_edited, keep=("hfmine/*",)),
+    Case("evaluate-output-user-file", 2, ["evaluate", "--no-mlflow", "--set", "evaluate.output=README.md"],
+         setup=_user_readme, keep=("README.md", "README_sample.txt"), slow=True),
+    Case("evaluate-output-sample-sibling", 2, ["evaluate", "--no-mlflow", "--set", "evaluate.output=metrics/notes.json"],
+         setup=_user_sample, keep=("metrics/notes_sample.txt",), slow=True),
+    # 3: reruns never destroy checkpoints
+    Case("rerun-extend-max-steps", 3, [*TRAIN, "--set", "train.max_steps=12"], expect="ok", check=_extended, slow=True),
+    Case("rerun-changed-config-refused", 3, [*TRAIN, "--set", "optim.lr=0.001"], keep=CKPT_FILES),
+    Case("init-from-own-checkpoint-dir", 3, [*TRAIN, "--set", "checkpoint.init_from=runs/train/checkpoints",
+                                             "--set", "optim.lr=0.001"], keep=CKPT_FILES),
+    Case("lock-refusal-touches-nothing", 3, [*TRAIN, "--set", "optim.lr=0.001", "--set", "checkpoint.resume=auto"],
+         setup=_hold_run_dir, teardown=Holder.stop, keep=CKPT_FILES),
+    # 4: a path into the sbatch script
+    Case("sbatch-working-directory-newline", 4, call=_newline_cwd),
+    # 5: tracking calls have a total deadline
+    Case("mlflow-trickling-server-train", 5, call=_trickle_train, expect="ok", teardown=_stop_servers, slow=True),
+    # 6: integrity
+    Case("meta-files-list-removed", 6, ["convert", "--out", "hf2", "--no-mlflow"], setup=_drop_files_list),
+    Case("meta-files-list-removed-resealed", 6, ["convert", "--out", "hf2", "--no-mlflow"], setup=_drop_files_list_resealed),
+    Case("meta-files-removed-then-shard-flipped", 6, ["convert", "--out", "hf2", "--no-mlflow"], setup=_flip_after_drop),
+    Case("meta-top-k-edited", 6, ["convert", "--out", "hf2", "--no-mlflow"], setup=_edit_top_k),
+    Case("meta-step-edited-resealed", 6, TRAIN, setup=_edit_step_resealed, keep=CKPT_FILES),
+    Case("nan-weights-resealed-convert", 6, ["convert", "--out", "hf2", "--no-mlflow"], setup=_nan_weights),
+    # 8: resources
+    Case("yaml-alias-bomb", 8, ["params", "--params", "bomb.yaml"], setup=_yaml_bomb, subprocess=True, timeout=60),
+    Case("yaml-50000-deep", 8, ["params", "--params", "deep.yaml"], setup=_yaml_deep, subprocess=True, timeout=60),
+    Case("yaml-duplicate-keys", 8, ["params", "--params", "dup.yaml"], setup=_yaml_duplicate),
+    Case("max-seq-len-1e9", 8, [*TRAIN, "--set", "model.max_seq_len=1000000000"]),
+    Case("olmoe-preset-on-cpu", 8, [*TRAIN, "--params", "olmoe.yaml", "--set", "executor.run_dir=runs/big",
+                                    "--set", "checkpoint.dir=runs/big/ck"], setup=_olmoe_params, subprocess=True, timeout=240),
+    Case("metrics-jsonl-damaged-rerun", 8, TRAIN, setup=_damaged_metrics, expect="ok", check=_damaged_metrics_kept, slow=True),
+    Case("mlflow-not-installed-tokenize", 8, call=_no_mlflow_module),
+    Case("mlflow-store-half-migrated", 8, ["tokenize", "--set", "tokenize.output=tok2"], setup=_half_migrated_store,
+         check=_store_named, subprocess=True),
+    Case("disk-full-tokenize", 8, ["tokenize", "--no-mlflow", "--set", "tokenize.output=full/tokens"], setup=_full_disk,
+         teardown=_unmount, check=_nothing_partial("tokens")),
+    Case("disk-full-convert", 8, ["convert", "--no-mlflow", "--out", "full/hf"], setup=_full_disk_convert, teardown=_unmount,
+         check=_nothing_partial("hf")),
+    Case("disk-full-checkpoint", 8, [*TRAIN, "--set", "checkpoint.dir=full/ck", "--set", "executor.run_dir=runs/full"],
+         setup=_full_disk_checkpoint, teardown=_unmount, check=_nothing_partial("step_00000004"), slow=True),
+    # 9: credentials never leave in clear text
+    Case("credentials-live-server-train", 9, call=_credentials_masked_everywhere, expect="ok", slow=True),
+    # 10: one lock over everything a run writes
+    Case("same-checkpoint-dir-other-run-dir", 10, [*TRAIN, "--set", "executor.run_dir=runs/second"],
+         setup=_hold_checkpoint_dir, teardown=Holder.stop, keep=CKPT_FILES),
+    # 11: writes never follow symlinks; user directories are not run directories
+    Case("lock-file-symlink", 11, TRAIN, setup=_symlink("runs/train/.lock"), keep=("precious.txt",)),
+    Case("job-json-symlink", 11, TRAIN, setup=_symlink("runs/train/job.json"), keep=("precious.txt",)),
+    Case("rank0-log-symlink", 11, [*TRAIN, "--set", "train.max_steps=9"], setup=_symlink("runs/train/logs/rank0.log"),
+         keep=("precious.txt",)),
+    Case("plot-csv-symlink", 11, TRAIN, setup=_symlinked_plot, keep=("precious.txt",), slow=True),
+    Case("eval-sample-symlink", 11, ["evaluate", "--no-mlflow"], setup=_symlinked_sample, keep=("precious.txt",), slow=True),
+    Case("run-dir-is-a-user-dir", 11, [*TRAIN, "--set", "executor.run_dir=mydir", "--set", "checkpoint.dir=runs/x/ck"],
+         setup=_user_run_dir, keep=("mydir/*",)),
+    Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
+    Case("set-container-runtime-none", 11, ["params", "--set", "container.runtime=none"], expect="ok"),
+    # 13: mismatches
+    Case("mlflow-sync-from-another-directory", 13, call=_sync_elsewhere, setup=_spool_for_another_store),
+]
+
+
+@pytest.mark.parametrize("case", params_for(CASES))
+def test_audit(case: Case, ws, monkeypatch):
+    run_case(TABLE, case, ws, monkeypatch)
+
+
+def test_parse_params_yaml_limits():
+    """The strict loader itself: aliases, depth and duplicates refused; an ordinary file loads."""
+    from moe.config import ConfigError
+    from pipeline.params import parse_params_text
+
+    assert parse_params_text("a: {b: [1, 2]}\n", "x") == {"a": {"b": [1, 2]}}
+    for text, message in (("a: &x 1\nb: *x\n", "aliases"), ("a: 1\na: 2\n", "duplicate key 'a'"),
+                          ("a: " + "[" * 40 + "]" * 40, "nested deeper")):
+        with pytest.raises(ConfigError, match=message):
+            parse_params_text(text, "x")
+    assert yaml.safe_load("a: 1") == {"a": 1}
