@@ -49,9 +49,10 @@ lock: setup
 	rm -f .lock-cpu.txt .lock-gpu.txt
 	$(BIN)/python scripts/check_lock.py
 
-# ruff (pinned in the lock): lint rules and import order from pyproject.toml's [tool.ruff].
+# ruff (pinned in the lock): lint rules, import order and formatting from pyproject.toml's [tool.ruff].
 lint: setup
 	$(BIN)/ruff check moe pipeline bench scripts tests
+	$(BIN)/ruff format --check moe pipeline bench scripts tests
 
 lock-check: setup
 	$(BIN)/python scripts/check_lock.py

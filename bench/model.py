@@ -27,7 +27,8 @@ import torch
 from bench.common import environment, matmul_peak_tflops, print_table, timed_train_steps, write_result
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
-from moe.train.accounting import PEAK_BF16_TFLOPS, flops_per_token
+from moe.hardware import gpu_by_device_name
+from moe.train.accounting import flops_per_token
 from moe.train.trainer import Trainer
 
 
@@ -142,7 +143,8 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
     tokens = args.micro * args.accum * args.seq
     fpt = flops_per_token(cfg.model, args.seq)
     tflops = tokens * fpt / step / 1e12
-    datasheet = PEAK_BF16_TFLOPS.get("H200" if "H200" in torch.cuda.get_device_name() else "H100")
+    spec = gpu_by_device_name(torch.cuda.get_device_name())
+    datasheet = spec.peak_bf16_tflops if spec else None
     row = {
         "recipe": args.recipe, "recompute": args.recompute, "sdpa": args.sdpa,
         "fused_norm_rope": not args.eager_norm_rope, "width": args.width, "layers": args.layers,

@@ -128,38 +128,6 @@ def plot(a_name: str, a, b_name: str, b, path: Path) -> None:
     plt.close(fig)
 
 
-def log_mlflow(uri: str, experiment: str, runs: list[tuple[str, dict[str, Any], list[tuple[int, float]]]],
-               result: dict[str, Any], png: Path) -> str:
-    import mlflow
-    from mlflow.entities import Metric
-
-    from pipeline.tracking import flatten, param_value
-
-    client = mlflow.MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    parent = client.create_run(exp_id, run_name="fp8-loss-parity", tags={"benchmark": "parity"})
-    pid = parent.info.run_id
-    for name, meta, curve in runs:
-        child = client.create_run(exp_id, run_name=f"parity-{name}", tags={"mlflow.parentRunId": pid, "recipe": name,
-                                                                         "device": str(meta["environment"].get("device"))})
-        cid = child.info.run_id
-        params = {k: param_value(v)[:500] for k, v in flatten(meta["config"]).items()}
-        items = list(params.items())
-        for i in range(0, len(items), 100):
-            client.log_batch(cid, params=[mlflow.entities.Param(k, v) for k, v in items[i:i + 100]])
-        now = int(time.time() * 1000)
-        metrics = [Metric("loss", v, now, s) for s, v in curve]
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(cid, metrics=metrics[i:i + 1000])
-        client.set_terminated(cid)
-    client.log_batch(pid, metrics=[Metric(k, float(v), int(time.time() * 1000), 0) for k, v in result.items()
-                                   if isinstance(v, (int, float)) and not isinstance(v, bool)])
-    client.log_artifact(pid, str(png))
-    client.set_terminated(pid)
-    return pid
-
-
 def report(args: argparse.Namespace) -> int:
     from bench.common import write_result
 
@@ -181,14 +149,14 @@ def report(args: argparse.Namespace) -> int:
     print(f"{nb:>12} {result['final_b']:>11.4f}")
     print(f"relative difference {result['final_rel_diff']:+.3%} (bar: 1%): {'met' if result['within_1pct'] else 'NOT met'}; "
           f"largest per-step gap {result['max_rel_gap']:.2%}; plot {png}")
+    # `moe bench log FILE` records it: a parent run with the result and the plot, a child run per curve.
     payload = {"benchmark": "parity", "environment": ma["environment"], "config": {"a": ma["config"], "b": mb["config"]},
                "recipes": [na, nb], "wall_s": [ma.get("wall_s"), mb.get("wall_s")], "result": result,
-               "curves": {na: a, nb: b}}
+               "curves": {na: a, nb: b}, "artifacts": [str(png.resolve())],
+               "mlflow": {"experiment": args.experiment, "run_name": "fp8-loss-parity"}}
     if not args.no_save:
-        print(f"wrote {write_result('parity', payload)}")
-    if args.mlflow_uri:
-        pid = log_mlflow(args.mlflow_uri, args.experiment, [(na, ma, a), (nb, mb, b)], result, png)
-        print(f"MLflow: parent run {pid} in experiment {args.experiment!r} at {args.mlflow_uri}")
+        path = write_result("parity", payload, Path(args.results_dir) if args.results_dir else None)
+        print(f"wrote {path} (record it in MLflow with `moe bench log {path}`)")
     return 0
 
 
@@ -209,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--fp8-min-dim", type=int, default=0, help="precision.fp8_min_dim for FP8 recipes (0: every expert GEMM)")
     r.add_argument("--emulate", action="store_true", help="precision.emulate (FP8 numerics on CPU; slow: a smoke run)")
-    c = sub.add_parser("report", help="compare two runs, plot, log to MLflow")
+    c = sub.add_parser("report", help="compare two runs, plot, write the JSON `moe bench log` records")
     c.add_argument("a")
     c.add_argument("b")
     c.add_argument("--tail", type=int, default=20, help="steps averaged for the final loss")
     c.add_argument("--plot", default=None)
-    c.add_argument("--mlflow-uri", default=None, help="e.g. sqlite:///mlruns.db (the project's default store)")
-    c.add_argument("--experiment", default="fp8-loss-parity")
+    c.add_argument("--experiment", default="fp8-loss-parity", help="the MLflow experiment `moe bench log` records it in")
+    c.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
     c.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     return run(args) if args.cmd == "run" else report(args)

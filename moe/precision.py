@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from moe.config import ConfigError
+from moe.hardware import RECIPES as HARDWARE_RECIPES
+from moe.hardware import capability_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +72,8 @@ RECIPES = {
     "fp8_rowwise": PrecisionRecipe("fp8_rowwise", torch.bfloat16, torch.bfloat16),
     "mxfp8": PrecisionRecipe("mxfp8", torch.bfloat16, torch.bfloat16),
 }
-# The compute capability each FP8 recipe's kernels need.
-MIN_CAPABILITY = {"fp8_rowwise": (9, 0), "mxfp8": (10, 0)}
+# The compute capability each FP8 recipe's kernels need (moe.hardware: one table of such facts).
+MIN_CAPABILITY = {name: f.min_capability for name, f in HARDWARE_RECIPES.items() if f.min_capability}
 
 
 def _expert_gemm_factory(name: str, emulate: bool, min_dim: int | None) -> Callable[[], object]:
@@ -94,13 +96,9 @@ def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> 
             f"precision.recipe: {name} needs a CUDA GPU with compute capability >= {need[0]}.{need[1]}, "
             f"but the device is {device.type} (use bf16, or precision.emulate=true for a slow emulation)"
         )
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) < need:
-        hint = " (use fp8_rowwise on Hopper)" if name == "mxfp8" else ""
-        raise ConfigError(
-            f"precision.recipe: {name} needs compute capability >= {need[0]}.{need[1]}, "
-            f"but {torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]}{hint}"
-        )
+    problem = capability_problem(name, tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device))
+    if problem:
+        raise ConfigError(problem)
 
 
 def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None) -> PrecisionRecipe:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.params import MlflowConfig
-from pipeline.tracking import Tracker, flatten, tracking_uri
+from pipeline.tracking.client import mlflow_client, tracking_uri
+from pipeline.tracking.provenance import flatten
+from pipeline.tracking.stage_run import Tracker
 
 ROW_LABELS = ("shape", "layout", "layers", "peer")
 
@@ -39,8 +41,6 @@ def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
 
 def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
     """The run that already holds the result file with this content, if any."""
-    from pipeline.tracking import mlflow_client
-
     client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -49,14 +49,17 @@ def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
     return found[0].info.run_id if found else None
 
 
-def log_result(path: Path, experiment: str = "bench") -> tuple[str, bool]:
-    """(run id, whether a run was created): a file already logged (same content) is not logged again."""
+def log_result(path: Path, experiment: str | None = None) -> tuple[str, bool]:
+    """(run id, whether a run was created): a file already logged (same content) is not logged again.
+    The payload may name its experiment (``mlflow.experiment``), list ``artifacts`` (a plot) and
+    carry ``curves`` (name -> [[step, value], ...]): each becomes a child run with its history."""
     data = Path(path).read_bytes()
     sha256 = hashlib.sha256(data).hexdigest()
+    payload = json.loads(data)
+    experiment = experiment or (payload.get("mlflow") or {}).get("experiment") or "bench"
     existing = logged_run(tracking_uri(MlflowConfig(experiment=experiment)), experiment, sha256)
     if existing:
         return existing, False
-    payload = json.loads(data)
     tracker = Tracker(MlflowConfig(experiment=experiment), f"bench:{payload.get('benchmark', 'unknown')}", Path("params.yaml"))
     env = payload.get("environment", {})
     tracker.set_tags({f"bench.{k}": v for k, v in env.items() if v is not None})
@@ -64,5 +67,27 @@ def log_result(path: Path, experiment: str = "bench") -> tuple[str, bool]:
     tracker.log_params(flatten(payload.get("config", {})))
     tracker.log_metrics(result_metrics(payload))
     tracker.log_artifact(path)
+    for artifact in payload.get("artifacts", []):
+        tracker.log_artifact(artifact)
+    for name, curve in (payload.get("curves") or {}).items():
+        log_curve(tracker, name, curve, env)
     tracker.end(ok=True)
     return tracker.run_id, True
+
+
+def log_curve(tracker: Tracker, name: str, curve: list[list[float]], env: dict[str, Any]) -> None:
+    """One curve as a child run of the result's run: tag ``recipe`` = its name, metric ``loss`` per step."""
+    if tracker.failed:
+        return
+    import time
+
+    from mlflow.entities import Metric
+
+    from pipeline.tracking.client import log_batched
+
+    client = tracker.client
+    run_id = client.create_run(tracker.experiment_id, run_name=f"{tracker.stage}-{name}", tags={
+        "mlflow.parentRunId": tracker.run_id, "recipe": name, "device": str(env.get("device"))}).info.run_id
+    now = int(time.time() * 1000)
+    log_batched(client, run_id, metrics=[Metric("loss", float(v), now, int(s)) for s, v in curve])
+    client.set_terminated(run_id)

@@ -7,9 +7,6 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import functools
 import json
 import logging
 import os
@@ -19,20 +16,12 @@ import uuid
 from pathlib import Path
 from typing import Annotated
 
-try:
-    import typer
-    from rich.console import Console
-    from rich.markup import escape
-except ImportError as _exc:  # `pip install .` without the extra: say which one
-    raise SystemExit(f"error: the moe command needs the pipeline extra ({_exc}): pip install 'moe-pipeline[pipeline]'") from None
-
-from moe.config import ConfigError
-from pipeline.errors import PipelineError
+# typer comes from pipeline.console, whose import of it names the missing extra when it is absent
+from pipeline.console import GpuOpt, NoTrackOpt, ParamsOpt, SetOpt, console, fail, handle_errors, progress, typer
 from pipeline.redact import redact
 
 # Commands import torch, mlflow and the stages lazily: `moe --help` stays fast.
 app = typer.Typer(add_completion=True, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
-console = Console(stderr=True)
 
 
 def _version(value: bool) -> None:
@@ -52,93 +41,6 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
 ) -> None:
     """The `moe` command line: pipeline stages, benchmarks and tools."""
-
-ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
-NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
-GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan: h100, h200, b200 or b300")]
-
-
-def fail(message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _unexpected(exc: BaseException) -> None:
-    """A bug, not bad input: the traceback (credentials masked) and exit code 1."""
-    import traceback
-
-    sys.stderr.write(redact("".join(traceback.format_exception(exc))))
-    fail(f"unexpected {type(exc).__name__}: {exc}", 1)
-
-
-def handle_errors(fn):
-    """One clear line and a meaningful exit code for every expected failure."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except PipelineError as exc:
-            fail(str(exc), exc.exit_code)
-        except ConfigError as exc:
-            fail(str(exc), 2)
-        except (ValueError, RuntimeError) as exc:
-            code = _library_error_code(exc)
-            if code is None:
-                raise
-            fail(str(exc), code)
-        except ModuleNotFoundError as exc:
-            fail(missing_module_message(exc.name or str(exc)), 2)
-        except FileNotFoundError as exc:
-            fail(f"{exc.filename}: not found", 2)
-        except OSError as exc:
-            if exc.filename is None and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                _unexpected(exc)
-            where = exc.filename or os.getcwd()
-            fail(f"{where}: {exc.strerror or exc}" + (" (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""), 2)
-        except MemoryError:
-            fail("out of memory (the input or the model is larger than this machine holds)", 2)
-        except RecursionError:
-            fail("the input is nested too deeply to read", 2)
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
-        except Exception as exc:
-            _unexpected(exc)
-
-    return wrapper
-
-
-# What a missing module means: the extra (or option) that brings it.
-MISSING_MODULE_HINTS = {
-    "mlflow": "MLflow is not installed here: pip install 'moe-pipeline[pipeline]', or pass --no-mlflow",
-    "transformers": "transformers is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "tokenizers": "tokenizers is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "safetensors": "safetensors is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "submitit": "submitit is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "pyarrow": "pyarrow is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "matplotlib": "matplotlib is not installed here: pip install 'moe-pipeline[pipeline]'",
-    "psycopg2": "psycopg2 is not installed here (a PostgreSQL MLflow backend needs it)",
-}
-
-
-def missing_module_message(name: str) -> str:
-    top = name.split(".")[0]
-    return MISSING_MODULE_HINTS.get(top, f"the Python module {top} is not installed here (pip install it, or the extra that has it)")
-
-
-def _library_error_code(exc: BaseException) -> int | None:
-    """Exit code of the library's expected errors (their modules import torch: looked up only
-    once imported, which raising them implies)."""
-    tokens, ckpt = sys.modules.get("moe.data.tokens"), sys.modules.get("moe.train.checkpoint")
-    if tokens is not None and isinstance(exc, tokens.TokenDataError):
-        return 2
-    if ckpt is not None and isinstance(exc, ckpt.CheckpointError):
-        return 4
-    return None
-
 
 def _model_line(m) -> str:
     """The resolved model shape, and what differs from its preset, as a run is labelled."""
@@ -169,7 +71,7 @@ def _load(params: Path, overrides: list[str] | None):
 def _tracker(cfg, stage: str, params: Path, enabled: bool):
     if not (enabled and cfg.mlflow.enabled):
         return None
-    from pipeline.tracking import Tracker
+    from pipeline.tracking.stage_run import Tracker
 
     tracker = Tracker(cfg.mlflow, stage, params)  # never fails on an unreachable server: spools
     tracker.log_stage_start(cfg.flatten())
@@ -198,7 +100,7 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
     from pipeline.stages.tokenize import run_tokenize
 
     cfg = _load(params, set_)
-    with _Stage(_tracker(cfg, "tokenize", params, not no_mlflow)) as tracker, _progress() as bar:
+    with _Stage(_tracker(cfg, "tokenize", params, not no_mlflow)) as tracker, progress() as bar:
         task = bar.add_task("tokenize", total=None)
         manifest = run_tokenize(cfg.tokenize, progress=lambda done, total: bar.update(task, completed=done, total=total))
         if tracker:
@@ -420,57 +322,6 @@ def image_digest(image: Annotated[Path, typer.Argument(help="a directory image (
     print(directory_image_digest(image))
 
 
-@app.command("mlflow-server")
-@handle_errors
-def mlflow_server(
-    backend: Annotated[str, typer.Option(help="backend store URI (user, no password: see --password-file)", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow",
-    password_file: Annotated[Path | None, typer.Option(help="file holding the backend's password (else $MOE_MLFLOW_BACKEND_PASSWORD)")] = None,
-    artifacts: Annotated[Path, typer.Option(help="artifact root directory")] = Path("mlartifacts"),
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port")] = 5000,
-    workers: Annotated[int, typer.Option(help="server worker processes")] = 2,
-) -> None:
-    """A tracking server for many jobs (PostgreSQL backend); point jobs at it with MLFLOW_TRACKING_URI.
-
-    The backend URI reaches the server through its environment, never its command line (`ps`)."""
-    from pipeline.redact import read_password, redact, with_password
-
-    password = read_password("MOE_MLFLOW_BACKEND_PASSWORD", password_file)
-    if password is not None:
-        try:
-            backend = with_password(backend, password)
-        except ValueError as exc:
-            fail(f"--backend: {exc}", 2)
-    artifacts.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination",
-           str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
-    console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
-    raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
-
-
-@app.command("mlflow-sync")
-@handle_errors
-def mlflow_sync(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory holding mlflow-fallback.jsonl")] = Path("runs/train"),
-    params: ParamsOpt = Path("params.yaml"),
-) -> None:
-    """Upload what a job or stage could not send (the tracking server was unreachable)."""
-    from pipeline.params import MlflowConfig
-    from pipeline.redact import redact
-    from pipeline.tracking import STAGE_FALLBACK, sync_fallback, tracking_uri
-
-    cfg = _load(params, []) if params.is_file() else None
-    uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
-    try:
-        n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
-    except PipelineError:
-        raise
-    except Exception as exc:  # unreachable or unsupported store: keep the spool, say so in one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PipelineError(f"cannot upload to {uri} ({first[:300]}); the spool files are kept, sync again later") from None
-    console.print(f"uploaded {n} metric values to {redact(uri)}", highlight=False, soft_wrap=True)
-
-
 @app.command()
 @handle_errors
 def convert(
@@ -551,127 +402,20 @@ def repro(
     if code != 0:
         fail(f"dvc repro failed with exit code {code}", code)
     from pipeline.params import load_params
-    from pipeline.tracking import finalize_pipeline
+    from pipeline.tracking.stage_run import finalize_pipeline
 
     cfg = load_params(Path("params.yaml"))
     if cfg.mlflow.enabled:
         finalize_pipeline(cfg.mlflow, key)
 
 
-@app.command()
-def ui(
-    port: Annotated[int, typer.Option(help="port")] = 5000,
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
-) -> None:
-    """Serve the MLflow UI for this repository's tracking store on 127.0.0.1."""
-    from pipeline.params import MlflowConfig
-    from pipeline.tracking import tracking_uri
-
-    uri = tracking_uri(MlflowConfig())
-    from pipeline.redact import redact
-
-    console.print(f"MLflow UI for {redact(uri)} on http://{host}:{port}", highlight=False, soft_wrap=True)
-    raise typer.Exit(_serve([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
-
-
-def _serve(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a server in its own process group; SIGTERM/SIGINT/SIGHUP end the whole group (MLflow's
-    workers included), so nothing is left behind."""
-    import signal
-
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
-
-    def stop(signum, _frame):
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
-    code = proc.wait()
-    with contextlib.suppress(ProcessLookupError):  # the server exited on its own: its workers go too
-        os.killpg(proc.pid, signal.SIGTERM)
-    return code
-
-
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
-app.add_typer(bench_app, name="bench")
+from pipeline.bench_cli import bench_app  # noqa: E402 - the subcommands after the app's own
+from pipeline.mlflow_cli import register as register_mlflow_commands  # noqa: E402
 from pipeline.paper.cli import paper_app  # noqa: E402
 
+register_mlflow_commands(app)
+app.add_typer(bench_app, name="bench")
 app.add_typer(paper_app, name="paper")
-
-
-@bench_app.command("layer", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_layer(ctx: typer.Context) -> None:
-    """MoE layer fwd+bwd TFLOP/s next to transformers and TorchTitan (see bench/layer.py --help)."""
-    from bench.layer import main
-
-    _run_bench(main, list(ctx.args))
-
-
-@bench_app.command("model", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_model(ctx: typer.Context) -> None:
-    """Full training steps of an OLMoE-width model: MFU, host syncs, peak memory (bench/model.py --help)."""
-    from bench.model import main
-
-    _run_bench(main, list(ctx.args))
-
-
-@bench_app.command("experts", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_experts(ctx: typer.Context) -> None:
-    """Layer throughput from 8 to 128 experts at fixed top-k and expert size (bench/layer.py --experts)."""
-    from bench.layer import main
-
-    args = list(ctx.args)
-    if not any(a.startswith("--experts") for a in args):
-        args += ["--experts", "8,16,32,64,128"]
-    if not any(a.startswith("--shape") for a in args):
-        args += ["--shape", "2048,1024,64,8"]
-    _run_bench(main, args)
-
-
-@bench_app.command("log")
-@handle_errors
-def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.json files")]) -> None:
-    """Record benchmark JSON results in MLflow (experiment "bench"), e.g. after a GPU run."""
-    from pipeline.bench_tracking import log_result
-
-    for f in files:
-        if not f.is_file():
-            fail(f"{f}: not found", 2)
-        run_id, new = log_result(f)
-        console.print(f"{f.name} -> MLflow run {run_id}" + ("" if new else " (already logged)"))
-
-
-def _run_bench(main, args: list[str]) -> None:
-    """Run a benchmark; log what it wrote to MLflow when MLflow is importable here."""
-    from bench.common import RESULTS
-
-    before = set(RESULTS.glob("*.json")) if RESULTS.is_dir() else set()
-    code = main(args)
-    new = sorted(set(RESULTS.glob("*.json")) - before) if RESULTS.is_dir() else []
-    if new:
-        try:
-            from pipeline.bench_tracking import log_result
-        except ImportError:
-            new = []
-        for f in new:
-            console.print(f"{f.name} -> MLflow run {log_result(f)[0]}")
-    raise typer.Exit(code)
-
-
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not console.is_terminal)
 
 
 def main() -> None:

@@ -4,16 +4,14 @@ keeps them as artifacts. The numbers behind them stay in plots/*.csv."""
 
 from __future__ import annotations
 
-import csv
 import io
 from pathlib import Path
 from typing import Any
 
-from pipeline.outputs import csv_header, write_output_file
+from pipeline.outputs import write_output_file
 
 TRAIN_DIR = Path("plots/train")
 EVAL_DIR = Path("plots/eval")
-EXPERT_LOAD_CSV = Path("plots/expert_load.csv")
 LAYER_KEY = "expert_load_max_over_mean/layer_"
 
 
@@ -60,18 +58,6 @@ def expert_load_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int]
     steps = [r["step"] for r in rows if any(f"{LAYER_KEY}{i}" in r for i in layers)]
     by_step = {r["step"]: r for r in rows}
     return steps, layers, [[float(by_step[s].get(f"{LAYER_KEY}{i}", float("nan"))) for s in steps] for i in layers]
-
-
-def write_expert_load_csv(rows: list[dict[str, Any]], path: Path = EXPERT_LOAD_CSV) -> None:
-    steps, layers, m = expert_load_matrix(rows)
-    header = ["step", "layer", "expert_load_max_over_mean"]
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    for li, layer in enumerate(layers):
-        for si, step in enumerate(steps):
-            w.writerow([step, layer, m[li][si]])
-    write_output_file(path, buf.getvalue(), str(path), csv_header(header))
 
 
 def train_figures(rows: list[dict[str, Any]], out: Path = TRAIN_DIR) -> list[Path]:

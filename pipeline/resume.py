@@ -19,7 +19,6 @@ of, nor checkpoint/log cadence) with the config asked for:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moe.train.checkpoint import _STEP_DIR, META, CheckpointError, latest_checkpoint, list_checkpoints, read_meta
+from moe.train.checkpoint import META, STEP_DIR_NAME, CheckpointError, latest_checkpoint, list_checkpoints, read_meta
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline.resume")
@@ -51,11 +50,6 @@ def _relevant(config: dict[str, Any]) -> dict[str, Any]:
             values = {k: v for k, v in values.items() if k not in MODEL_LABELS}
         relevant[section] = {k: v for k, v in values.items() if k not in skip} if isinstance(values, dict) else values
     return relevant
-
-
-def config_key(config: dict[str, Any]) -> str:
-    """sha256 of the training-relevant part of an ExperimentConfig.to_dict()."""
-    return hashlib.sha256(json.dumps(_relevant(config), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def differing_keys(saved: dict[str, Any], config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -117,7 +111,7 @@ def prepare_checkpoints(config: dict[str, Any]) -> str:
 def extension_note(saved: dict[str, Any], config: dict[str, Any], step: int) -> str:
     """The line that states how an extended run's learning rate goes on."""
     from moe.config import ScheduleConfig
-    from moe.train.optim import lr_lambda
+    from moe.optim import lr_lambda
 
     schedule = ScheduleConfig.from_dict(config["schedule"])
     lr = float(config["optim"]["lr"])
@@ -194,7 +188,7 @@ def remove_own_checkpoints(root: Path) -> int:
     """Remove the step directories (each exactly the files its meta.json lists) and ``latest``."""
     removed = 0
     for p in sorted(root.iterdir()):
-        if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink():
+        if STEP_DIR_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
             listed = set(read_meta(p)["files"]) | {META}
             present = {f.name for f in p.iterdir()}
             if present != listed or any(f.is_dir() or f.is_symlink() for f in p.iterdir()):
@@ -202,6 +196,6 @@ def remove_own_checkpoints(root: Path) -> int:
             shutil.rmtree(p)
             removed += 1
     latest = root / "latest"
-    if latest.is_file() and not latest.is_symlink() and _STEP_DIR.match(latest.read_text().strip()):
+    if latest.is_file() and not latest.is_symlink() and STEP_DIR_NAME.match(latest.read_text().strip()):
         latest.unlink()
     return removed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
-from moe.train.checkpoint import _STEP_DIR
+from moe.train.checkpoint import STEP_DIR_NAME
 from pipeline.errors import PipelineError
 
 # The run directory: the job spec, its summary, metrics, logs, the lock, the tracking spool,
@@ -28,7 +28,7 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 def _foreign_in_checkpoint_dir(root: Path) -> str | None:
     for p in sorted(root.iterdir()):
-        if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink():
+        if STEP_DIR_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
             continue
         if not _matches(p.name, CHECKPOINT_DIR_NAMES) or (p.is_symlink() and p.name != "latest"):
             return p.name

@@ -13,15 +13,15 @@ import logging
 import os
 import sys
 
-from moe.config import ConfigError, ExperimentConfig
-from moe.data import TokenDataError
+from moe.config import ExperimentConfig
+from moe.errors import exit_code_of
 from moe.parallel.env import shutdown_distributed
-from moe.train.checkpoint import CheckpointError
 from moe.train.determinism import set_environment
 from moe.train.sinks import ConsoleSink, JsonlSink
-from moe.train.trainer import NonFiniteLossError, Trainer
+from moe.train.trainer import Trainer
 from pipeline.executors.base import TrainJob
-from pipeline.run_lock import RunDirBusy, RunLock
+from pipeline.run_lock import RunLock
+from pipeline.tracking.job import close_job_run
 
 _HELD: list[RunLock] = []  # the run lock lives as long as this process
 PARENT_PID_ENV = "MOE_PARENT_PID"  # set by the local executor, which holds the run lock
@@ -50,7 +50,8 @@ def run(job: TrainJob, stop=None) -> dict:
     if job.mlflow_run_id:
         from pathlib import Path
 
-        from pipeline.tracking import MlflowSink, inventory_tags
+        from pipeline.tracking.job import MlflowSink, job_uri
+        from pipeline.tracking.provenance import inventory_tags
 
         sink = MlflowSink(job_uri(job), job.mlflow_run_id, Path(job.run_dir) / "mlflow-fallback.jsonl", job.mlflow_flush_every)
         sinks.append(sink)
@@ -99,49 +100,20 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
             _HELD.append(RunLock(job.run_dir, job.checkpoint_dir).acquire(f"training job {job.spec_path}"))
         summary = run(job, stop)
         if rank == 0 and not summary["preempted"]:
-            _finalize_mlflow(job, ok=True)
+            close_job_run(job, ok=True)
         clean = True
         return 0, summary
-    except (ConfigError, TokenDataError, FileNotFoundError) as exc:
-        code, message = 2, str(exc)
-    except NonFiniteLossError as exc:
-        code, message = 3, str(exc)
-    except CheckpointError as exc:
-        code, message = 4, str(exc)
-    except RunDirBusy as exc:
-        code, message = 2, str(exc)
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
+        message = str(exc)
     finally:
         shutdown_distributed(clean=clean)
     print(f"error: {message}", file=sys.stderr, flush=True)
     if rank == 0:
-        _finalize_mlflow(job, ok=False)
+        close_job_run(job, ok=False)
     return code, {}
-
-
-def job_uri(job: TrainJob) -> str | None:
-    """The tracking URI with its password, which job.json holds redacted: from the environment."""
-    from pipeline.redact import unredact
-
-    return unredact(job.mlflow_uri, os.environ.get("MOE_MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_TRACKING_URI"))
-
-
-def _finalize_mlflow(job: TrainJob, ok: bool) -> None:
-    if not (job.mlflow_finalize and job.mlflow_run_id) or job.mlflow_run_id.startswith("offline-"):
-        return
-    try:
-        from pipeline.tracking import mlflow_client, within_deadline
-
-        def close() -> None:
-            client = mlflow_client(job_uri(job))
-            client.set_terminated(job.mlflow_run_id, "FINISHED" if ok else "FAILED")
-            if job.summary_path.is_file():
-                client.log_artifact(job.mlflow_run_id, str(job.summary_path))
-
-        within_deadline(close, "closing the MLflow run")
-    except Exception as exc:  # tracking is best effort from a job
-        from pipeline.redact import redact
-
-        print(f"warning: could not close MLflow run {job.mlflow_run_id}: {redact(str(exc))}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     job = TrainJob.read(argv[0])
     code, summary = run_and_report(job, stop, lock=slurm)
     if code == 0 and summary.get("preempted"):
-        from pipeline.slurm_task import requeue_or_stop
+        from pipeline.requeue import requeue_or_stop
 
         requeue_or_stop(job, int(os.environ.get("RANK", "0")), summary["steps"])
     return code

@@ -176,3 +176,26 @@ def rewrite_checkpoint(step_dir: Path, change) -> None:
     shutil.rmtree(step_dir)
     body = {k: v for k, v in meta.items() if k not in ("files", "meta_sha256", "step", "world_size")}
     CheckpointManager(root, keep_last=100).save(step, tree, body, rng)
+
+
+def moe(*args, env=None, timeout=600):
+    """`moe ARGS` as a subprocess with this interpreter (output captured)."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def sh(*cmd, cwd, env, check=True):
+    """Run a command; on failure, an AssertionError with the end of its output."""
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def need_slurm(what: str) -> None:
+    """Skip without Slurm, but fail in CI (MOE_REQUIRE_SLURM=1), which must run the Slurm suites."""
+    import pytest
+
+    if os.environ.get("MOE_REQUIRE_SLURM"):
+        pytest.fail(f"{what} (MOE_REQUIRE_SLURM=1)")
+    pytest.skip(what)

@@ -19,9 +19,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A config problem; the message names the dotted key at fault."""
+from moe.errors import ConfigError  # noqa: F401 - re-exported: the config's own error
 
 
 def _join(prefix: str, name: str) -> str:

@@ -153,12 +153,15 @@ class ParallelConfig(Config):
     # bf16 halves the traffic (each bucket is cast for the collective and the sum cast back
     # into fp32), as Megatron-Core does without grad_reduce_in_fp32.
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # ddp: gradients are reduced (and ZeRO-1 weights broadcast) in flat buckets of about this size.
+    grad_bucket_mb: float = 25.0
 
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
         require(self.ep >= 1, _k(p, "ep"), f"must be >= 1, got {self.ep}")
         require(self.dp == -1 or self.dp >= 1, _k(p, "dp"), f"must be >= 1 or -1 (auto), got {self.dp}")
         require(self.pp_virtual_stages >= 1, _k(p, "pp_virtual_stages"), "must be >= 1")
+        require(self.grad_bucket_mb > 0, _k(p, "grad_bucket_mb"), f"must be > 0, got {self.grad_bucket_mb}")
         require(self.ep_capacity_factor is None or self.ep_capacity_factor > 0, _k(p, "ep_capacity_factor"),
                 f"must be > 0 or null, got {self.ep_capacity_factor}")
         require(self.ep_capacity_factor is None or self.ep_backend == "nvshmem", _k(p, "ep_capacity_factor"),

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from moe.errors import TokenDataError  # noqa: F401 - raised here, defined with every other error
+
 SIDECAR_SUFFIX = ".json"
 FORMAT = "olmo-core-tokens/1"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-class TokenDataError(ValueError):
-    """Missing, corrupt or mismatched token data; the message names the file."""
 
 
 @dataclasses.dataclass(frozen=True)

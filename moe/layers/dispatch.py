@@ -32,6 +32,14 @@ class Dispatcher(Protocol):
         ...
 
 
+def sort_by_expert(expert_of_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse): the stable permutation that groups slots by expert, and its inverse
+    (``inverse[order[i]] = i``), both on the device (the dispatchers' one sorting step)."""
+    order = torch.argsort(expert_of_slot, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inverse
+
+
 class LocalDispatcher:
     """Sorts the T*k token slots by expert with one stable argsort; no host sync.
 
@@ -43,8 +51,7 @@ class LocalDispatcher:
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
         top_k = routing.experts.shape[1]
-        order = torch.argsort(routing.experts.reshape(-1), stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        order, inverse = sort_by_expert(routing.experts.reshape(-1))
         rows = gather_rows(x, order, inverse, top_k) if use_triton(x) else x.index_select(0, order // top_k)
         return rows, routing.tokens_per_expert, LocalDispatchState(order, inverse, routing.weights)
 

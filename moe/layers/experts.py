@@ -34,3 +34,14 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up, mean=0.0, std=std)
         nn.init.normal_(self.down, mean=0.0, std=std)
+
+
+def expert_param_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (global index of its first local expert, experts in the whole model),
+    for every stacked expert weight of ``model`` (what checkpoints and gradient groups key on)."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for pname in ("gate_up", "down"):
+                out[f"{mod_name}.{pname}"] = (module.expert_offset, module.global_num_experts)
+    return out

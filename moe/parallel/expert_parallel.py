@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.layers.dispatch import LocalDispatcher, LocalDispatchState
+from moe.layers.dispatch import LocalDispatcher, LocalDispatchState, sort_by_expert
 from moe.layers.router import Routing
 from moe.parallel.mesh import Mesh
 
@@ -80,8 +80,7 @@ class AllToAllDispatcher:
         expert_of_row = torch.repeat_interleave(
             torch.arange(el, device=x.device).repeat(ep), recv_counts.reshape(-1), output_size=received.shape[0]
         )
-        order = torch.argsort(expert_of_row, stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        order, inverse = sort_by_expert(expert_of_row)
         return received.index_select(0, order), recv_counts.sum(0), AllToAllState(local_state, send, recv, inverse)
 
     def combine(self, y: torch.Tensor, state: AllToAllState) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from moe.layers.experts import expert_param_layout
+from moe.optim import MasterParam, MasterWeightAdamW
 from moe.parallel.mesh import Mesh
-from moe.train.optim import MasterParam, MasterWeightAdamW
-from moe.train.state import expert_param_layout
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -36,6 +36,20 @@ class ParamGroupSpec:
     group: dist.ProcessGroup | None
     ranks: tuple[int, ...]  # world ranks of the group
     my_index: int
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """One reduction bucket of the plan and, while it is in flight, its collective."""
+
+    params: list[MasterParam]
+    spec: ParamGroupSpec
+    owner: int  # group index of the owning rank under ZeRO-1, -1 without
+    nbytes: int = 0
+    pending: int = 0  # gradients still to become ready in this backward (overlapped)
+    work: object | None = None
+    flat: torch.Tensor | None = None
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -78,8 +92,15 @@ def owners(sizes: dict[str, int], n_ranks: int) -> dict[str, int]:
 
 
 class GradSync:
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
-        self.mesh, self.zero, self.reduce_dtype = mesh, zero, reduce_dtype
+    """Reduces every gradient after the backward, bucket by bucket of one plan (bucket_plan),
+    the plan OverlappedGradSync reduces during the backward: one bucketing, one finish."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.mesh, self.zero, self.reduce_dtype, self.bucket_bytes = mesh, zero, reduce_dtype, bucket_bytes
+        self.buckets: list[_Bucket] = []
+        self.local: list[MasterParam] = []  # parameters whose group is this rank alone
+        self._planned = False
         self.expert_names = set(expert_param_layout(model))
         self.specs = {
             "dense": ParamGroupSpec("dense", mesh.dp_group, mesh.dp_ranks, mesh.dp_rank),
@@ -109,40 +130,68 @@ class GradSync:
             return True
         return self.owner[name] == self.specs[self.kind_of(name)].my_index
 
-    def _by_kind(self, opt: MasterWeightAdamW) -> dict[str, list[MasterParam]]:
-        out: dict[str, list[MasterParam]] = {"dense": [], "expert": []}
-        for p in opt.params:
-            out[self.kind_of(p.name)].append(p)
-        return out
+    def bucket_plan(self, opt: MasterWeightAdamW) -> list[_Bucket]:
+        """The reduction buckets, fixed once: in reverse parameter order (about the order the
+        backward produces gradients), each of one kind (dense/expert), one ZeRO owner and one
+        dtype, at most ``bucket_bytes`` or one tensor; parameters of one-rank groups stay local."""
+        if self._planned:
+            return self.buckets
+        open_: dict[tuple, _Bucket] = {}
+        for p in reversed(opt.params):
+            spec = self.specs[self.kind_of(p.name)]
+            if len(spec.ranks) == 1:
+                self.local.append(p)
+                continue
+            owner = self.owner[p.name] if self.zero else -1
+            key = (spec.kind, owner, p.grad_holder.dtype)
+            nbytes = p.grad_holder.numel() * p.grad_holder.element_size()
+            bucket = open_.get(key)
+            if bucket is None or (bucket.params and bucket.nbytes + nbytes > self.bucket_bytes):
+                bucket = open_[key] = _Bucket([], spec, owner)
+                self.buckets.append(bucket)
+            bucket.params.append(p)
+            bucket.nbytes += nbytes
+        self._planned = True
+        return self.buckets
+
+    def _launch_bucket(self, b: _Bucket, async_op: bool) -> None:
+        """Flatten one bucket's fp32 gradients and start its all-reduce (or, ZeRO-1, its reduce
+        to the owner); a parameter without a gradient contributes zeros."""
+        for p in b.params:
+            if p.grad is None:
+                p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
+        b.grads = [p.grad for p in b.params]
+        b.flat = _flat(b.grads, self.reduce_dtype)
+        op, _ = self._average_op(b.spec)
+        if self.zero:
+            b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], op=op, group=b.spec.group, async_op=async_op)
+        else:
+            b.work = dist.all_reduce(b.flat, op=op, group=b.spec.group, async_op=async_op)
+
+    def _finish_bucket(self, b: _Bucket) -> None:
+        """Wait for a bucket, then (where this rank holds the result) divide and copy back."""
+        if b.work is not None:
+            b.work.wait()
+        if not self.zero or b.owner == b.spec.my_index:
+            if self._average_op(b.spec)[1]:
+                b.flat.div_(float(self.mesh.dp))
+            _copy_back(b.grads, b.flat)
+        b.work, b.flat, b.grads = None, None, []
+
+    def _finish_local(self) -> None:
+        local = [p.grad for p in self.local if p.grad is not None]
+        if local and self.mesh.dp != 1:
+            torch._foreach_div_(local, float(self.mesh.dp))
 
     @torch.no_grad()
     def reduce(self, opt: MasterWeightAdamW) -> None:
-        divisor = float(self.mesh.dp)
-        for kind, params in self._by_kind(opt).items():
-            spec = self.specs[kind]
-            params = [p for p in params if p.grad is not None]
-            if len(spec.ranks) == 1:
-                if divisor != 1.0:
-                    torch._foreach_div_([p.grad for p in params], divisor)
-                continue
-            op, divide = self._average_op(spec)
-            if not self.zero:
-                for bucket in _buckets([p.grad for p in params]):
-                    flat = _flat(bucket, self.reduce_dtype)
-                    dist.all_reduce(flat, op=op, group=spec.group)
-                    if divide:
-                        flat.div_(divisor)
-                    _copy_back(bucket, flat)
-                continue
-            for owner_index in range(len(spec.ranks)):
-                mine = [p.grad for p in params if self.owner[p.name] == owner_index]
-                for bucket in _buckets(mine):
-                    flat = _flat(bucket, self.reduce_dtype)
-                    dist.reduce(flat, dst=spec.ranks[owner_index], op=op, group=spec.group)
-                    if owner_index == spec.my_index:
-                        if divide:
-                            flat.div_(divisor)
-                        _copy_back(bucket, flat)
+        """After the backward: every bucket launched in plan order, then each finished."""
+        buckets = self.bucket_plan(opt)
+        for b in buckets:
+            self._launch_bucket(b, async_op=True)
+        for b in buckets:
+            self._finish_bucket(b)
+        self._finish_local()
 
     def counted(self, opt: MasterWeightAdamW) -> list[torch.Tensor]:
         """The gradients this rank contributes to the global norm: each parameter exactly once
@@ -176,7 +225,7 @@ class GradSync:
                 continue
             for owner_index in range(len(spec.ranks)):
                 mine = [p.param for p in params if self.kind_of(p.name) == kind and self.owner[p.name] == owner_index]
-                out += [_Update(bucket, spec, owner_index) for bucket in _buckets(mine)]
+                out += [_Update(bucket, spec, owner_index) for bucket in _buckets(mine, self.bucket_bytes)]
         return out
 
 
@@ -248,19 +297,6 @@ def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
         t.copy_(reduced)
 
 
-@dataclasses.dataclass
-class _Bucket:
-    params: list[MasterParam]
-    spec: ParamGroupSpec
-    owner: int  # group index of the owning rank under ZeRO-1, -1 without
-    pending: int = 0  # gradients still to become ready in this backward
-    work: object | None = None
-    flat: torch.Tensor | None = None
-    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-
-
-
 class OverlappedGradSync(GradSync):
     """GradSync whose reductions overlap the last micro-batch's backward and, under ZeRO-1,
     whose weight broadcasts overlap the next forward.
@@ -281,10 +317,9 @@ class OverlappedGradSync(GradSync):
     the trainer calls it before anything else reads the weights (a checkpoint, the end).
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(model, mesh, zero, reduce_dtype)
-        self.buckets: list[_Bucket] = []
-        self.local: list[MasterParam] = []  # parameters whose group is this rank alone
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(model, mesh, zero, reduce_dtype, bucket_bytes)
         self.armed = False
         self.next = 0
         self.launched_in_backward = 0  # buckets of the last step reduced before backward ended
@@ -344,25 +379,9 @@ class OverlappedGradSync(GradSync):
             self.waited += 1
 
     def _attach_reductions(self, opt: MasterWeightAdamW) -> None:
-        open_: dict[tuple, _Bucket] = {}
-        sizes: dict[int, int] = {}
-        for p in reversed(opt.params):
-            kind = self.kind_of(p.name)
-            spec = self.specs[kind]
-            if len(spec.ranks) == 1:
-                self.local.append(p)
-                continue
-            owner = self.owner[p.name] if self.zero else -1
-            key = (kind, owner, p.grad_holder.dtype)
-            nbytes = p.grad_holder.numel() * p.grad_holder.element_size()
-            bucket = open_.get(key)
-            if bucket is None or (bucket.params and sizes[id(bucket)] + nbytes > BUCKET_BYTES):
-                bucket = open_[key] = _Bucket([], spec, owner)
-                sizes[id(bucket)] = 0
-                self.buckets.append(bucket)
-            bucket.params.append(p)
-            sizes[id(bucket)] += nbytes
-            p.param.register_post_accumulate_grad_hook(self._ready_hook(bucket))
+        for bucket in self.bucket_plan(opt):
+            for p in bucket.params:
+                p.param.register_post_accumulate_grad_hook(self._ready_hook(bucket))
         self._reset()
 
     def _ready_hook(self, bucket: _Bucket):
@@ -385,32 +404,17 @@ class OverlappedGradSync(GradSync):
 
     @torch.no_grad()
     def _launch(self, force: bool) -> None:
+        """Start, strictly in plan order (every rank issues the same collectives in the same
+        order), the buckets whose gradients are all ready (``force``: all that are left)."""
         while self.next < len(self.buckets) and (force or self.buckets[self.next].pending <= 0):
-            b = self.buckets[self.next]
-            for p in b.params:
-                if p.grad is None:
-                    p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
-            b.grads = [p.grad for p in b.params]
-            b.flat = _flat(b.grads, self.reduce_dtype)
-            op, _ = self._average_op(b.spec)
-            if self.zero:
-                b.work = dist.reduce(b.flat, dst=b.spec.ranks[b.owner], op=op, group=b.spec.group, async_op=True)
-            else:
-                b.work = dist.all_reduce(b.flat, op=op, group=b.spec.group, async_op=True)
+            self._launch_bucket(self.buckets[self.next], async_op=True)
             self.next += 1
 
     @torch.no_grad()
     def reduce(self, opt: MasterWeightAdamW) -> None:
-        divisor = float(self.mesh.dp)
         self.launched_in_backward = self.next
         self._launch(force=True)
         for b in self.buckets:
-            b.work.wait()
-            if not self.zero or b.owner == b.spec.my_index:
-                if self._average_op(b.spec)[1]:
-                    b.flat.div_(divisor)
-                _copy_back(b.grads, b.flat)
-        local = [p.grad for p in self.local if p.grad is not None]
-        if local and divisor != 1.0:
-            torch._foreach_div_(local, divisor)
+            self._finish_bucket(b)
+        self._finish_local()
         self._reset()

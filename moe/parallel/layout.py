@@ -22,18 +22,17 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe.config import ConfigError, ExperimentConfig, OptimizerConfig, ResolvedLayout
 from moe.model import Transformer, run_stack
-from moe.nn.chunked_ce import chunked_linear_cross_entropy
+from moe.nn.loss import lm_loss
+from moe.optim import MasterWeightAdamW
 from moe.parallel.env import DistEnv
 from moe.parallel.expert_parallel import apply_expert_parallel
 from moe.parallel.grad_sync import GradSync, OverlappedGradSync, clip_coefficient, global_grad_norm
 from moe.parallel.mesh import Mesh, build_mesh
 from moe.parallel.pipeline import PipelineRunner, prune_for_stages
-from moe.train.optim import MasterWeightAdamW
 
 Autocast = Callable[[], AbstractContextManager]
 
@@ -65,13 +64,10 @@ class Layout(Protocol):
 
 
 def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0) -> torch.Tensor:
-    if chunk:  # the model up to its final norm, then the fused, chunked head + loss
-        with autocast():
-            hidden = run_stack(model, batch[:, :-1], head=False)
-            return chunked_linear_cross_entropy(hidden, model.lm_head.weight, batch[:, 1:], chunk)
     with autocast():
-        logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].reshape(-1))
+        if chunk:  # the model up to its final norm, then the fused, chunked head + loss
+            return lm_loss(run_stack(model, batch[:, :-1], head=False), batch[:, 1:], model.lm_head.weight, chunk)
+        return lm_loss(model(batch[:, :-1]), batch[:, 1:])
 
 
 def accumulate(model: Transformer, micro: list[torch.Tensor], autocast: Autocast, device: torch.device,
@@ -124,7 +120,8 @@ class ParallelLayout:
                                          self.env.device, self.virtual, self.chunk)
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
-        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype)
+        bucket_bytes = int(self.cfg.parallel.grad_bucket_mb * 2**20)
+        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype, bucket_bytes)
         return model
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:

@@ -28,7 +28,6 @@ class Mesh:
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
-    world_group: dist.ProcessGroup | None = None
     dp_ranks: tuple[int, ...] = ()
     ep_ranks: tuple[int, ...] = ()
     edp_ranks: tuple[int, ...] = ()
@@ -45,10 +44,6 @@ class Mesh:
     @property
     def ep_rank(self) -> int:
         return self.dp_rank % self.ep
-
-    @property
-    def edp(self) -> int:
-        return self.dp // self.ep
 
     @property
     def edp_rank(self) -> int:
@@ -81,7 +76,6 @@ def build_mesh(pp: int, dp: int, ep: int) -> Mesh:
     if not dist.is_initialized():
         mesh.dp_ranks = mesh.ep_ranks = mesh.edp_ranks = mesh.pp_ranks = (0,)
         return mesh
-    mesh.world_group = dist.group.WORLD
     for kind, all_groups in layout_groups(pp, dp, ep).items():
         for ranks in all_groups:
             group = dist.new_group(list(ranks)) if len(ranks) > 1 else None

@@ -12,11 +12,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe.model import Transformer, run_stack
-from moe.nn.chunked_ce import chunked_linear_cross_entropy
+from moe.nn.loss import lm_loss
 from moe.parallel.mesh import Mesh
 
 
@@ -84,9 +83,8 @@ class PipelineRunner:
         self.schedule = cls(stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches, **kwargs)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.chunk:  # "logits" are the last stage's normed hidden states
-            return chunked_linear_cross_entropy(logits, self.head_weight, target, self.chunk) / self.n_microbatches
-        return F.cross_entropy(logits.flatten(0, 1).float(), target.reshape(-1)) / self.n_microbatches
+        # with a chunk, "logits" are the last stage's normed hidden states
+        return lm_loss(logits, target, self.head_weight, self.chunk) / self.n_microbatches
 
     def step(self, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
         """batch: [n_microbatches * micro, seq + 1] tokens -> sum of the scaled micro losses

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moe.kernels.routing import gather_reduce
-from moe.layers.dispatch import LocalDispatcher, LocalDispatchState
+from moe.layers.dispatch import LocalDispatcher, LocalDispatchState, sort_by_expert
 from moe.layers.router import Routing
 from moe.parallel.transport import Transport
 
@@ -162,8 +162,7 @@ class SymmetricDispatcher:
         n_slots = n_tokens * top_k
         if n_slots not in self._checked_slots:
             self._check_same_slots(n_slots)
-        order = torch.argsort(routing.experts.reshape(-1), stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        order, inverse = sort_by_expert(routing.experts.reshape(-1))
         counts = routing.tokens_per_expert
         counts_all = counts.new_empty(self.ep * self.num_experts)
         _all_gather(counts_all, counts.contiguous(), group=self.group)  # fixed size: no host sync

@@ -13,13 +13,12 @@ import logging
 import sys
 from pathlib import Path
 
-from moe.config import ConfigError, ExperimentConfig
-from moe.data import TokenDataError
+from moe.config import ExperimentConfig
+from moe.errors import EXIT_CODES, exit_code_of
 from moe.parallel.env import shutdown_distributed
-from moe.train.checkpoint import CheckpointError
 from moe.train.determinism import set_environment
 from moe.train.sinks import ConsoleSink, JsonlSink
-from moe.train.trainer import NonFiniteLossError, Trainer
+from moe.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,15 +45,15 @@ def main(argv: list[str] | None = None) -> int:
             args.summary_json.write_text(json.dumps(summary.__dict__, indent=2, default=str))
         clean = True
         return 0
-    except (ConfigError, TokenDataError, FileNotFoundError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
+        print(f"error: {args.config}: not valid JSON ({exc})", file=sys.stderr)
+        return EXIT_CODES["bad_input"]
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 4
+        return code
     finally:
         shutdown_distributed(clean=clean)
 

@@ -13,14 +13,7 @@ import dataclasses
 import torch
 
 from moe.config import ModelConfig
-
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' datasheets.
-PEAK_BF16_TFLOPS = {
-    "H100": 989.0,
-    "H200": 989.0,
-    "B200": 2250.0,
-    "B300": 2250.0,
-}
+from moe.hardware import gpu_by_device_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +70,8 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return value
-    return None
+    spec = gpu_by_device_name(torch.cuda.get_device_name(device))
+    return spec.peak_bf16_tflops if spec else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,14 +38,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moe.errors import CheckpointError
 from moe.train.safe_dcp import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR_NAME = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
 
 
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _distributed() -> bool:
@@ -87,7 +86,7 @@ def is_complete(path: Path) -> bool:
 
 
 def checkpoint_step(path: Path) -> int:
-    m = _STEP_DIR.match(path.name)
+    m = STEP_DIR_NAME.match(path.name)
     if not m:
         raise CheckpointError(f"{path}: not a checkpoint directory (expected step_NNNNNNNN)")
     return int(m.group(1))
@@ -97,7 +96,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and is_complete(p)]
+    found = [p for p in root.iterdir() if STEP_DIR_NAME.match(p.name) and is_complete(p)]
     return sorted(found, key=checkpoint_step)
 
 
@@ -113,7 +112,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: not a directory (checkpoint.dir)")
-    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), key=checkpoint_step) if root.is_dir() else []
+    steps = sorted((p for p in root.iterdir() if STEP_DIR_NAME.match(p.name) and p.is_dir()), key=checkpoint_step) if root.is_dir() else []
     if steps and not is_complete(steps[-1]):
         raise CheckpointError(f"{steps[-1]}: damaged checkpoint (missing {_missing(steps[-1])}); "
                               "restore it or move it away to resume from an older step")
@@ -124,7 +123,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         except UnicodeDecodeError:
             raise CheckpointError(f"{pointer}: not a text file naming a checkpoint") from None
         candidate = root / name
-        if _STEP_DIR.match(name) and candidate.is_dir() and not is_complete(candidate):
+        if STEP_DIR_NAME.match(name) and candidate.is_dir() and not is_complete(candidate):
             raise CheckpointError(f"{candidate}: damaged checkpoint (missing {_missing(candidate)}); "
                                   "restore it or move it away to resume from an older step")
     found = list_checkpoints(root)
@@ -138,7 +137,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         p = p.parent
     if is_complete(p):
         return p
-    if _STEP_DIR.match(p.name) and p.is_dir():
+    if STEP_DIR_NAME.match(p.name) and p.is_dir():
         raise CheckpointError(f"{p}: damaged checkpoint (missing {_missing(p)})")
     found = latest_checkpoint(p)
     if found is None:

@@ -25,28 +25,18 @@ import torch
 
 from moe.config import ConfigError, ExperimentConfig
 from moe.config.model import ModelConfig
+from moe.hardware import GPUS as HARDWARE_GPUS
+from moe.hardware import RECIPES as RECIPE_FACTS
+from moe.hardware import capability_problem, recipe_on
 from moe.train.accounting import flops_per_token
 
 GIB = 2**30
 CALIBRATION = Path(__file__).with_name("plan_calibration.json")
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    memory_gib: float  # what torch.cuda reports as total memory
-    peak_tflops: float  # dense bf16
+# The GPUs a plan is for (capacity, peak, capability): one table, moe.hardware.
+GPUS = HARDWARE_GPUS
 
-
-# Capacity: the total memory CUDA reports (H200: measured by bench/memory.py; the others from
-# their nvidia-smi totals, B300 from the datasheet's 288 GB). Dense bf16 peaks as in
-# moe.train.accounting.
-GPUS = {
-    "h100": GpuSpec("H100 80GB", 79.2, 989.0),
-    "h200": GpuSpec("H200 141GB", 139.8, 989.0),
-    "b200": GpuSpec("B200 180GB", 178.4, 2250.0),
-    "b300": GpuSpec("B300 288GB", 288e9 / GIB, 2250.0),
-}
 # CUDA context, cuBLAS and NCCL workspaces: not in torch's allocator statistics, but on the GPU.
 WORKSPACE_GIB = 2.0
 
@@ -76,10 +66,10 @@ class RankState:
 
 
 def _param_dtype(cfg: ExperimentConfig) -> tuple[torch.dtype, bool]:
-    from moe.precision import resolve_recipe
-
-    recipe = resolve_recipe(cfg.precision.recipe, torch.device("cuda"))
-    return recipe.param_dtype, recipe.master_weights
+    """How the recipe stores weights on a GPU, from the device-free facts (no CUDA call: a CPU
+    machine plans GPU jobs)."""
+    facts = RECIPE_FACTS[recipe_on(cfg.precision.recipe, gpu=True)]
+    return getattr(torch, facts.param_dtype), facts.master_weights
 
 
 def _meta_model(cfg: ModelConfig):
@@ -389,6 +379,9 @@ def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knob
     if not 0 < mfu <= 1:
         raise PlanError(f"--mfu: must lie in (0, 1], got {mfu}")
     spec = GPUS[gpu]
+    problem = capability_problem(recipe_on(cfg.precision.recipe, gpu=True), spec.capability, spec.name)
+    if problem:
+        raise PlanError(f"{problem} (--gpu {gpu})")
     calibration = calibration if calibration is not None else load_calibration()
     resolved = cfg.check_world(gpus)
     states = rank_states(cfg, gpus)
@@ -404,7 +397,7 @@ def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knob
                 "recompute": cfg.train.recompute, "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len},
         params_total=total, params_active=active, memory_gib=lines, peak_gib=sum(lines.values()),
         capacity_gib=spec.memory_gib, flops_per_token=fpt, tokens_per_step=tokens, mfu=mfu,
-        step_time_s=tokens * fpt / (gpus * spec.peak_tflops * 1e12 * mfu),
+        step_time_s=tokens * fpt / (gpus * spec.peak_bf16_tflops * 1e12 * mfu),
         calibration=calibration.get("source", "analytic"), worst_rank=worst.rank,
     )
     if knobs and not plan.fits:
@@ -454,7 +447,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {'peak'.ljust(width)}  {plan.peak_gib:8.2f}   of {plan.capacity_gib:.1f}")
     lines.append(f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
                  f"predicted step {plan.step_time_s:.3g} s at {plan.mfu:.0%} MFU "
-                 f"({GPUS[plan.gpu].peak_tflops:.0f} TFLOP/s dense bf16 per GPU)")
+                 f"({GPUS[plan.gpu].peak_bf16_tflops:.0f} TFLOP/s dense bf16 per GPU)")
     lines.append(f"verdict: {plan.verdict()}")
     for k in plan.knobs[1:4]:
         lines.append(f"  also: {k['set']} (-{k['saves_gib']:.1f} GiB{', fits' if k['fits'] else ''})")

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,3 +82,24 @@ class ConsoleSink:
 
     def close(self, summary: dict[str, Any]) -> None:
         return None
+
+
+def read_metric_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of metrics.jsonl, one per step: a resumed job re-runs the steps after its last
+    checkpoint, and the later row (the one the finished model descends from) wins. A damaged
+    line (a kill mid-write, an edit) is skipped with one warning naming it, as the training
+    sink itself drops it on the next resume."""
+    by_step: dict[int, dict[str, Any]] = {}
+    damaged = []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            damaged.append(lineno)
+    if damaged:
+        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)",
+              file=sys.stderr, flush=True)
+    return [by_step[s] for s in sorted(by_step)]

@@ -14,20 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe.layers.experts import GroupedExperts
-from moe.train.optim import MasterWeightAdamW
+from moe.layers.experts import expert_param_layout
+from moe.optim import MasterWeightAdamW
 
 EXPERT_KEY = "{name}.expert_{index:05d}"
-
-
-def expert_param_layout(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Parameter name -> (global index of its first local expert, experts in the whole model)."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            for pname in ("gate_up", "down"):
-                out[f"{mod_name}.{pname}"] = (module.expert_offset, module.global_num_experts)
-    return out
 
 
 def split_experts(name: str, tensor: torch.Tensor, offset: int) -> dict[str, torch.Tensor]:

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from moe.config import ExperimentConfig
-from moe.data import BatchLoader, TokenDataError, TokenDataset
+from moe.data import BatchLoader, TokenDataset
+from moe.errors import NonFiniteLossError, TokenDataError
 from moe.model import Transformer
+from moe.optim import build_scheduler
 from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
@@ -32,7 +34,6 @@ from moe.train.accounting import flops_per_token, param_counts, peak_tflops, thr
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
 from moe.train.load_alarm import TAG as LOAD_ALARM_TAG
 from moe.train.load_alarm import LoadAlarm
-from moe.train.optim import build_scheduler
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
 from moe.train.sinks import MetricsSink
@@ -42,8 +43,6 @@ from moe.train.telemetry import MoETelemetry
 log = logging.getLogger("moe.train")
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from pipeline.console import handle_errors
+
 PIPELINE_DIR = Path("bench/paper")
 paper_app = typer.Typer(no_args_is_help=True, help="Reproduce the paper's system claims (bench/paper/dvc.yaml).")
 
@@ -19,16 +21,10 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override,
 NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
 
 
-def _handle(fn):
-    from pipeline.cli import handle_errors
-
-    return handle_errors(fn)
-
-
 def _tracker(params, stage: str, enabled: bool):
     if not (enabled and params.base.mlflow.enabled):
         return None
-    from pipeline.tracking import Tracker
+    from pipeline.tracking.stage_run import Tracker
 
     tracker = Tracker(params.base.mlflow, f"paper/{stage}", params.path, parent_name="paper reproduction")
     flat = {f"paper.{k}": v for k, v in params.paper.flatten().items()}
@@ -41,7 +37,7 @@ def _tracker(params, stage: str, enabled: bool):
 def tokenize_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
     """Tokenise the corpus the learned-routing stage reads (tokenize: section)."""
 
-    @_handle
+    @handle_errors
     def go():
         from pipeline.paper.config import load_paper_params
         from pipeline.stages.tokenize import run_tokenize
@@ -61,7 +57,7 @@ def stage_cmd(
 ) -> None:
     """Measure one claim; writes <paper.results>/<name>.json."""
 
-    @_handle
+    @handle_errors
     def go():
         from pipeline.paper.config import load_paper_params
         from pipeline.paper.stages import run_stage
@@ -84,7 +80,7 @@ def stage_cmd(
 def report_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
     """REPORT.md and plots/*.png from the stages' results."""
 
-    @_handle
+    @handle_errors
     def go():
         from pipeline.paper.config import load_paper_params
         from pipeline.paper.report import write_report

@@ -17,8 +17,6 @@ from moe.config import ConfigError, apply_overrides
 from moe.config.base import Config, require
 from pipeline.params import LIBRARY_SECTIONS, PipelineConfig, read_params_file
 
-GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "b200": 180.0, "b300": 288.0}
-
 
 @dataclasses.dataclass
 class PaperConfig(Config):

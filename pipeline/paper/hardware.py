@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from moe.config import ConfigError
+from moe.hardware import GPUS
 from pipeline.executors import world_size
-from pipeline.paper.config import GPU_MEMORY_GB, PaperParams
+from pipeline.paper.config import PaperParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +39,8 @@ def detect(params: PaperParams) -> Hardware:
             return Hardware("cpu", "cpu", world, None)
         if paper.gpu == "auto":
             raise ConfigError("paper.gpu: name the GPU model (h100, h200, b200, b300) for Slurm runs")
-        cap = (10, 0) if paper.gpu.startswith("b") else (9, 0)
-        return Hardware("gpu", paper.gpu.upper(), world, GPU_MEMORY_GB[paper.gpu], cap)
+        spec = GPUS[paper.gpu]
+        return Hardware("gpu", spec.name, world, spec.memory_gib, spec.capability)
     import torch
 
     if paper.scale == "cpu" or not torch.cuda.is_available():

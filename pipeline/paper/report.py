@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.paper.claims import CLAIMS, STAGES
-from pipeline.tracking import git_info
+from pipeline.tracking.provenance import git_info
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -28,7 +28,7 @@ def _pct(v: float | None) -> str:
 
 def commit_label() -> str:
     """This checkout's commit (12 hex digits, "-dirty" with uncommitted changes to tracked files;
-    MOE_GIT_COMMIT where the tree was copied without .git), from pipeline.tracking.git_info."""
+    MOE_GIT_COMMIT where the tree was copied without .git), from pipeline.tracking.provenance.git_info."""
     if os.environ.get("MOE_GIT_COMMIT"):
         return os.environ["MOE_GIT_COMMIT"][:12]
     info = git_info()

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import ConfigError
+from moe.hardware import RECIPES as RECIPE_FACTS
+from moe.hardware import capability_problem
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.paper.claims import CLAIMS
 from pipeline.paper.config import PaperParams
@@ -127,16 +129,16 @@ def first_last_ratio(first: dict[str, Any], last: dict[str, Any]) -> float:
 
 def fp8_recipe(ctx: Context) -> tuple[str | None, str]:
     choice = ctx.params.paper.fp8_recipe
+    need = RECIPE_FACTS["fp8_rowwise"].min_capability
     if ctx.hw.kind != "gpu":
-        return None, "FP8 needs a CUDA GPU (compute capability >= 8.9); this run is on CPUs"
+        return None, f"FP8 needs a CUDA GPU (compute capability >= {need[0]}.{need[1]}); this run is on CPUs"
     if choice != "auto":
         return choice, ""
     cap = ctx.hw.capability or (0, 0)
-    if cap >= (10, 0):
-        return "mxfp8", ""
-    if cap >= (8, 9):
-        return "fp8_rowwise", ""
-    return None, f"FP8 needs compute capability >= 8.9; {ctx.hw.name} has {cap[0]}.{cap[1]}"
+    for recipe in ("mxfp8", "fp8_rowwise"):  # the best the device runs
+        if capability_problem(recipe, cap, ctx.hw.name) is None:
+            return recipe, ""
+    return None, f"FP8 needs compute capability >= {need[0]}.{need[1]}; {ctx.hw.name} has {cap[0]}.{cap[1]}"
 
 
 def fp8(ctx: Context) -> dict[str, Any]:

@@ -28,41 +28,15 @@ from moe.interop import (
     model_config_from_hf,
     to_hf,
 )
-from moe.model import Transformer
-from moe.train.checkpoint import CheckpointManager, load_tensors, read_meta, resolve_checkpoint
-from moe.train.state import expert_param_layout, full_model_targets, split_experts
+from moe.train.checkpoint import CheckpointManager, read_meta, resolve_checkpoint
+from moe.train.state import split_experts
+from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
 from pipeline.outputs import check_own_output, replace_own_output, seal_output
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def model_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    """Names and shapes of the tensors a checkpoint holds for this model (no memory used)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    persistent = set(model.state_dict().keys())
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-    shapes.update({n: b.shape for n, b in model.named_buffers() if n in persistent})
-    return shapes
-
-
-def expert_names(cfg: ModelConfig) -> dict[str, int]:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {n: total for n, (_, total) in expert_param_layout(model).items()}
-
-
-def load_checkpoint_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Full fp32 weights by parameter name, whatever layout wrote the checkpoint."""
-    ckpt = resolve_checkpoint(path)
-    meta = read_meta(ckpt)
-    cfg = ModelConfig.from_dict(meta["config"]["model"]).validate("model")
-    full, targets = full_model_targets(model_shapes(cfg), expert_names(cfg))
-    load_tensors(ckpt, {"model": targets})
-    return cfg, full, meta
 
 
 def check_checkpoint_tokenizer(checkpoint: str | Path, tokenizer: TokenizerInfo, tokenizer_file: str | Path | None = None) -> None:

@@ -19,27 +19,17 @@ import torch.nn.functional as F
 from moe.data import TokenDataset
 from moe.model import Transformer
 from moe.parallel.env import pick_device
+from moe.train.sinks import read_metric_rows
+from moe.train.weights import load_model
 from pipeline.errors import PipelineError
 from pipeline.outputs import check_output_file, json_keys_within, sha256_file, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import validation_figure
-from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir, load_checkpoint_weights
+from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir
 from pipeline.stages.tokenize import read_manifest
-from pipeline.stages.train import read_metric_rows
 from pipeline.tokenizer import load_tokenizer
 
 log = logging.getLogger("pipeline.evaluate")
-
-
-def load_our_model(checkpoint: str | Path, device: torch.device) -> Transformer:
-    cfg, state, _ = load_checkpoint_weights(checkpoint)
-    with torch.device(device):
-        model = Transformer(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise PipelineError(f"{checkpoint}: checkpoint does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return model.eval()
 
 
 @torch.no_grad()
@@ -134,7 +124,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         raise PipelineError(f"{cfg.tokenize.output}/tokenizer.json does not match its manifest (tokenizer hash differs)")
     check_checkpoint_tokenizer(checkpoint, tok_info, tok_file)  # the data is that tokenizer's (TokenDataset checks)
 
-    ours = load_our_model(checkpoint, device)
+    ours = load_model(checkpoint, device)
     hf = load_hf_model(hf_dir, device)
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)

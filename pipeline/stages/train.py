@@ -11,11 +11,11 @@ import csv
 import io
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from moe.config import ConfigError, ExperimentConfig
+from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
@@ -27,8 +27,8 @@ from pipeline.resume import prepare_checkpoints
 from pipeline.run_dirs import check_run_dirs
 from pipeline.run_lock import RunLock, command_line
 from pipeline.stages.tokenize import read_manifest
+from pipeline.tracking.job import SECRET_URI_ENV
 
-SECRET_URI_ENV = "MOE_MLFLOW_TRACKING_URI"  # the full tracking URI for jobs, by environment only
 METRICS_FILE = Path("metrics/train.json")
 LOSS_PLOT = Path("plots/train_loss.csv")
 THROUGHPUT_PLOT = Path("plots/train_throughput.csv")
@@ -68,11 +68,18 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentCon
 
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
-        if cfg.train.device == "cpu" or not torch.cuda.is_available():
-            from moe.train.plan import check_host_memory
-
-            check_host_memory(exp, world_size(cfg))  # before anything is allocated
     return exp
+
+
+def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
+    """A local CPU run whose weights and optimizer state alone exceed this machine's memory is
+    refused before anything is allocated (`moe params` shows any config; this is `moe train`'s)."""
+    import torch
+
+    if cfg.executor.kind == "local" and (cfg.train.device == "cpu" or not torch.cuda.is_available()):
+        from moe.train.plan import check_host_memory
+
+        check_host_memory(exp, world_size(cfg))
 
 
 def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> TrainJob:
@@ -103,6 +110,7 @@ def prepare_run(job: TrainJob) -> str:
 
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
     job = make_job(cfg, tracker)
+    check_local_memory(cfg, ExperimentConfig.from_dict(job.config))
     lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (train stage)")
     try:
         start = prepare_run(job)
@@ -152,27 +160,6 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
         tracker.log_artifact(heatmap)
         tracker.set_tags({"moe.load_alarm": "fired" if metrics["load_alarm"] else "quiet"})
     return metrics
-
-
-def read_metric_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of metrics.jsonl, one per step: a resumed job re-runs the steps after its last
-    checkpoint, and the later row (the one the finished model descends from) wins. A damaged
-    line (a kill mid-write, an edit) is skipped with one warning naming it, as the training
-    sink itself drops it on the next resume."""
-    by_step: dict[int, dict[str, Any]] = {}
-    damaged = []
-    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            by_step[int(row["step"])] = row
-        except (ValueError, KeyError, TypeError):
-            damaged.append(lineno)
-    if damaged:
-        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)",
-              file=sys.stderr, flush=True)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ then the report (curve comparison, PNG, both curves in a real MLflow store)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,15 +37,20 @@ def test_parity_runs_and_reports(tmp_path):
     py("-m", "bench.parity", "run", "--recipe", "bf16", "--out", str(tmp_path / "a"), *small)
     py("-m", "bench.parity", "run", "--recipe", "fp8_rowwise", "--emulate", "--out", str(tmp_path / "b"), *small)
     db = tmp_path / "ml.db"
-    out = py("-m", "bench.parity", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--no-save", "--tail", "4",
-             "--plot", str(tmp_path / "p.png"), "--mlflow-uri", f"sqlite:///{db}")
+    out = py("-m", "bench.parity", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--results-dir", str(tmp_path / "res"),
+             "--tail", "4", "--plot", str(tmp_path / "p.png"))
     assert "relative difference" in out and (tmp_path / "p.png").stat().st_size > 0
+    result = next((tmp_path / "res").glob("parity-*.json"))
+    logged = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "log", str(result)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
+                                                         "PYTHONPATH": str(ROOT)})
+    assert logged.returncode == 0, logged.stderr[-3000:]
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("fp8-loss-parity")
     runs = client.search_runs([exp.experiment_id])
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") and "recipe" in r.data.tags]
     assert sorted(r.data.tags["recipe"] for r in children) == ["bf16", "fp8_rowwise"]
     assert all(len(client.get_metric_history(r.info.run_id, "loss")) == 12 for r in children)
 

@@ -1,1 +1,1 @@
-from tests.pipeline.conftest import workspace  # noqa: F401  (the pipeline working-directory fixture)
+"""The container suite uses the root fixtures (workspace, slurm_cluster)."""

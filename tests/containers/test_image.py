@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline.conftest import REPO
+from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
 ROOTFS = Path("/var/tmp/moe-ci-rootfs")
@@ -73,7 +73,7 @@ def test_image_holds_the_pinned_environment(cpu_image):
 
 
 def test_slurm_job_trains_inside_the_image(cpu_image, workspace):
-    from tests.pipeline.test_slurm import moe, slurm_cluster  # noqa: F401  (starts the cluster)
+    from tests.helpers import moe
 
     r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:

@@ -20,10 +20,10 @@ def _gradients(seed: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def average_on_rank(rank, world, zero, reduce_dtype, ep, device="cuda"):
     from moe.config import ModelConfig, OptimizerConfig
     from moe.model import Transformer
+    from moe.optim import MasterWeightAdamW
     from moe.parallel.expert_parallel import apply_expert_parallel
     from moe.parallel.grad_sync import GradSync
     from moe.parallel.mesh import build_mesh
-    from moe.train.optim import MasterWeightAdamW
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_dict({"preset": "tiny", "vocab_size": 256}).validate()).to(device).bfloat16()

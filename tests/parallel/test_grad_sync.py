@@ -12,7 +12,7 @@ from moe.parallel.grad_sync import OverlappedGradSync
 from moe.train.trainer import Trainer
 from tests.helpers import make_corpus, tiny_config
 from tests.parallel.dist_utils import run_ranks
-from tests.parallel.test_layouts import first_step_grads
+from tests.parallel.layout_runs import first_step_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +29,7 @@ def config(corpus, ckpt, parallel, train, steps=10, recipe="auto"):
 
 def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, recipe="auto"):
     if bucket_bytes is not None:  # small buckets: many of them, most reduced during backward
-        import moe.parallel.grad_sync as grad_sync
-
-        grad_sync.BUCKET_BYTES = bucket_bytes
+        parallel = {**parallel, "grad_bucket_mb": bucket_bytes / 2**20}
     trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train, recipe=recipe))
     sync = getattr(trainer.layout, "sync", None)
     overlapped = isinstance(sync, OverlappedGradSync)

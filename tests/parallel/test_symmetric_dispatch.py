@@ -177,7 +177,7 @@ def test_trainer_with_nvshmem_backend_matches_single_process(tmp_path, tmp_path_
     """The whole training step (dp2-ep2, ep_backend=nvshmem emulated): first-step gradients and
     ten steps' losses against one process, as for every other layout (tests/parallel/test_layouts.py)."""
     from tests.helpers import make_corpus
-    from tests.parallel.test_layouts import reference, train_rank
+    from tests.parallel.layout_runs import reference, train_rank
 
     corpus = tmp_path_factory.mktemp("tokens")
     make_corpus(corpus, files=2, tokens=6000)

@@ -35,8 +35,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.helpers import Planted, plant_pickle, reseal  # noqa: F401 - re-exported for the tables
+from tests.workspace import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SECRET = "hunter2-s3cret"
 OUTCOMES = ("clear", "ok", "traceback", "silent", "lost", "leaked", "executed", "hang")
 RESULTS: dict[str, dict[str, tuple[str, str]]] = {}  # table -> case id -> (outcome, detail)

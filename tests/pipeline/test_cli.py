@@ -96,6 +96,18 @@ def test_plan_errors(workspace):
     assert_one_error_line(moe("plan", "--params", "nope.yaml"), 2, "nope.yaml: params file not found")
 
 
+def test_plan_checks_an_fp8_recipe_against_the_planned_gpu_not_this_machine(workspace):
+    """Issue 26: on a CPU machine the planner checked the recipe against a fake CUDA device (a traceback)."""
+    r = moe("plan", "--gpu", "h100", "--set", "precision.recipe=fp8_rowwise")
+    assert r.returncode == 0 and "verdict: fits" in r.stdout, r.stderr
+    r = moe("submit", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "--tasks-per-node", "1", "--partition", "gpu",
+            "--set", "precision.recipe=fp8_rowwise")
+    assert r.returncode == 0 and r.stdout.startswith("#!/bin/bash"), r.stderr
+    assert_one_error_line(moe("plan", "--gpu", "h200", "--set", "precision.recipe=mxfp8"), 2,
+                          "mxfp8 needs compute capability >= 10.0, but H200 141GB is sm90")
+    assert moe("plan", "--gpu", "b200", "--set", "precision.recipe=mxfp8").returncode == 0
+
+
 BIG = ["--set", "model.preset=olmoe-1b-7b", "--set", "model.n_layers=18", "--set", "model.vocab_size=50304",
        "--set", "model.d_model=2048", "--set", "model.n_heads=16",
        "--set", "model.moe.num_experts=64", "--set", "model.moe.top_k=8", "--set", "model.moe.expert_hidden=1024",

@@ -2,24 +2,16 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import copy_checkout
+from tests.helpers import copy_checkout, sh
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def sh(*cmd, cwd, env, check=True):
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +79,7 @@ def test_repro_end_to_end_then_incremental(clone):
 
 def test_readme_commands_in_a_trained_workspace(clone):
     """The README's commands for after `make repro`, as written (`.venv/bin/...` is this environment)."""
-    from tests.test_readme import WORKSPACE, argv, readme_commands
+    from tests.readme_commands import WORKSPACE, argv, readme_commands
 
     dest, env = clone
     assert [c for c in readme_commands() if c in WORKSPACE] == WORKSPACE

@@ -14,8 +14,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import copy_checkout
-from tests.pipeline.test_dvc_e2e import sh
+from tests.helpers import copy_checkout, sh
 
 pytestmark = pytest.mark.slow
 

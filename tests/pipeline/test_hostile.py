@@ -166,7 +166,7 @@ def _truncated_rng(ws):
 
 def _hanging_server_sink(ws):
     """A tracking server that accepts and never answers: the sink gives up within the bound and spools."""
-    from pipeline.tracking import MlflowSink
+    from pipeline.tracking.job import MlflowSink
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -189,7 +189,7 @@ def _tracker_offline_redacted(ws):
     job.json nor the spool holds the password."""
     from pipeline.params import load_params
     from pipeline.stages.train import make_job
-    from pipeline.tracking import Tracker
+    from pipeline.tracking.stage_run import Tracker
 
     uri = f"http://user:{SECRET}@127.0.0.1:{free_port()}"
     cfg = load_params(ws / "params.yaml", [f"mlflow.tracking_uri={uri}"])
@@ -202,7 +202,7 @@ def _tracker_offline_redacted(ws):
     for f in (spec, ws / "spool.jsonl"):
         assert SECRET not in f.read_text(), f"{f} holds the password"
     assert '"mlflow.tracking_uri": "http://user:***@' in (ws / "spool.jsonl").read_text()
-    from pipeline.worker import job_uri
+    from pipeline.tracking.job import job_uri
 
     assert job_uri(job) == uri  # the job gets it back from the environment only
 

@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from moe.config import ConfigError
-from tests.pipeline.conftest import load
+from tests.workspace import load
 
 
 def test_loads_library_and_pipeline_sections(workspace):

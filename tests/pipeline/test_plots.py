@@ -1,10 +1,9 @@
 """Offline figures (pipeline/plots.py) from a real training run's metric rows."""
 
-from pathlib import Path
 
+from moe.train.sinks import read_metric_rows
 from pipeline.outputs import LEDGER
-from pipeline.plots import expert_load_matrix, train_figures, validation_figure, write_expert_load_csv
-from pipeline.stages.train import read_metric_rows
+from pipeline.plots import expert_load_matrix, train_figures, validation_figure
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -24,6 +23,3 @@ def test_expert_load_heatmap_data_is_layers_by_steps(trained_dir, tmp_path):
     steps, layers, m = expert_load_matrix(rows)
     assert layers == [0, 1] and steps == [4, 8]
     assert len(m) == 2 and all(len(r) == 2 and all(v >= 1.0 for v in r) for r in m)
-    write_expert_load_csv(rows, tmp_path / "load.csv")
-    lines = Path(tmp_path / "load.csv").read_text().splitlines()
-    assert lines[0] == "step,layer,expert_load_max_over_mean" and len(lines) == 5

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pipeline.run_lock import RunDirBusy, RunLock
-from tests.pipeline.conftest import REPO
+from tests.workspace import REPO
 
 HOLD = ("import sys, time; from pipeline.run_lock import RunLock; RunLock(sys.argv[1]).acquire('moe train'); "
         "print('held', flush=True); time.sleep(600)")

@@ -15,33 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.pipeline.conftest import REPO
+from tests.helpers import moe, need_slurm
+from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden" / "sbatch_dry_run.txt"
-
-
-def _need(what: str) -> None:
-    if os.environ.get("MOE_REQUIRE_SLURM"):
-        pytest.fail(f"{what} (MOE_REQUIRE_SLURM=1)")
-    pytest.skip(what)
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    if not (shutil.which("sbatch") and shutil.which("slurmctld")):
-        _need("Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge)")
-    if os.geteuid() != 0 and subprocess.run(["sinfo"], capture_output=True).returncode != 0:
-        _need("no running Slurm cluster and not root to start one")
-    r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
-    if r.returncode != 0:
-        _need(f"could not start the local Slurm cluster: {r.stderr[-500:]}")
-    return True
-
-
-def moe(*args, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -186,10 +164,10 @@ def _free_port() -> int:
 @pytest.fixture
 def mlflow_server(tmp_path):
     if os.geteuid() != 0 or not shutil.which("pg_ctlcluster"):
-        _need("PostgreSQL not installed (apt-get install postgresql) or not root")
+        need_slurm("PostgreSQL not installed (apt-get install postgresql) or not root")
     r = subprocess.run(["bash", str(REPO / "slurm/local/postgres-start.sh")], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        _need(f"could not start PostgreSQL: {r.stderr[-500:]}")
+        need_slurm(f"could not start PostgreSQL: {r.stderr[-500:]}")
     db = f"mlflow_test_{os.getpid()}"
     subprocess.run(["runuser", "-u", "postgres", "--", "psql", "-q", "-c", f"CREATE DATABASE {db} OWNER mlflow"], check=True)
     port = _free_port()

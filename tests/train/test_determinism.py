@@ -128,7 +128,7 @@ def test_resume_under_the_same_mode_is_exact_and_silent(corpus, tmp_path, caplog
 def test_mode_settings_and_a_mode_change_on_resume_reach_mlflow(corpus, tmp_path, caplog):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import MlflowSink
+    from pipeline.tracking.job import MlflowSink
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from tests.helpers import copy_checkout
-from tests.pipeline.test_slurm import slurm_cluster  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow

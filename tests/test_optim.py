@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from moe.config import OptimizerConfig, ScheduleConfig
-from moe.train.optim import MasterWeightAdamW, lr_lambda
+from moe.optim import MasterWeightAdamW, lr_lambda
 
 
 def test_bf16_params_get_fp32_masters_and_fp32_gradient_accumulation():

@@ -10,4 +10,4 @@ pytest.importorskip("triton")
 
 
 def test_triton_kernels_match_torch_under_the_interpreter():
-    run_under_triton_interpreter(["tests/kernels_check.py"], "kernels ok")
+    run_under_triton_interpreter(["tests/kernels/routing_swiglu_check.py"], "kernels ok")

@@ -87,7 +87,6 @@ class MasterWeightAdamW:
             raise ValueError(f"the fused AdamW runs on cpu and cuda only, not {sorted(devices)}")
         # fused: one kernel for all tensors, and it honours found_inf (device-side skip).
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
-        self.base_lr = cfg.lr
 
     @property
     def masters(self) -> list[torch.Tensor]:

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from moe.interop import ConversionError
+from moe.train.weights import load_checkpoint_weights
 from pipeline.errors import PipelineError
-from pipeline.stages.convert import check_hf_dir, convert_from_hf, convert_to_hf, load_checkpoint_weights, load_tokens_tokenizer
+from pipeline.stages.convert import check_hf_dir, convert_from_hf, convert_to_hf, load_tokens_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,9 +23,9 @@ def test_round_trip_dcp_hf_dcp_is_exact_and_logits_match(in_trained):
     assert type(hf).__name__ == "OlmoeForCausalLM"
     assert transformers.AutoTokenizer.from_pretrained("hf_a").eos_token == tok.eos_token
 
-    from pipeline.stages.evaluate import load_our_model
+    from moe.train.weights import load_model
 
-    ours = load_our_model("runs/train/checkpoints", torch.device("cpu"))
+    ours = load_model("runs/train/checkpoints", torch.device("cpu"))
     x = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
         assert (ours(x) - hf(x).logits).abs().max() < 1e-5
@@ -74,7 +75,7 @@ def test_inexpressible_model_is_refused_by_option_name(tmp_path):
     cfg = ExperimentConfig.load({"model": {"preset": "tiny", "moe": {"num_shared_experts": 1}}})
     model = Transformer(cfg.model)
     from moe.config import OptimizerConfig
-    from moe.train.optim import MasterWeightAdamW
+    from moe.optim import MasterWeightAdamW
     from moe.train.state import save_entries
 
     entries = save_entries(model, MasterWeightAdamW(model, OptimizerConfig(), master_weights=False))

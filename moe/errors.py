@@ -1,0 +1,53 @@
+"""The errors every module raises, each carrying the exit code the commands end with.
+
+Torch-free, so the command line, the pipeline and a worker process can map any of them to
+one ``error:`` line and a code without importing what raised it. Anything that is not a
+MoeError is a bug: a traceback and exit code 1.
+"""
+
+from __future__ import annotations
+
+EXIT_CODES = {
+    "ok": 0,
+    "unexpected": 1,
+    "bad_input": 2,
+    "nonfinite_loss": 3,
+    "checkpoint": 4,
+    "job_failed": 5,
+}
+
+
+class MoeError(Exception):
+    """An expected failure; the message names the key, file or job at fault."""
+
+    exit_code = EXIT_CODES["bad_input"]
+
+
+class ConfigError(MoeError, ValueError):
+    """A config problem; the message names the dotted key at fault."""
+
+
+class TokenDataError(MoeError, ValueError):
+    """A token file or its sidecar is missing, damaged or does not fit the run."""
+
+
+class CheckpointError(MoeError, RuntimeError):
+    """A checkpoint that cannot be written, is damaged, or would not be safe to load."""
+
+    exit_code = EXIT_CODES["checkpoint"]
+
+
+class NonFiniteLossError(MoeError, RuntimeError):
+    """A loss or gradient norm that is not finite where the run must stop."""
+
+    exit_code = EXIT_CODES["nonfinite_loss"]
+
+
+def exit_code_of(exc: BaseException) -> int | None:
+    """The exit code of an expected failure (None: a bug). The one place the policy lives:
+    the command line, a worker process and ``python -m moe.train`` all ask it."""
+    if isinstance(exc, MoeError):
+        return exc.exit_code
+    if isinstance(exc, FileNotFoundError):
+        return EXIT_CODES["bad_input"]
+    return None

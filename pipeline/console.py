@@ -1,0 +1,99 @@
+"""What both command lines share (`moe` and `moe paper`): the console, the one error policy
+(every expected failure is one `error:` line and its exit code, moe.errors), option types."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+try:
+    import typer
+    from rich.console import Console
+    from rich.markup import escape
+except ImportError as _exc:  # `pip install .` without the extra: say which one
+    raise SystemExit(f"error: the moe command needs the pipeline extra ({_exc}): pip install 'moe-pipeline[pipeline]'") from None
+
+from moe.errors import MoeError
+from pipeline.redact import redact
+
+console = Console(stderr=True)
+
+ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan: h100, h200, b200 or b300")]
+
+
+def fail(message: str, code: int) -> None:
+    console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _unexpected(exc: BaseException) -> None:
+    """A bug, not bad input: the traceback (credentials masked) and exit code 1."""
+    import traceback
+
+    sys.stderr.write(redact("".join(traceback.format_exception(exc))))
+    fail(f"unexpected {type(exc).__name__}: {exc}", 1)
+
+
+def handle_errors(fn):
+    """One clear line and a meaningful exit code for every expected failure."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except MoeError as exc:
+            fail(str(exc), exc.exit_code)
+        except ModuleNotFoundError as exc:
+            fail(missing_module_message(exc.name or str(exc)), 2)
+        except FileNotFoundError as exc:
+            fail(f"{exc.filename}: not found", 2)
+        except OSError as exc:
+            if exc.filename is None and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                _unexpected(exc)
+            where = exc.filename or os.getcwd()
+            fail(f"{where}: {exc.strerror or exc}" + (" (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""), 2)
+        except MemoryError:
+            fail("out of memory (the input or the model is larger than this machine holds)", 2)
+        except RecursionError:
+            fail("the input is nested too deeply to read", 2)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except Exception as exc:
+            _unexpected(exc)
+
+    return wrapper
+
+
+# What a missing module means: the extra (or option) that brings it.
+MISSING_MODULE_HINTS = {
+    "mlflow": "MLflow is not installed here: pip install 'moe-pipeline[pipeline]', or pass --no-mlflow",
+    "transformers": "transformers is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "tokenizers": "tokenizers is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "safetensors": "safetensors is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "submitit": "submitit is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "pyarrow": "pyarrow is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "matplotlib": "matplotlib is not installed here: pip install 'moe-pipeline[pipeline]'",
+    "psycopg2": "psycopg2 is not installed here (a PostgreSQL MLflow backend needs it)",
+}
+
+
+def missing_module_message(name: str) -> str:
+    top = name.split(".")[0]
+    return MISSING_MODULE_HINTS.get(top, f"the Python module {top} is not installed here (pip install it, or the extra that has it)")
+
+
+def progress():
+    """A progress bar on the terminal (none when output is not one)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)

@@ -1,0 +1,112 @@
+"""The MLflow commands of `moe`: a tracking server for many jobs, the local UI, and the upload
+of what stages and jobs spooled while the server was unreachable."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.console import ParamsOpt, console, fail, handle_errors
+from pipeline.errors import PipelineError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("mlflow-server")(handle_errors(mlflow_server))
+    app.command("mlflow-sync")(handle_errors(mlflow_sync))
+    app.command("ui")(ui)
+
+
+def mlflow_server(
+    backend: Annotated[str, typer.Option(help="backend store URI (user, no password: see --password-file)", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow",
+    password_file: Annotated[Path | None, typer.Option(help="file holding the backend's password (else $MOE_MLFLOW_BACKEND_PASSWORD)")] = None,
+    artifacts: Annotated[Path, typer.Option(help="artifact root directory")] = Path("mlartifacts"),
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 5000,
+    workers: Annotated[int, typer.Option(help="server worker processes")] = 2,
+) -> None:
+    """A tracking server for many jobs (PostgreSQL backend); point jobs at it with MLFLOW_TRACKING_URI.
+
+    The backend URI reaches the server through its environment, never its command line (`ps`)."""
+    from pipeline.redact import read_password, redact, with_password
+
+    password = read_password("MOE_MLFLOW_BACKEND_PASSWORD", password_file)
+    if password is not None:
+        try:
+            backend = with_password(backend, password)
+        except ValueError as exc:
+            fail(f"--backend: {exc}", 2)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination",
+           str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
+    console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
+    raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
+
+
+def mlflow_sync(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory holding mlflow-fallback.jsonl")] = Path("runs/train"),
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Upload what a job or stage could not send (the tracking server was unreachable)."""
+    from pipeline.params import MlflowConfig, load_params
+    from pipeline.redact import redact
+    from pipeline.tracking.client import tracking_uri
+    from pipeline.tracking.spool import STAGE_FALLBACK, sync_fallback
+
+    cfg = load_params(params, []) if params.is_file() else None
+    uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
+    try:
+        n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
+    except PipelineError:
+        raise
+    except Exception as exc:  # unreachable or unsupported store: keep the spool, say so in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PipelineError(f"cannot upload to {uri} ({first[:300]}); the spool files are kept, sync again later") from None
+    console.print(f"uploaded {n} metric values to {redact(uri)}", highlight=False, soft_wrap=True)
+
+
+def ui(
+    port: Annotated[int, typer.Option(help="port")] = 5000,
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+) -> None:
+    """Serve the MLflow UI for this repository's tracking store on 127.0.0.1."""
+    from pipeline.params import MlflowConfig
+    from pipeline.tracking.client import tracking_uri
+
+    uri = tracking_uri(MlflowConfig())
+    from pipeline.redact import redact
+
+    console.print(f"MLflow UI for {redact(uri)} on http://{host}:{port}", highlight=False, soft_wrap=True)
+    raise typer.Exit(_serve([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]))
+
+
+def _serve(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a server in its own process group; SIGTERM/SIGINT/SIGHUP end the whole group (MLflow's
+    workers included), so nothing is left behind."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+
+    def stop(signum, _frame):
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    code = proc.wait()
+    with contextlib.suppress(ProcessLookupError):  # the server exited on its own: its workers go too
+        os.killpg(proc.pid, signal.SIGTERM)
+    return code

@@ -1,0 +1,146 @@
+"""The floors of the house (../shared/docs/architecture.md), read from the code's own imports:
+no import circle, and no import from a lower floor to a higher one.
+
+Every ``import`` statement counts, a lazy one inside a function too: it is a dependency all
+the same. Packages: ``moe`` < ``pipeline``; ``bench`` stands beside ``pipeline`` (neither
+imports the other). Inside ``moe`` the floors are, from the ground: config/data/kernels/errors/
+hardware, nn/interop, layers, model/precision/optim, parallel, train/eval.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("moe", "pipeline", "bench")
+MOE_FLOORS = [
+    {"moe", "moe.config", "moe.data", "moe.kernels", "moe.errors", "moe.hardware"},
+    {"moe.nn", "moe.interop"},
+    {"moe.layers"},
+    {"moe.model", "moe.precision", "moe.optim"},
+    {"moe.parallel"},
+    {"moe.train", "moe.eval"},
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = current.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (to the deepest module that exists)."""
+    files = {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, path.name == "__init__.py", node)
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod and name.split(".")[0] in PACKAGES:
+                    targets.add(name)
+        graph[mod] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _faces(graph: dict[str, set[str]]) -> set[str]:
+    return {m for m in graph if (REPO / Path(*m.split("."))).is_dir()}
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    faces = _faces(graph)
+    # A package face (__init__) re-exports its modules: an arrow to it stands for an arrow to them.
+    found = [c for c in circles({m: t - faces for m, t in graph.items() if m not in faces})]
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _floor(module: str) -> int | None:
+    for i, floor in enumerate(MOE_FLOORS):
+        for prefix in floor:
+            if module == prefix or module.startswith(prefix + ".") and prefix != "moe":
+                return i
+    return 0 if module == "moe" else None
+
+
+def test_no_import_runs_back_up():
+    graph = import_graph()
+    bad = []
+    for mod, targets in graph.items():
+        top = mod.split(".")[0]
+        for t in targets:
+            ttop = t.split(".")[0]
+            if top == "moe" and ttop != "moe":
+                bad.append(f"{mod} -> {t} (the library imports {ttop})")
+            elif {top, ttop} == {"pipeline", "bench"}:
+                bad.append(f"{mod} -> {t} (pipeline and bench stand beside each other)")
+            elif top == ttop == "moe" and mod != "moe" and t != "moe":
+                mf, tf = _floor(mod), _floor(t)
+                if mf is not None and tf is not None and tf > mf:
+                    bad.append(f"{mod} -> {t} (floor {mf} imports floor {tf})")
+    assert not bad, "imports that run back up:\n" + "\n".join(sorted(bad))
+
+
+def test_the_walk_sees_known_arrows():
+    """The graph is read right: a few arrows that must be there."""
+    graph = import_graph()
+    assert "moe.config.base" in graph["moe.config.model"]
+    assert "moe.model" in graph["moe.train.trainer"]
+    assert any(t.startswith("moe.") for t in graph["pipeline.stages.train"])
