@@ -25,8 +25,7 @@ def git_commit() -> str:
     if os.environ.get("MOE_GIT_COMMIT"):
         return os.environ["MOE_GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -119,8 +118,7 @@ def kernel_overlap(prof) -> dict[str, float]:
                 break
             covered += min(b, d) - max(a, c)
         exposed += (b - a) - covered
-    return {"comm_ms": sum(b - a for a, b in comm_u) / 1e3, "compute_ms": sum(b - a for a, b in compute_u) / 1e3,
-            "exposed_comm_ms": exposed / 1e3}
+    return {"comm_ms": sum(b - a for a, b in comm_u) / 1e3, "compute_ms": sum(b - a for a, b in compute_u) / 1e3, "exposed_comm_ms": exposed / 1e3}
 
 
 def matmul_peak_tflops(n: int = 8192, iters: int = 20) -> float:

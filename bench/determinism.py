@@ -78,17 +78,24 @@ def child(spec: dict[str, Any]) -> int:
     model = {"preset": spec["preset"], "n_layers": spec["layers"], "max_seq_len": spec["seq"]}
     if spec["preset"] == "tiny":
         model["vocab_size"] = spec["vocab"]
-    cfg = ExperimentConfig.load({
-        "model": model,
-        "data": {"paths": [spec["data"]], "seq_len": spec["seq"], "verify_checksums": False},
-        "train": {"global_batch_size": spec["micro"] * spec["accum"] * world, "micro_batch_size": spec["micro"],
-                  "max_steps": spec["steps"], "log_every": 10**6, "device": spec["device"],
-                  "deterministic": spec["deterministic"]},
-        "schedule": {"warmup_steps": 1},
-        "checkpoint": {"dir": spec["ckpt"]},
-        "parallel": {"ep": spec["ep"]},
-        "precision": {"recipe": "bf16" if cuda else "fp32"},
-    })
+    cfg = ExperimentConfig.load(
+        {
+            "model": model,
+            "data": {"paths": [spec["data"]], "seq_len": spec["seq"], "verify_checksums": False},
+            "train": {
+                "global_batch_size": spec["micro"] * spec["accum"] * world,
+                "micro_batch_size": spec["micro"],
+                "max_steps": spec["steps"],
+                "log_every": 10**6,
+                "device": spec["device"],
+                "deterministic": spec["deterministic"],
+            },
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"dir": spec["ckpt"]},
+            "parallel": {"ep": spec["ep"]},
+            "precision": {"recipe": "bf16" if cuda else "fp32"},
+        }
+    )
     trainer = Trainer(cfg)
     if spec.get("resume"):
         trainer.maybe_resume()
@@ -126,9 +133,13 @@ def child(spec: dict[str, Any]) -> int:
             trainer.save_checkpoint()
     losses = {s: v for s, v in zip([s for s, _ in trainer._pending], torch.stack([v for _, v in trainer._pending]).tolist(), strict=True)}
     out = {
-        "rank": trainer.env.rank, "losses": losses, "fingerprint": _fingerprint(trainer),
-        "step_times_s": times, "step_s": statistics.median(times) if times else None,
-        "host_sync_warnings": sync_warnings, "determinism": trainer.determinism.to_meta(),
+        "rank": trainer.env.rank,
+        "losses": losses,
+        "fingerprint": _fingerprint(trainer),
+        "step_times_s": times,
+        "step_s": statistics.median(times) if times else None,
+        "host_sync_warnings": sync_warnings,
+        "determinism": trainer.determinism.to_meta(),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "start_step": trainer.start_step,
     }
@@ -159,11 +170,13 @@ def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> list[subprocess
         if spec["device"] == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         if world > 1:
-            env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         log = open(logs / f"{spec['name']}.rank{rank}.log", "w")  # noqa: SIM115 - the child's log; must outlive this call
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.determinism", "--child", str(spec_path)],
-                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.determinism", "--child", str(spec_path)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
     return procs
 
 
@@ -179,14 +192,27 @@ def collect(spec: dict[str, Any], procs: list[subprocess.Popen], logs: Path, dea
     for rank in range(len(procs)):
         path = Path(spec["out"]).with_suffix(f".rank{rank}.json")
         ranks.append(json.loads(path.read_text()) if path.is_file() else None)
-    result: dict[str, Any] = {"name": spec["name"], "exit_codes": codes, "deterministic": spec["deterministic"],
-                              "gpus": spec.get("gpus"), "ep": spec["ep"]}
+    result: dict[str, Any] = {
+        "name": spec["name"],
+        "exit_codes": codes,
+        "deterministic": spec["deterministic"],
+        "gpus": spec.get("gpus"),
+        "ep": spec["ep"],
+    }
     if all(r is not None for r in ranks):
         r0 = ranks[0]
-        result.update({"losses": r0["losses"], "fingerprint": "/".join(r["fingerprint"] for r in ranks),
-                       "step_s": r0["step_s"], "step_times_s": r0["step_times_s"], "peak_mem_gb": r0["peak_mem_gb"],
-                       "host_sync_warnings": r0["host_sync_warnings"], "settings": r0["determinism"]["settings"],
-                       "start_step": r0["start_step"]})
+        result.update(
+            {
+                "losses": r0["losses"],
+                "fingerprint": "/".join(r["fingerprint"] for r in ranks),
+                "step_s": r0["step_s"],
+                "step_times_s": r0["step_times_s"],
+                "peak_mem_gb": r0["peak_mem_gb"],
+                "host_sync_warnings": r0["host_sync_warnings"],
+                "settings": r0["determinism"]["settings"],
+                "start_step": r0["start_step"],
+            }
+        )
     else:
         tail = (logs / f"{spec['name']}.rank0.log").read_text().splitlines()[-15:] if (logs / f"{spec['name']}.rank0.log").is_file() else []
         result["log_tail"] = tail
@@ -201,9 +227,16 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     diffs = {s: abs(a["losses"][s] - b["losses"][s]) / max(abs(a["losses"][s]), 1e-30) for s in steps}
     first = next((s for s in steps if diffs[s] != 0), None)
     same_w = a["fingerprint"] == b["fingerprint"]
-    return {"a": a["name"], "b": b["name"], "steps": [int(s) for s in steps], "losses_equal": first is None,
-            "first_differing_step": int(first) if first else None, "max_rel_loss_diff": max(diffs.values()),
-            "weights_equal": same_w, "bitwise_equal": first is None and same_w}
+    return {
+        "a": a["name"],
+        "b": b["name"],
+        "steps": [int(s) for s in steps],
+        "losses_equal": first is None,
+        "first_differing_step": int(first) if first else None,
+        "max_rel_loss_diff": max(diffs.values()),
+        "weights_equal": same_w,
+        "bitwise_equal": first is None and same_w,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,10 +281,25 @@ def main(argv: list[str] | None = None) -> int:
         make_data(data, (a.seq + 1) * a.micro * a.accum * world_max * (a.steps + 2), vocab)
 
         def spec(name: str, det: bool, gpu_list: list[int], **extra: Any) -> dict[str, Any]:
-            return {"name": name, "deterministic": det, "device": a.device, "preset": a.preset, "vocab": vocab,
-                    "layers": a.layers, "seq": a.seq, "micro": a.micro, "accum": a.accum, "steps": a.steps,
-                    "warmup": a.warmup, "data": str(data), "ckpt": str(tmp / f"ck-{name}"), "out": str(tmp / name),
-                    "ep": 2 if len(gpu_list) > 1 else 1, "gpus": gpu_list, **extra}
+            return {
+                "name": name,
+                "deterministic": det,
+                "device": a.device,
+                "preset": a.preset,
+                "vocab": vocab,
+                "layers": a.layers,
+                "seq": a.seq,
+                "micro": a.micro,
+                "accum": a.accum,
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "data": str(data),
+                "ckpt": str(tmp / f"ck-{name}"),
+                "out": str(tmp / name),
+                "ep": 2 if len(gpu_list) > 1 else 1,
+                "gpus": gpu_list,
+                **extra,
+            }
 
         g1 = 1 if gpus > 1 else 0
         # Waves of runs started together. Timing comes from the runs alone on their GPU (on_a,
@@ -279,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             for s, procs in running:
                 results[s["name"]] = collect(s, procs, logs, deadline=t_start + a.time_limit)
                 r = results[s["name"]]
-                print(f"[{time.perf_counter() - t_start:6.1f}s] {s['name']}: exit {r['exit_codes']} "
-                      f"step_s={r.get('step_s')} fingerprint={r.get('fingerprint')}", flush=True)
+                print(
+                    f"[{time.perf_counter() - t_start:6.1f}s] {s['name']}: exit {r['exit_codes']} "
+                    f"step_s={r.get('step_s')} fingerprint={r.get('fingerprint')}",
+                    flush=True,
+                )
                 if "log_tail" in r and s["name"] != "on_killed":
                     print("\n".join(r["log_tail"]), flush=True)
             if time.perf_counter() - t_start > a.time_limit:
@@ -290,11 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     return report(a, results, t_start, final=True)
 
 
-PAIRS = [("on_a", "on_b", "mode on, GPU 0, two runs"), ("on_a", "on_c", "mode on, GPU 0 vs GPU 1"),
-         ("on_c", "on_resumed", "mode on, GPU 1, SIGKILLed and resumed vs uninterrupted"),
-         ("off_a", "off_b", "mode off, GPU 0, two runs"), ("off_a", "off_c", "mode off, GPU 0 vs GPU 1"),
-         ("ep2_on_a", "ep2_on_b", "EP=2 on 2 GPUs, mode on, two runs"),
-         ("ep2_off_a", "ep2_off_b", "EP=2 on 2 GPUs, mode off, two runs")]
+PAIRS = [
+    ("on_a", "on_b", "mode on, GPU 0, two runs"),
+    ("on_a", "on_c", "mode on, GPU 0 vs GPU 1"),
+    ("on_c", "on_resumed", "mode on, GPU 1, SIGKILLed and resumed vs uninterrupted"),
+    ("off_a", "off_b", "mode off, GPU 0, two runs"),
+    ("off_a", "off_c", "mode off, GPU 0 vs GPU 1"),
+    ("ep2_on_a", "ep2_on_b", "EP=2 on 2 GPUs, mode on, two runs"),
+    ("ep2_off_a", "ep2_off_b", "EP=2 on 2 GPUs, mode off, two runs"),
+]
 
 
 def report(a: argparse.Namespace, results: dict[str, dict[str, Any]], t_start: float, final: bool) -> int:
@@ -311,15 +366,32 @@ def report(a: argparse.Namespace, results: dict[str, dict[str, Any]], t_start: f
     costs = []
     for on, off, what in (("on_a", "off_a", "1 GPU (GPU 0)"), ("on_c", "off_c", "1 GPU (GPU 1)")):
         if results.get(on, {}).get("step_s") and results.get(off, {}).get("step_s"):
-            costs.append({"layout": what, "step_s_off": results[off]["step_s"], "step_s_on": results[on]["step_s"],
-                          "cost": results[on]["step_s"] / results[off]["step_s"] - 1})
+            costs.append(
+                {
+                    "layout": what,
+                    "step_s_off": results[off]["step_s"],
+                    "step_s_on": results[on]["step_s"],
+                    "cost": results[on]["step_s"] / results[off]["step_s"] - 1,
+                }
+            )
     killed = results.get("on_killed", {})
     tokens = a.micro * a.accum * a.seq
-    payload = {"benchmark": "determinism", "environment": environment(),
-               "config": {**{k: v for k, v in vars(a).items() if k not in ("child", "result_path")}, "tokens_per_step_per_gpu": tokens,
-                          "checkpoint_and_kill": [half, half + 1]},
-               "comparisons": rows, "costs": costs, "killed_exit_codes": killed.get("exit_codes"), "runs": results,
-               "wall_s": time.perf_counter() - t_start, "complete": final, "numpy": np.__version__}
+    payload = {
+        "benchmark": "determinism",
+        "environment": environment(),
+        "config": {
+            **{k: v for k, v in vars(a).items() if k not in ("child", "result_path")},
+            "tokens_per_step_per_gpu": tokens,
+            "checkpoint_and_kill": [half, half + 1],
+        },
+        "comparisons": rows,
+        "costs": costs,
+        "killed_exit_codes": killed.get("exit_codes"),
+        "runs": results,
+        "wall_s": time.perf_counter() - t_start,
+        "complete": final,
+        "numpy": np.__version__,
+    }
     if not a.no_save:
         if getattr(a, "result_path", None) is None:
             a.result_path = write_result("determinism", payload)

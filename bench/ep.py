@@ -36,8 +36,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from moe.config import ExperimentConfig
     from moe.parallel.env import shutdown_distributed
     from moe.train.accounting import flops_per_token
@@ -46,16 +45,23 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if args["sm_carveout"]:  # leave SMs to NCCL: GEMMs that honour it size their grids to the rest
         torch._C._set_sm_carveout_experimental(args["sm_carveout"])
-    cfg = ExperimentConfig.load({
-        "model": {"preset": args["preset"], "n_layers": args["layers"], "max_seq_len": args["seq"]},
-        "data": {"paths": [args["data"]], "seq_len": args["seq"], "verify_checksums": False},
-        "train": {"global_batch_size": args["micro"] * world, "micro_batch_size": args["micro"],
-                  "max_steps": args["warmup"] + args["steps"], "log_every": 10_000, "device": device_type},
-        "schedule": {"warmup_steps": 1},
-        "checkpoint": {"dir": str(Path(out) / "ck")},
-        "parallel": parallel,
-        "precision": {"recipe": args["recipe"]},
-    })
+    cfg = ExperimentConfig.load(
+        {
+            "model": {"preset": args["preset"], "n_layers": args["layers"], "max_seq_len": args["seq"]},
+            "data": {"paths": [args["data"]], "seq_len": args["seq"], "verify_checksums": False},
+            "train": {
+                "global_batch_size": args["micro"] * world,
+                "micro_batch_size": args["micro"],
+                "max_steps": args["warmup"] + args["steps"],
+                "log_every": 10_000,
+                "device": device_type,
+            },
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"dir": str(Path(out) / "ck")},
+            "parallel": parallel,
+            "precision": {"recipe": args["recipe"]},
+        }
+    )
     trainer = Trainer(cfg)
     if args["skew"]:  # all top-k choices among the experts of EP rank 0 (no bias updates: rate 0)
         for _, layer in trainer.model.moe_layers():
@@ -120,13 +126,21 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
         tokens = args["micro"] * args["seq"]  # per GPU per step
         step = statistics.median(times)
         fpt = flops_per_token(cfg.model, args["seq"])
-        result = {"parallel": parallel, "world": world, "step_s": step, "tokens_per_s_per_gpu": tokens / step,
-                  "tflops_per_gpu": tokens * fpt / step / 1e12, "step_times_s": times, "losses": losses,
-                  "peak_mem_gb": (torch.cuda.max_memory_allocated() + symmetric) / 2**30 if device_type == "cuda" else None,
-                  "symmetric_gb": symmetric / 2**30, "host_sync": sync, "profile": profile,
-                  # buckets whose reduction started inside the last step's backward, of all
-                  "buckets_in_backward": [getattr(grad_sync, "launched_in_backward", None),
-                                          len(getattr(grad_sync, "buckets", []))]}
+        result = {
+            "parallel": parallel,
+            "world": world,
+            "step_s": step,
+            "tokens_per_s_per_gpu": tokens / step,
+            "tflops_per_gpu": tokens * fpt / step / 1e12,
+            "step_times_s": times,
+            "losses": losses,
+            "peak_mem_gb": (torch.cuda.max_memory_allocated() + symmetric) / 2**30 if device_type == "cuda" else None,
+            "symmetric_gb": symmetric / 2**30,
+            "host_sync": sync,
+            "profile": profile,
+            # buckets whose reduction started inside the last step's backward, of all
+            "buckets_in_backward": [getattr(grad_sync, "launched_in_backward", None), len(getattr(grad_sync, "buckets", []))],
+        }
         torch.save(result, Path(out) / "result.pt")
     shutdown_distributed()
 
@@ -144,10 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--skew", action="store_true", help="route every token to experts of EP rank 0")
     p.add_argument("--sync-debug", action="store_true", help="one extra step with host syncs as errors")
-    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                   help="one more step under torch.profiler: rank 0 prints its ROWS top kernels and the NCCL time not hidden by compute")
-    p.add_argument("--sm-carveout", type=int, default=0, metavar="SMS",
-                   help="torch._C._set_sm_carveout_experimental(SMS) in every rank (SMs kept free for NCCL)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="one more step under torch.profiler: rank 0 prints its ROWS top kernels and the NCCL time not hidden by compute",
+    )
+    p.add_argument(
+        "--sm-carveout", type=int, default=0, metavar="SMS", help="torch._C._set_sm_carveout_experimental(SMS) in every rank (SMs kept free for NCCL)"
+    )
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args(argv)
     if torch.cuda.is_available() and torch.cuda.device_count() < a.nproc:
@@ -174,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, layout in enumerate(layouts):
             out = Path(tmp) / f"run{i}"
             out.mkdir()
-            mp.start_processes(_worker, args=(a.nproc, _free_port(), args, layout, str(out)), nprocs=a.nproc,
-                               join=True, start_method="spawn")
+            mp.start_processes(_worker, args=(a.nproc, _free_port(), args, layout, str(out)), nprocs=a.nproc, join=True, start_method="spawn")
             result = torch.load(out / "result.pt", weights_only=True)
             rows.append({"layout": ",".join(f"{k}={v}" for k, v in layout.items()), **result})
     base = rows[0]["step_s"]
@@ -187,11 +206,27 @@ def main(argv: list[str] | None = None) -> int:
         if r["parallel"].get("ep_backend") == "nvshmem" and match:
             ref = match[0]["losses"]
             r["loss_rel_diff_vs_nccl"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref, strict=True))
-    print_table(rows, ["layout", "world", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_vs_first", "peak_mem_gb",
-                       "host_sync", "loss_rel_diff_vs_nccl", "buckets_in_backward"])
-    payload = {"benchmark": "layout_step", "environment": environment(),
-               "config": {**vars(a), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}},
-               "results": rows}
+    print_table(
+        rows,
+        [
+            "layout",
+            "world",
+            "step_s",
+            "tokens_per_s_per_gpu",
+            "tflops_per_gpu",
+            "step_vs_first",
+            "peak_mem_gb",
+            "host_sync",
+            "loss_rel_diff_vs_nccl",
+            "buckets_in_backward",
+        ],
+    )
+    payload = {
+        "benchmark": "layout_step",
+        "environment": environment(),
+        "config": {**vars(a), "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}},
+        "results": rows,
+    }
     if not a.no_save:
         print(f"wrote {write_result('ep', payload)}")
     return 0

@@ -48,8 +48,7 @@ def _routing(a: dict, world: int, rank: int):
 
 
 def _worker(rank: int, world: int, port: int, a: dict, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch.distributed as dist
 
     from moe.parallel.expert_parallel import AllToAllDispatcher

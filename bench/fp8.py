@@ -65,9 +65,11 @@ def check(dev: torch.device | None = None) -> dict[str, Any]:
             torch.cuda.synchronize()
             emu = fn(True)
             res[f"{name}_rel_vs_emulated"] = rel_error(real, emu)
-            bf16 = {"fwd": lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),
-                    "dgrad": lambda: _grouped_mm(grad, w, offs=offsets),
-                    "wgrad": lambda: _grouped_mm(grad.t(), x, offs=offsets)}[name]()
+            bf16 = {
+                "fwd": lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+                "dgrad": lambda: _grouped_mm(grad, w, offs=offsets),
+                "wgrad": lambda: _grouped_mm(grad.t(), x, offs=offsets),
+            }[name]()
             res[f"{name}_rel_vs_bf16"] = rel_error(real, bf16)
             if name == "wgrad":
                 res["wgrad_empty_group_zero"] = bool(real[1].abs().max().item() == 0)
@@ -110,15 +112,23 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
             flops = 2.0 * n * m * kk
             # The lambdas and closures below run within this iteration (B023); the names are del'd at its end to free GPU memory (F821).
             cases = {
-                "fwd": (lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),  # noqa: B023, F821
-                        lambda: _forward_fp8(*q8.quantize_rows(x), w, offsets, False),  # noqa: B023, F821
-                        lambda: scaled_grouped_mm(xq, wq_t, sx, sw2, offsets, False), plan.fwd),  # noqa: B023, F821
+                "fwd": (
+                    lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),  # noqa: B023, F821
+                    lambda: _forward_fp8(*q8.quantize_rows(x), w, offsets, False),  # noqa: B023, F821
+                    lambda: scaled_grouped_mm(xq, wq_t, sx, sw2, offsets, False),  # noqa: B023, F821
+                    plan.fwd,
+                ),
                 "dgrad": (lambda: _dgrad(grad, w, offsets, False, False), lambda: _dgrad(grad, w, offsets, True, False), None, plan.dgrad),  # noqa: B023, F821
                 "wgrad": (lambda: _wgrad(grad, x, offsets, False, False), lambda: _wgrad(grad, x, offsets, True, False), None, plan.wgrad),  # noqa: B023, F821
             }
             for gemm, (bf, f8, bare, chosen) in cases.items():
-                row: dict[str, Any] = {"shape": f"d={d}/h={hdim}/E={e}/k={k}", "proj": proj, "gemm": gemm,
-                                       "rows_per_expert": n // e, "rule_fp8": chosen}
+                row: dict[str, Any] = {
+                    "shape": f"d={d}/h={hdim}/E={e}/k={k}",
+                    "proj": proj,
+                    "gemm": gemm,
+                    "rows_per_expert": n // e,
+                    "rule_fp8": chosen,
+                }
                 row["bf16_ms"] = time_cuda(bf, iters=iters)["median_ms"]
                 row["fp8_ms"] = time_cuda(f8, iters=iters)["median_ms"]
                 if bare is not None:
@@ -133,6 +143,7 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
             def fb(gemm):
                 def run():
                     gemm(xs, ws, offsets).backward(grad)  # noqa: B023, F821
+
                 return run
 
             def clear():
@@ -182,12 +193,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if res["ok"] else 1
     shapes = [tuple(map(int, s.split(","))) for s in args.shape] if args.shape else SHAPES
     rows = gemm_sweep(args.tokens, args.iters, shapes)
-    print_table(rows, ["shape", "proj", "gemm", "rows_per_expert", "rule_fp8", "bf16_ms", "fp8_ms", "fp8_gemm_only_ms",
-                       "bf16_tflops", "fp8_tflops", "speedup", "torchao_ms", "ours_over_torchao", "torchao_error"])
-    payload = {"benchmark": "fp8_expert_gemms", "environment": environment(),
-               "config": {"tokens": args.tokens, "iters": args.iters, "warmup": 5, "shapes": shapes,
-                          "rule_min_dim": Fp8Rule().min_dim, "loads": "balanced"},
-               "results": rows}
+    print_table(
+        rows,
+        [
+            "shape",
+            "proj",
+            "gemm",
+            "rows_per_expert",
+            "rule_fp8",
+            "bf16_ms",
+            "fp8_ms",
+            "fp8_gemm_only_ms",
+            "bf16_tflops",
+            "fp8_tflops",
+            "speedup",
+            "torchao_ms",
+            "ours_over_torchao",
+            "torchao_error",
+        ],
+    )
+    payload = {
+        "benchmark": "fp8_expert_gemms",
+        "environment": environment(),
+        "config": {"tokens": args.tokens, "iters": args.iters, "warmup": 5, "shapes": shapes, "rule_min_dim": Fp8Rule().min_dim, "loads": "balanced"},
+        "results": rows,
+    }
     if not args.no_save:
         print(f"wrote {write_result('fp8-gemm', payload)}")
     return 0

@@ -79,8 +79,11 @@ def build_hf(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
     cfg = OlmoeConfig(
-        hidden_size=shape.d, intermediate_size=shape.h, num_experts=shape.experts,
-        num_experts_per_tok=shape.top_k, norm_topk_prob=False,
+        hidden_size=shape.d,
+        intermediate_size=shape.h,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k,
+        norm_topk_prob=False,
     )
     # What from_pretrained selects by default in transformers 5 (grouped_mm where it can run).
     cfg._experts_implementation = "grouped_mm"
@@ -106,8 +109,11 @@ def build_titan(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) ->
             token_dispatcher=LocalTokenDispatcher.Config(num_experts=s.experts, top_k=s.top_k),
         ),
         router=TokenChoiceTopKRouter.Config(
-            num_experts=s.experts, gate=Linear.Config(in_features=s.d, out_features=s.experts),
-            top_k=s.top_k, score_func="softmax", route_norm=False,
+            num_experts=s.experts,
+            gate=Linear.Config(in_features=s.d, out_features=s.experts),
+            top_k=s.top_k,
+            score_func="softmax",
+            route_norm=False,
         ),
         load_balance_coeff=None,
     )
@@ -128,6 +134,8 @@ def build_ours_fp8(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype,
     layer.experts.gemm = Fp8GroupedGemm(Fp8Rule() if min_dim is None else Fp8Rule(min_dim))
     layer.bench_note = f"fp8_min_dim={layer.experts.gemm.rule.min_dim}"
     return layer
+
+
 class GroupedGemmOnly(nn.Module):
     """The layer's six expert GEMMs alone (forward, dgrad and wgrad of gate_up and of down)
     through our grouped-GEMM seam, on the rows and group sizes our router gives this input:
@@ -214,9 +222,19 @@ class SonicPeer(nn.Module):
         s = self.shape
         w1, w2 = sonic_weights(self.gate_up, self.down)
         out, _, _ = self.layer(
-            x.reshape(-1, s.d), self.router, w1, None, w2, None,
-            s.top_k, torch.cuda.current_stream().cuda_stream, "swiglu", False,
-            is_softmax_over_topk=False, norm_topk_probs=False, concat_layout=True,
+            x.reshape(-1, s.d),
+            self.router,
+            w1,
+            None,
+            w2,
+            None,
+            s.top_k,
+            torch.cuda.current_stream().cuda_stream,
+            "swiglu",
+            False,
+            is_softmax_over_topk=False,
+            norm_topk_probs=False,
+            concat_layout=True,
         )
         return out.view(x.shape)
 
@@ -240,8 +258,9 @@ PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
 }
 
 
-def run_shape(shape: Shape, tokens: int, peers: list[str], iters: int, device: torch.device,
-              args_weights_change: bool = True) -> list[dict[str, Any]]:
+def run_shape(
+    shape: Shape, tokens: int, peers: list[str], iters: int, device: torch.device, args_weights_change: bool = True
+) -> list[dict[str, Any]]:
     """args_weights_change: each timed call sees new weights (one layer call per optimizer step);
     False: the same weights every call (gradient accumulation, where FP8 weight copies are reused)."""
     dtype = torch.bfloat16
@@ -324,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", help="expert sweep at the first shape's d,h,k, e.g. 8,16,32,64,128 (constant active parameters)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--same-weights", action="store_true",
-                   help="keep the weights between timed calls (accumulation); default: a weight update before each")
+    p.add_argument(
+        "--same-weights", action="store_true", help="keep the weights between timed calls (accumulation); default: a weight update before each"
+    )
     p.add_argument("--peers", default="ours,hf,titan,sonic")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
@@ -356,16 +376,20 @@ def main(argv: list[str] | None = None) -> int:
         for key in peers:
             series = [r for r in rows if r["peer"] == key and "tflops" in r]
             if len(series) >= 2:
-                sweep[key] = {"first": series[0]["shape"], "last": series[-1]["shape"],
-                              "drop": 1.0 - series[-1]["tflops"] / series[0]["tflops"]}
+                sweep[key] = {"first": series[0]["shape"], "last": series[-1]["shape"], "drop": 1.0 - series[-1]["tflops"] / series[0]["tflops"]}
                 print(f"{key}: {series[0]['shape']} -> {series[-1]['shape']}: throughput drop {100 * sweep[key]['drop']:.1f}%")
     payload = {
         "benchmark": "moe_layer_fwd_bwd",
         "environment": environment(),
-        "config": {"tokens": args.tokens, "dtype": "bfloat16", "iters": args.iters, "warmup": 5,
-                   "weights_change_between_calls": not args.same_weights,
-                   "shapes": [dataclasses.asdict(s) for s in shapes],
-                   "flops_formula": "6*T*(k*3*d*h + d*E); the gemm peer: 6*T*k*3*d*h (experts only)"},
+        "config": {
+            "tokens": args.tokens,
+            "dtype": "bfloat16",
+            "iters": args.iters,
+            "warmup": 5,
+            "weights_change_between_calls": not args.same_weights,
+            "shapes": [dataclasses.asdict(s) for s in shapes],
+            "flops_formula": "6*T*(k*3*d*h + d*E); the gemm peer: 6*T*k*3*d*h (experts only)",
+        },
         "matmul_peak_tflops": peak,
         "results": rows,
         "expert_sweep": sweep,

@@ -48,15 +48,23 @@ SWEEP = [
 
 
 def experiment(data: Path, ckpt: Path, layers: int, seq: int, micro: int, accum: int, mode: str, steps: int) -> ExperimentConfig:
-    return ExperimentConfig.load({
-        "model": {"preset": "olmoe-1b-7b", "n_layers": layers, "max_seq_len": seq},
-        "data": {"paths": [str(data)], "seq_len": seq, "verify_checksums": False},
-        "train": {"global_batch_size": micro * accum, "micro_batch_size": micro, "max_steps": steps, "log_every": 10_000,
-                  "device": "cuda", "recompute": mode},
-        "schedule": {"warmup_steps": 1},
-        "checkpoint": {"dir": str(ckpt)},
-        "precision": {"recipe": "bf16"},
-    })
+    return ExperimentConfig.load(
+        {
+            "model": {"preset": "olmoe-1b-7b", "n_layers": layers, "max_seq_len": seq},
+            "data": {"paths": [str(data)], "seq_len": seq, "verify_checksums": False},
+            "train": {
+                "global_batch_size": micro * accum,
+                "micro_batch_size": micro,
+                "max_steps": steps,
+                "log_every": 10_000,
+                "device": "cuda",
+                "recompute": mode,
+            },
+            "schedule": {"warmup_steps": 1},
+            "checkpoint": {"dir": str(ckpt)},
+            "precision": {"recipe": "bf16"},
+        }
+    )
 
 
 def measure_forward(trainer: Trainer) -> dict[str, float]:
@@ -145,8 +153,11 @@ def calibrate(rows: list, seq: int) -> dict:
             continue
         analytic = analytic_layer_bytes(model_cfg, mode, True)
         factors[mode] = row["act_bytes_per_token_layer"] / analytic
-        measured[mode] = {"bytes_per_token_layer": row["act_bytes_per_token_layer"], "analytic": analytic,
-                          "from": {k: row[k] for k in ("layers", "micro", "accum")}}
+        measured[mode] = {
+            "bytes_per_token_layer": row["act_bytes_per_token_layer"],
+            "analytic": analytic,
+            "from": {k: row[k] for k in ("layers", "micro", "accum")},
+        }
     ref = next((r for r in rows if r["mode"] == "none" and r["accum"] == 1 and not r.get("oom") and "peak_gib" in r), None)
     head_factor = 1.0
     if ref is not None:
@@ -154,11 +165,24 @@ def calibrate(rows: list, seq: int) -> dict:
         head = (ref["peak_gib"] - ref["static_gib"] - ref["act_blocks_gib"]) * GIB
         head_factor = head / (tokens * analytic_head_bytes(model_cfg))
     env = environment()
-    return {"source": f"measured on {env.get('device')} (torch {env['torch']}, commit {env['git_commit'][:12]})",
-            "device": env.get("device"), "torch": env["torch"], "git_commit": env["git_commit"], "date": env["date"],
-            "shape": {"d_model": model_cfg.d_model, "num_experts": model_cfg.moe.num_experts, "top_k": model_cfg.moe.top_k,
-                      "expert_hidden": model_cfg.moe.expert_hidden, "seq_len": seq, "vocab_size": model_cfg.vocab_size},
-            "layer_factor": factors, "head_factor": head_factor, "measured": measured}
+    return {
+        "source": f"measured on {env.get('device')} (torch {env['torch']}, commit {env['git_commit'][:12]})",
+        "device": env.get("device"),
+        "torch": env["torch"],
+        "git_commit": env["git_commit"],
+        "date": env["date"],
+        "shape": {
+            "d_model": model_cfg.d_model,
+            "num_experts": model_cfg.moe.num_experts,
+            "top_k": model_cfg.moe.top_k,
+            "expert_hidden": model_cfg.moe.expert_hidden,
+            "seq_len": seq,
+            "vocab_size": model_cfg.vocab_size,
+        },
+        "layer_factor": factors,
+        "head_factor": head_factor,
+        "measured": measured,
+    }
 
 
 def predict(rows: list, seq: int, calibration: dict) -> None:
@@ -193,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="skip configs once this many seconds have passed")
     p.add_argument("--write-calibration", action="store_true", help=f"write {CALIBRATION.name} next to moe/train/plan.py")
     p.add_argument("--no-save", action="store_true")
-    p.add_argument("--predict", type=Path, metavar="RESULT_JSON",
-                   help="no GPU: the current plan's predictions against the peaks measured in an earlier result")
+    p.add_argument(
+        "--predict", type=Path, metavar="RESULT_JSON", help="no GPU: the current plan's predictions against the peaks measured in an earlier result"
+    )
     args = p.parse_args(argv)
     if args.predict:
         return predict_from(args.predict)
@@ -219,10 +244,31 @@ def main(argv: list[str] | None = None) -> int:
     predict(rows, args.seq, calibration)
     total_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"GPU total memory {total_gib:.2f} GiB")
-    print_table(rows, ["layers", "micro", "accum", "mode", "static_gib", "act_blocks_gib", "act_bytes_per_token_layer",
-                       "peak_gib", "predicted_peak_gib", "prediction_error", "tokens_per_s", "oom"])
-    payload = {"benchmark": "memory", "environment": environment(), "config": {**vars(args), "sweep": [list(map(str, s)) for s in sweep]},
-               "gpu_total_memory_gib": total_gib, "calibration": calibration, "rows": rows}
+    print_table(
+        rows,
+        [
+            "layers",
+            "micro",
+            "accum",
+            "mode",
+            "static_gib",
+            "act_blocks_gib",
+            "act_bytes_per_token_layer",
+            "peak_gib",
+            "predicted_peak_gib",
+            "prediction_error",
+            "tokens_per_s",
+            "oom",
+        ],
+    )
+    payload = {
+        "benchmark": "memory",
+        "environment": environment(),
+        "config": {**vars(args), "sweep": [list(map(str, s)) for s in sweep]},
+        "gpu_total_memory_gib": total_gib,
+        "calibration": calibration,
+        "rows": rows,
+    }
     if not args.no_save:
         print(f"wrote {write_result('memory', payload)}")
     if args.write_calibration:

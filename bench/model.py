@@ -60,18 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--routing", default="learned", choices=["learned", "random"])
     p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--width", default="olmoe", choices=["olmoe", "paper"],
-                   help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads")
+    p.add_argument(
+        "--width",
+        default="olmoe",
+        choices=["olmoe", "paper"],
+        help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads",
+    )
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
     p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
-    p.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"],
-                   help="restrict SDPA to one backend (torch.nn.attention.sdpa_kernel) for the whole run")
-    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                   help="profile one extra step (torch.profiler) and print its ROWS most expensive CUDA kernels")
-    p.add_argument("--eager-norm-rope", action="store_true",
-                   help="use the eager RMSNorm and RoPE instead of the fused kernels (for a side-by-side)")
+    p.add_argument(
+        "--sdpa",
+        default="default",
+        choices=["default", "flash", "cudnn", "efficient"],
+        help="restrict SDPA to one backend (torch.nn.attention.sdpa_kernel) for the whole run",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="profile one extra step (torch.profiler) and print its ROWS most expensive CUDA kernels",
+    )
+    p.add_argument("--eager-norm-rope", action="store_true", help="use the eager RMSNorm and RoPE instead of the fused kernels (for a side-by-side)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -90,27 +102,42 @@ def main(argv: list[str] | None = None) -> int:
         total_steps = args.warmup + args.steps + 2  # + the sync-check step and a profiled one
         # the data (and so the batches every step sees) must not depend on --profile
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
-        cfg = ExperimentConfig.load({
-            "model": {"preset": "olmoe-1b-7b", "n_layers": args.layers, "max_seq_len": args.seq,
-                      **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
-                      "moe": {"routing": args.routing, "num_experts": args.experts,
-                              **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {})}},
-            "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
-            "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": total_steps,
-                      "log_every": 1000, "device": "cuda", "loss_chunk_tokens": args.loss_chunk,
-                      "recompute": args.recompute},
-            "schedule": {"warmup_steps": 1},
-            "checkpoint": {"dir": str(Path(tmp) / "ck")},
-            "precision": {"recipe": args.recipe,
-                          **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
-        })
+        cfg = ExperimentConfig.load(
+            {
+                "model": {
+                    "preset": "olmoe-1b-7b",
+                    "n_layers": args.layers,
+                    "max_seq_len": args.seq,
+                    **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
+                    "moe": {
+                        "routing": args.routing,
+                        "num_experts": args.experts,
+                        **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {}),
+                    },
+                },
+                "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
+                "train": {
+                    "global_batch_size": args.micro * args.accum,
+                    "micro_batch_size": args.micro,
+                    "max_steps": total_steps,
+                    "log_every": 1000,
+                    "device": "cuda",
+                    "loss_chunk_tokens": args.loss_chunk,
+                    "recompute": args.recompute,
+                },
+                "schedule": {"warmup_steps": 1},
+                "checkpoint": {"dir": str(Path(tmp) / "ck")},
+                "precision": {"recipe": args.recipe, **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
+            }
+        )
         trainer = Trainer(cfg)
         sdpa = contextlib.nullcontext()
         if args.sdpa != "default":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                       "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]
+            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[
+                args.sdpa
+            ]
             sdpa = sdpa_kernel([backend])
         with sdpa:
             return _measure(args, cfg, trainer, peak_measured, tmp)
@@ -146,21 +173,58 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
     spec = gpu_by_device_name(torch.cuda.get_device_name())
     datasheet = spec.peak_bf16_tflops if spec else None
     row = {
-        "recipe": args.recipe, "recompute": args.recompute, "sdpa": args.sdpa,
-        "fused_norm_rope": not args.eager_norm_rope, "width": args.width, "layers": args.layers,
-        "seq": args.seq, "accum": args.accum,
-        "loss_chunk": args.loss_chunk, "tokens_per_step": tokens, "step_s": step,
-        "tokens_per_s": tokens / step, "tflops": tflops, "mfu_measured_peak": tflops / peak_measured,
-        "mfu_datasheet": tflops / datasheet if datasheet else None, "peak_mem_gb": peak_mem,
-        "zero_host_syncs": syncs_ok, "params_total": trainer.params_total, "params_active": trainer.params_active,
+        "recipe": args.recipe,
+        "recompute": args.recompute,
+        "sdpa": args.sdpa,
+        "fused_norm_rope": not args.eager_norm_rope,
+        "width": args.width,
+        "layers": args.layers,
+        "seq": args.seq,
+        "accum": args.accum,
+        "loss_chunk": args.loss_chunk,
+        "tokens_per_step": tokens,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops": tflops,
+        "mfu_measured_peak": tflops / peak_measured,
+        "mfu_datasheet": tflops / datasheet if datasheet else None,
+        "peak_mem_gb": peak_mem,
+        "zero_host_syncs": syncs_ok,
+        "params_total": trainer.params_total,
+        "params_active": trainer.params_active,
     }
     print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table([row], ["recipe", "recompute", "sdpa", "fused_norm_rope", "width", "layers", "accum", "tokens_per_step", "step_s",
-                        "tokens_per_s", "tflops", "mfu_measured_peak", "mfu_datasheet", "peak_mem_gb", "zero_host_syncs"])
+    print_table(
+        [row],
+        [
+            "recipe",
+            "recompute",
+            "sdpa",
+            "fused_norm_rope",
+            "width",
+            "layers",
+            "accum",
+            "tokens_per_step",
+            "step_s",
+            "tokens_per_s",
+            "tflops",
+            "mfu_measured_peak",
+            "mfu_datasheet",
+            "peak_mem_gb",
+            "zero_host_syncs",
+        ],
+    )
     if sync_error:
         print(f"host sync found: {sync_error}")
-    payload = {"benchmark": "train_step", "environment": environment(), "config": {**vars(args), "flops_per_token": fpt},
-               "matmul_peak_tflops": peak_measured, "step_times_s": times, "losses": losses, "result": row}
+    payload = {
+        "benchmark": "train_step",
+        "environment": environment(),
+        "config": {**vars(args), "flops_per_token": fpt},
+        "matmul_peak_tflops": peak_measured,
+        "step_times_s": times,
+        "losses": losses,
+        "result": row,
+    }
     if not args.no_save:
         print(f"wrote {write_result('model', payload)}")
     return 0

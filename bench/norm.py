@@ -48,8 +48,7 @@ def _liger() -> tuple[Norm | None, str]:
 
 
 def peers(compile_: bool) -> tuple[dict[str, Norm], dict[str, str]]:
-    out: dict[str, Norm] = {"eager": rms_norm_reference, "fused": rms_norm_triton,
-                            "torch": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)}
+    out: dict[str, Norm] = {"eager": rms_norm_reference, "fused": rms_norm_triton, "torch": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)}
     notes: dict[str, str] = {}
     if compile_:
         out["compiled"] = torch.compile(rms_norm_reference, dynamic=False)
@@ -107,7 +106,8 @@ def check(fns: dict[str, Norm], x: torch.Tensor, w: torch.Tensor, g: torch.Tenso
         again = _run(fns["fused"], x, w, g)
         res["fused_deterministic"] = all(torch.equal(a, b) for a, b in zip(outs["fused"], again, strict=True))
         res["ok"] = res["fused_deterministic"] and all(
-            res[f"fused_{p}_rel_vs_fp32"] <= 2 * res[f"eager_{p}_rel_vs_fp32"] + HALF_BF16_STEP for p in ("y", "dx", "dw"))
+            res[f"fused_{p}_rel_vs_fp32"] <= 2 * res[f"eager_{p}_rel_vs_fp32"] + HALF_BF16_STEP for p in ("y", "dx", "dw")
+        )
     else:
         res["ok"] = False
     res["peers_ok"] = sorted(outs)
@@ -174,10 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["shape", "norm", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_gbps", "speedup_vs_eager", "saved_bytes_per_row"])
     for shape, result in checks.items():
         print(shape, {k: v for k, v in result.items() if k.startswith("fused_") or k.endswith("_error")})
-    payload = {"benchmark": "rmsnorm", "environment": environment(),
-               "config": {"shapes": shapes, "dtype": "bfloat16", "eps": EPS, "iters": args.iters, "warmup": args.warmup,
-                          "timing": "CUDA-event median", "peers": sorted(fns), "notes": notes},
-               "checks": checks, "results": rows}
+    payload = {
+        "benchmark": "rmsnorm",
+        "environment": environment(),
+        "config": {
+            "shapes": shapes,
+            "dtype": "bfloat16",
+            "eps": EPS,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "timing": "CUDA-event median",
+            "peers": sorted(fns),
+            "notes": notes,
+        },
+        "checks": checks,
+        "results": rows,
+    }
     if not args.no_save:
         print(f"wrote {write_result('norm', payload)}")
     return 0 if ok else 1

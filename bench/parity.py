@@ -59,22 +59,36 @@ def run(args: argparse.Namespace) -> int:
         precision["fp8_min_dim"] = args.fp8_min_dim
         if args.emulate:
             precision["emulate"] = True
-    cfg = ExperimentConfig.load({
-        "model": model,
-        "data": {"paths": [str(data / "train")], "seq_len": args.seq},
-        "train": {"global_batch_size": args.micro * args.accum, "micro_batch_size": args.micro, "max_steps": args.steps,
-                  "log_every": 1, "device": device, "seed": args.seed},
-        "optim": {"lr": args.lr},
-        "schedule": {"warmup_steps": max(1, args.steps // 10)},
-        "checkpoint": {"dir": str(out / "checkpoints"), "every": 0, "save": False},
-        "precision": precision,
-    })
+    cfg = ExperimentConfig.load(
+        {
+            "model": model,
+            "data": {"paths": [str(data / "train")], "seq_len": args.seq},
+            "train": {
+                "global_batch_size": args.micro * args.accum,
+                "micro_batch_size": args.micro,
+                "max_steps": args.steps,
+                "log_every": 1,
+                "device": device,
+                "seed": args.seed,
+            },
+            "optim": {"lr": args.lr},
+            "schedule": {"warmup_steps": max(1, args.steps // 10)},
+            "checkpoint": {"dir": str(out / "checkpoints"), "every": 0, "save": False},
+            "precision": precision,
+        }
+    )
     trainer = Trainer(cfg, sinks=[JsonlSink(out / "metrics.jsonl")])
     start = time.perf_counter()
     summary = trainer.fit()
     wall = time.perf_counter() - start
-    result = {"recipe": args.recipe, "config": cfg.to_dict(), "environment": environment(), "wall_s": wall,
-              "final_loss": summary.final_loss, "steps": summary.steps}
+    result = {
+        "recipe": args.recipe,
+        "config": cfg.to_dict(),
+        "environment": environment(),
+        "wall_s": wall,
+        "final_loss": summary.final_loss,
+        "steps": summary.steps,
+    }
     (out / "run.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{args.recipe}: {summary.steps} steps in {wall:.0f} s, final loss {summary.final_loss:.4f}")
     return 0
@@ -105,9 +119,16 @@ def compare(a: list[tuple[int, float]], b: list[tuple[int, float]], tail: int) -
     last = steps[-tail:]
     fa, fb = statistics.fmean(la[s] for s in last), statistics.fmean(lb[s] for s in last)
     gaps = [abs(lb[s] - la[s]) / abs(la[s]) for s in steps if la[s]]
-    return {"steps": len(steps), "last_step": steps[-1], "tail": len(last), "final_a": fa, "final_b": fb,
-            "final_rel_diff": (fb - fa) / fa, "max_rel_gap": max(gaps) if gaps else math.nan,
-            "within_1pct": abs(fb - fa) / fa <= 0.01}
+    return {
+        "steps": len(steps),
+        "last_step": steps[-1],
+        "tail": len(last),
+        "final_a": fa,
+        "final_b": fb,
+        "final_rel_diff": (fb - fa) / fa,
+        "max_rel_gap": max(gaps) if gaps else math.nan,
+        "within_1pct": abs(fb - fa) / fa <= 0.01,
+    }
 
 
 def plot(a_name: str, a, b_name: str, b, path: Path) -> None:
@@ -136,8 +157,9 @@ def report(args: argparse.Namespace) -> int:
         return 2
     (ma, a), (mb, b) = load_curve(Path(args.a)), load_curve(Path(args.b))
     na, nb = ma["recipe"], mb["recipe"]
-    differ = sorted(k for k in set(ma["config"]) | set(mb["config"])
-                    if k not in ("precision", "checkpoint") and ma["config"].get(k) != mb["config"].get(k))
+    differ = sorted(
+        k for k in set(ma["config"]) | set(mb["config"]) if k not in ("precision", "checkpoint") and ma["config"].get(k) != mb["config"].get(k)
+    )
     if differ:
         print(f"warning: the two runs differ in more than the recipe: {', '.join(differ)}", file=sys.stderr)
     result = compare(a, b, args.tail)
@@ -147,13 +169,22 @@ def report(args: argparse.Namespace) -> int:
     print(f"{'':>12} {'final loss':>11} (mean of the last {result['tail']} of {result['steps']} steps)")
     print(f"{na:>12} {result['final_a']:>11.4f}")
     print(f"{nb:>12} {result['final_b']:>11.4f}")
-    print(f"relative difference {result['final_rel_diff']:+.3%} (bar: 1%): {'met' if result['within_1pct'] else 'NOT met'}; "
-          f"largest per-step gap {result['max_rel_gap']:.2%}; plot {png}")
+    print(
+        f"relative difference {result['final_rel_diff']:+.3%} (bar: 1%): {'met' if result['within_1pct'] else 'NOT met'}; "
+        f"largest per-step gap {result['max_rel_gap']:.2%}; plot {png}"
+    )
     # `moe bench log FILE` records it: a parent run with the result and the plot, a child run per curve.
-    payload = {"benchmark": "parity", "environment": ma["environment"], "config": {"a": ma["config"], "b": mb["config"]},
-               "recipes": [na, nb], "wall_s": [ma.get("wall_s"), mb.get("wall_s")], "result": result,
-               "curves": {na: a, nb: b}, "artifacts": [str(png.resolve())],
-               "mlflow": {"experiment": args.experiment, "run_name": "fp8-loss-parity"}}
+    payload = {
+        "benchmark": "parity",
+        "environment": ma["environment"],
+        "config": {"a": ma["config"], "b": mb["config"]},
+        "recipes": [na, nb],
+        "wall_s": [ma.get("wall_s"), mb.get("wall_s")],
+        "result": result,
+        "curves": {na: a, nb: b},
+        "artifacts": [str(png.resolve())],
+        "mlflow": {"experiment": args.experiment, "run_name": "fp8-loss-parity"},
+    }
     if not args.no_save:
         path = write_result("parity", payload, Path(args.results_dir) if args.results_dir else None)
         print(f"wrote {path} (record it in MLflow with `moe bench log {path}`)")

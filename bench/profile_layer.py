@@ -1,6 +1,6 @@
 """Where the MoE layer's time goes: CUDA kernel times of one forward+backward (torch.profiler).
 
-    python -m bench.profile_layer --shape 2048,1024,64,8 --tokens 16384
+python -m bench.profile_layer --shape 2048,1024,64,8 --tokens 16384
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     layer = build_ours(shape, make_weights(shape, device), torch.bfloat16)
     x = torch.randn(1, args.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
+
     def step() -> None:
         x.grad = None
         layer.zero_grad(set_to_none=True)  # as bench.layer: no gradient accumulation adds
@@ -45,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             gemm += t
         else:
             other += t
-    print(f"{shape.label}: per forward+backward grouped GEMM {gemm / iters / 1e3:.3f} ms, "
-          f"everything else {other / iters / 1e3:.3f} ms ({100 * other / (gemm + other):.1f}%)")
+    print(
+        f"{shape.label}: per forward+backward grouped GEMM {gemm / iters / 1e3:.3f} ms, "
+        f"everything else {other / iters / 1e3:.3f} ms ({100 * other / (gemm + other):.1f}%)"
+    )
     return 0
 
 

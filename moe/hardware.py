@@ -68,5 +68,4 @@ def capability_problem(recipe: str, capability: tuple[int, int], device_name: st
     if need is None or tuple(capability) >= need:
         return None
     hint = " (use fp8_rowwise on Hopper)" if recipe == "mxfp8" else ""
-    return (f"precision.recipe: {recipe} needs compute capability >= {need[0]}.{need[1]}, "
-            f"but {device_name} is sm{capability[0]}{capability[1]}{hint}")
+    return f"precision.recipe: {recipe} needs compute capability >= {need[0]}.{need[1]}, but {device_name} is sm{capability[0]}{capability[1]}{hint}"

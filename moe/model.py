@@ -24,9 +24,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp: nn.Module = (
-            MoELayer(cfg.d_model, cfg.moe) if cfg.is_moe_layer(index) else SwiGLU(cfg.d_model, cfg.dense_hidden)
-        )
+        self.mlp: nn.Module = MoELayer(cfg.d_model, cfg.moe) if cfg.is_moe_layer(index) else SwiGLU(cfg.d_model, cfg.dense_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

@@ -86,8 +86,11 @@ def log_curve(tracker: Tracker, name: str, curve: list[list[float]], env: dict[s
     from pipeline.tracking.client import log_batched
 
     client = tracker.client
-    run_id = client.create_run(tracker.experiment_id, run_name=f"{tracker.stage}-{name}", tags={
-        "mlflow.parentRunId": tracker.run_id, "recipe": name, "device": str(env.get("device"))}).info.run_id
+    run_id = client.create_run(
+        tracker.experiment_id,
+        run_name=f"{tracker.stage}-{name}",
+        tags={"mlflow.parentRunId": tracker.run_id, "recipe": name, "device": str(env.get("device"))},
+    ).info.run_id
     now = int(time.time() * 1000)
     log_batched(client, run_id, metrics=[Metric("loss", float(v), now, int(s)) for s, v in curve])
     client.set_terminated(run_id)

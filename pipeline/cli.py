@@ -42,11 +42,14 @@ def _root(
 ) -> None:
     """The `moe` command line: pipeline stages, benchmarks and tools."""
 
+
 def _model_line(m) -> str:
     """The resolved model shape, and what differs from its preset, as a run is labelled."""
     label = f"preset {m.preset}" + (f" with {', '.join(m.preset_overrides)} overridden" if m.preset_overrides else "") if m.preset else "no preset"
-    return (f"model ({label}): d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} vocab_size={m.vocab_size} "
-            f"experts={m.moe.num_experts} top_k={m.moe.top_k} expert_hidden={m.moe.expert_hidden}")
+    return (
+        f"model ({label}): d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} vocab_size={m.vocab_size} "
+        f"experts={m.moe.num_experts} top_k={m.moe.top_k} expert_hidden={m.moe.expert_hidden}"
+    )
 
 
 def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
@@ -114,8 +117,10 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
         f"{sp['train']['tokens']} train / {sp['val']['tokens']} val tokens -> {cfg.tokenize.output}"
     )
     if manifest.get("skipped_files"):
-        console.print(f"[yellow]warning:[/] skipped {len(manifest['skipped_files'])} input file(s) that are not UTF-8 text "
-                      f"(listed in {cfg.tokenize.output}/manifest.json)")
+        console.print(
+            f"[yellow]warning:[/] skipped {len(manifest['skipped_files'])} input file(s) that are not UTF-8 text "
+            f"(listed in {cfg.tokenize.output}/manifest.json)"
+        )
 
 
 @app.command()
@@ -158,8 +163,13 @@ def submit(
     from pipeline.run_lock import RunLock, command_line
     from pipeline.stages.train import container_tags, finish_train, make_job, prepare_run
 
-    flags = {"slurm.nodes": nodes, "slurm.tasks_per_node": tasks_per_node, "slurm.gpus_per_node": gpus_per_node,
-             "slurm.partition": partition, "slurm.time_min": time_min}
+    flags = {
+        "slurm.nodes": nodes,
+        "slurm.tasks_per_node": tasks_per_node,
+        "slurm.gpus_per_node": gpus_per_node,
+        "slurm.partition": partition,
+        "slurm.time_min": time_min,
+    }
     overrides = [*(set_ or []), "executor.kind=slurm", *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     cfg = _load(params, overrides)
     executor = SlurmExecutor(cfg.slurm, cfg.container)
@@ -224,8 +234,9 @@ def plan(
     params: ParamsOpt = Path("params.yaml"),
     set_: SetOpt = None,
     gpu: GpuOpt = "h200",
-    gpus: Annotated[int | None, typer.Option(help="GPUs of the job (default: slurm.nodes x slurm.tasks_per_node for "
-                                                  "executor.kind=slurm, else executor.nprocs)")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="GPUs of the job (default: slurm.nodes x slurm.tasks_per_node for executor.kind=slurm, else executor.nprocs)")
+    ] = None,
     mfu: Annotated[float, typer.Option(help="model FLOPs utilisation for the predicted step time")] = 0.4,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
@@ -347,8 +358,11 @@ def convert(
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "convert", params, not no_mlflow)) as tracker:
         prov = convert_to_hf(
-            checkpoint or cfg.checkpoint.dir, out or cfg.convert.output, load_tokens_tokenizer(cfg.tokenize.output),
-            dtype=cfg.convert.dtype, max_shard_bytes=cfg.convert.max_shard_bytes,
+            checkpoint or cfg.checkpoint.dir,
+            out or cfg.convert.output,
+            load_tokens_tokenizer(cfg.tokenize.output),
+            dtype=cfg.convert.dtype,
+            max_shard_bytes=cfg.convert.max_shard_bytes,
             tokenizer_file=Path(cfg.tokenize.output) / "tokenizer.json",
         )
         if tracker:
@@ -370,8 +384,10 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
             _log_tokens(tracker, cfg.tokenize.output, "val", "evaluation")
         m = run_evaluate(cfg, tracker)
     subset = "" if m["val_windows"] == m["val_windows_total"] else f" over the first {m['val_windows']} of {m['val_windows_total']} windows"
-    console.print(f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
-                  f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s")
+    console.print(
+        f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
+        f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s"
+    )
     capped = f" (capped at {m['generate_tokens']} tokens by model.max_seq_len)" if m.get("generation_capped") else ""
     console.print(f"sample{capped}: {m['sample']!r}", highlight=False)
 

@@ -23,7 +23,9 @@ def register(app: typer.Typer) -> None:
 
 
 def mlflow_server(
-    backend: Annotated[str, typer.Option(help="backend store URI (user, no password: see --password-file)", envvar="MOE_MLFLOW_BACKEND")] = "postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow",
+    backend: Annotated[
+        str, typer.Option(help="backend store URI (user, no password: see --password-file)", envvar="MOE_MLFLOW_BACKEND")
+    ] = "postgresql+psycopg2://mlflow@127.0.0.1:5432/mlflow",
     password_file: Annotated[Path | None, typer.Option(help="file holding the backend's password (else $MOE_MLFLOW_BACKEND_PASSWORD)")] = None,
     artifacts: Annotated[Path, typer.Option(help="artifact root directory")] = Path("mlartifacts"),
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
@@ -42,8 +44,21 @@ def mlflow_server(
         except ValueError as exc:
             fail(f"--backend: {exc}", 2)
     artifacts.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--artifacts-destination",
-           str(artifacts.resolve()), "--serve-artifacts", "--host", host, "--port", str(port), "--workers", str(workers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--artifacts-destination",
+        str(artifacts.resolve()),
+        "--serve-artifacts",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
     console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
     raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
 

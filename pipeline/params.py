@@ -162,8 +162,11 @@ class ContainerConfig(Config):
         for m in self.mounts:
             require(":" in m, f"{p}.mounts", f"{m!r} must be host_path:container_path")
         check_script_values(self, p)
-        require(bool(_SHELL_WORDS.fullmatch(self.python)), f"{p}.python",
-                f"{self.python!r} must be a command and plain arguments (letters, digits, ./_+=:@%,- and spaces)")
+        require(
+            bool(_SHELL_WORDS.fullmatch(self.python)),
+            f"{p}.python",
+            f"{self.python!r} must be a command and plain arguments (letters, digits, ./_+=:@%,- and spaces)",
+        )
 
 
 @dataclasses.dataclass
@@ -200,8 +203,11 @@ class EvaluateConfig(Config):
         if self.max_batches is not None:
             require(self.max_batches >= 1, f"{p}.max_batches", "must be >= 1 (or null: the whole split)")
         require(self.generate_tokens >= 0, f"{p}.generate_tokens", f"must be >= 0, got {self.generate_tokens}")
-        require(self.generate_tokens <= self.GENERATE_TOKENS_LIMIT, f"{p}.generate_tokens",
-                f"must be <= {self.GENERATE_TOKENS_LIMIT}, got {self.generate_tokens}")
+        require(
+            self.generate_tokens <= self.GENERATE_TOKENS_LIMIT,
+            f"{p}.generate_tokens",
+            f"must be <= {self.GENERATE_TOKENS_LIMIT}, got {self.generate_tokens}",
+        )
         require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
 
 
@@ -255,15 +261,13 @@ class _StrictLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.constructor.ConstructorError(None, None, "aliases (*name) are not allowed in a params file",
-                                                    event.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, "aliases (*name) are not allowed in a params file", event.start_mark)
         self._nodes += 1
         if self._nodes > MAX_YAML_NODES:
             raise yaml.constructor.ConstructorError(None, None, f"more than {MAX_YAML_NODES} values", self.peek_event().start_mark)
         self._depth += 1
         if self._depth > MAX_YAML_DEPTH:
-            raise yaml.constructor.ConstructorError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
-                                                    self.peek_event().start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark)
         try:
             return super().compose_node(parent, index)
         finally:

@@ -54,7 +54,7 @@ def _save(fig, path: Path) -> Path:
 
 def expert_load_matrix(rows: list[dict[str, Any]]) -> tuple[list[int], list[int], list[list[float]]]:
     """(steps, layers, max/mean expert load [layer][step]) from the logged metric rows."""
-    layers = sorted({int(k[len(LAYER_KEY):]) for r in rows for k in r if k.startswith(LAYER_KEY)})
+    layers = sorted({int(k[len(LAYER_KEY) :]) for r in rows for k in r if k.startswith(LAYER_KEY)})
     steps = [r["step"] for r in rows if any(f"{LAYER_KEY}{i}" in r for i in layers)]
     by_step = {r["step"]: r for r in rows}
     return steps, layers, [[float(by_step[s].get(f"{LAYER_KEY}{i}", float("nan"))) for s in steps] for i in layers]
@@ -89,8 +89,7 @@ def train_figures(rows: list[dict[str, Any]], out: Path = TRAIN_DIR) -> list[Pat
     steps, layers, m = expert_load_matrix(rows)
     if steps:
         fig, ax = plt.subplots(figsize=(6, 1.2 + 0.35 * len(layers)))
-        im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5))
+        im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="viridis", extent=(steps[0] - 0.5, steps[-1] + 0.5, len(layers) - 0.5, -0.5))
         ax.set(xlabel="step", ylabel="layer", title="expert load: busiest expert / mean, per layer (1 = balanced)")
         ax.set_yticks(range(len(layers)), [str(i) for i in layers])
         fig.colorbar(im, ax=ax)

@@ -28,7 +28,7 @@ def with_password(uri: str, password: str) -> str:
     m = re.match(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]+)(?P<at>@)", uri)
     if not m:
         raise ValueError("the URI names no user to give the password to (scheme://user@host/...)")
-    return f"{m['head']}:{password}{uri[m.end('head'):]}"
+    return f"{m['head']}:{password}{uri[m.end('head') :]}"
 
 
 def read_password(env: str, file: Path | None) -> str | None:

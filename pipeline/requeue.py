@@ -35,15 +35,22 @@ def requeue_or_stop(job: TrainJob, rank: int, step: int) -> None:
     done, limit = restart_count(), job.max_requeues
     if limit is not None and done >= limit:
         if rank == 0:
-            message = (f"slurm.max_requeues={limit} reached: job {job_id} was requeued {done} times; "
-                       f"not requeueing again. The checkpoint at step {step} resumes with `moe submit`")
+            message = (
+                f"slurm.max_requeues={limit} reached: job {job_id} was requeued {done} times; "
+                f"not requeueing again. The checkpoint at step {step} resumes with `moe submit`"
+            )
             log.error(message)
             print(f"error: {message}", file=sys.stderr, flush=True)
             _record_stop(job, message)
         raise SystemExit(REQUEUE_LIMIT_EXIT)
     if rank == 0:
-        log.warning("checkpoint written at step %d; requeueing slurm job %s (requeue %d of %s)",
-                    step, job_id, done + 1, limit if limit is not None else "unlimited")
+        log.warning(
+            "checkpoint written at step %d; requeueing slurm job %s (requeue %d of %s)",
+            step,
+            job_id,
+            done + 1,
+            limit if limit is not None else "unlimited",
+        )
         subprocess.run(["scontrol", "requeue", job_id], check=True)
     time.sleep(600)  # Slurm ends this allocation; the requeued job resumes from the checkpoint
     raise SystemExit(REQUEUE_EXIT)

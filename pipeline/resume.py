@@ -96,11 +96,12 @@ def prepare_checkpoints(config: dict[str, Any]) -> str:
         )
     if stored_in_dvc_cache(root):
         removed = remove_own_checkpoints(root)
-        _say(f"{root} held checkpoints of another training config ({_describe(diffs)}), all stored in the DVC cache "
-             f"(`dvc checkout` restores them): removed {removed} working copies, starting afresh")
+        _say(
+            f"{root} held checkpoints of another training config ({_describe(diffs)}), all stored in the DVC cache "
+            f"(`dvc checkout` restores them): removed {removed} working copies, starting afresh"
+        )
         return "restart"
-    beyond = (f"; its checkpoint is at step {step}, beyond train.max_steps={config['train']['max_steps']}"
-              if set(diffs) == {"train.max_steps"} else "")
+    beyond = f"; its checkpoint is at step {step}, beyond train.max_steps={config['train']['max_steps']}" if set(diffs) == {"train.max_steps"} else ""
     raise PipelineError(
         f"checkpoint.dir: {root} holds checkpoints of another training config ({_describe(diffs)}){beyond}. "
         "Nothing was deleted. To continue them, use their config; to start afresh, set checkpoint.dir and "
@@ -118,9 +119,11 @@ def extension_note(saved: dict[str, Any], config: dict[str, Any], step: int) -> 
     old, new = saved["train"]["max_steps"], config["train"]["max_steps"]
     before = lr * lr_lambda(ScheduleConfig.from_dict(saved["schedule"]), old)(step - 1)
     after = lr * lr_lambda(schedule, new)(step)
-    return (f"extending the run from train.max_steps={old} to {new}: continuing from the checkpoint at step {step}; "
-            f"the {schedule.decay} schedule now runs over {new} steps (lr {after:.3g} at step {step + 1}, "
-            f"was {before:.3g} at step {step})")
+    return (
+        f"extending the run from train.max_steps={old} to {new}: continuing from the checkpoint at step {step}; "
+        f"the {schedule.decay} schedule now runs over {new} steps (lr {after:.3g} at step {step + 1}, "
+        f"was {before:.3g} at step {step})"
+    )
 
 
 def _say(line: str) -> None:

@@ -15,8 +15,19 @@ from pipeline.errors import PipelineError
 # The run directory: the job spec, its summary, metrics, logs, the lock, the tracking spool,
 # the expert-load heatmap, and the temporary names they are written through.
 RUN_DIR_NAMES = (
-    "job.json", "summary.json", "metrics.jsonl", "logs", ".lock", "mlflow-fallback.jsonl", "mlflow-fallback.jsonl.synced",
-    "expert_load.png", "eval", ".moe-outputs.json", ".*.tmp-*", "*.tmp", ".expert_load.png.*",
+    "job.json",
+    "summary.json",
+    "metrics.jsonl",
+    "logs",
+    ".lock",
+    "mlflow-fallback.jsonl",
+    "mlflow-fallback.jsonl.synced",
+    "expert_load.png",
+    "eval",
+    ".moe-outputs.json",
+    ".*.tmp-*",
+    "*.tmp",
+    ".expert_load.png.*",
 )
 # The checkpoint directory: complete steps, the pointer to the newest, temporaries of saves.
 CHECKPOINT_DIR_NAMES = ("latest", ".lock", ".tmp-step_*", ".tmp-old-step_*", ".latest.tmp-*")
@@ -44,8 +55,10 @@ def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path) -> None:
     if ckpt.is_dir():
         foreign = _foreign_in_checkpoint_dir(ckpt)
         if foreign is not None:
-            raise PipelineError(f"checkpoint.dir: {ckpt} holds {foreign}, which a training run does not write; "
-                                "refusing to write checkpoints there: choose another directory")
+            raise PipelineError(
+                f"checkpoint.dir: {ckpt} holds {foreign}, which a training run does not write; "
+                "refusing to write checkpoints there: choose another directory"
+            )
     if not run.is_dir():
         return
     for p in sorted(run.iterdir()):
@@ -53,5 +66,6 @@ def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path) -> None:
             continue
         if p.is_dir() and not p.is_symlink() and _foreign_in_checkpoint_dir(p) is None:
             continue  # an earlier run's checkpoint directory (checkpoint.dir changed since)
-        raise PipelineError(f"executor.run_dir: {run} holds {p.name}, which a training run does not write; "
-                            "refusing to write into it: choose another directory")
+        raise PipelineError(
+            f"executor.run_dir: {run} holds {p.name}, which a training run does not write; refusing to write into it: choose another directory"
+        )

@@ -73,9 +73,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise RunDirBusy(
-                f"{directory}: in use by {describe_holder(holder)} (lock {path}); wait for it to end or stop it first"
-            ) from None
+            raise RunDirBusy(f"{directory}: in use by {describe_holder(holder)} (lock {path}); wait for it to end or stop it first") from None
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

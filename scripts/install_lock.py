@@ -54,8 +54,15 @@ def parse_lock(text: str) -> tuple[str, list[Entry]]:
         if not m:
             raise SystemExit(f"error: cannot parse lock entry {block.splitlines()[0]!r}")
         via = set(re.findall(r"#\s+(?:via\s+)?([A-Za-z0-9_.\-]+)\s*$", block, flags=re.M)) - {"via"}
-        entries.append(Entry(canonicalize_name(m.group(1)), m.group(2), block.rstrip("\n") + "\n",
-                             set(re.findall(r"--hash=sha256:([0-9a-f]{64})", block)), {canonicalize_name(v) for v in via}))
+        entries.append(
+            Entry(
+                canonicalize_name(m.group(1)),
+                m.group(2),
+                block.rstrip("\n") + "\n",
+                set(re.findall(r"--hash=sha256:([0-9a-f]{64})", block)),
+                {canonicalize_name(v) for v in via},
+            )
+        )
     return header, entries
 
 

@@ -61,9 +61,28 @@ def resolve(lock: Path, python: str, platform: str) -> list[tuple[str, str]]:
     env["MACOSX_DEPLOYMENT_TARGET"] = MACOSX_DEPLOYMENT_TARGET
     with tempfile.TemporaryDirectory() as target:
         r = subprocess.run(
-            [uv, "pip", "install", "--dry-run", "--no-config", "--require-hashes", "--index-url", INDEX,
-             "--python-version", python, "--python-platform", platform, "--target", target, "-r", str(lock)],
-            capture_output=True, text=True, env=env, timeout=600,
+            [
+                uv,
+                "pip",
+                "install",
+                "--dry-run",
+                "--no-config",
+                "--require-hashes",
+                "--index-url",
+                INDEX,
+                "--python-version",
+                python,
+                "--python-platform",
+                platform,
+                "--target",
+                target,
+                "-r",
+                str(lock),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
         )
     if r.returncode != 0:
         raise RuntimeError(f"{lock} does not resolve for Python {python} on {platform}:\n{r.stderr[-3000:]}")

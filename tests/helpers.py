@@ -14,8 +14,9 @@ from moe.config import ExperimentConfig
 from moe.data import write_token_file
 
 
-def make_corpus(directory: Path, *, files: int = 2, tokens: int = 4000, vocab: int = 256, seed: int = 0,
-                tokenizer_hash: str | None = "tok-hash") -> list[Path]:
+def make_corpus(
+    directory: Path, *, files: int = 2, tokens: int = 4000, vocab: int = 256, seed: int = 0, tokenizer_hash: str | None = "tok-hash"
+) -> list[Path]:
     """Token files of a learnable synthetic language: noisy repeated phrases separated by EOS=0."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(1, vocab, size=rng.integers(4, 12)) for _ in range(16)]
@@ -105,8 +106,7 @@ def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: t
     and whatever else the caller names."""
     import shutil
 
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     skip = SKIP_IN_COPIES + tuple(skip_prefixes)
     for f in files:
         src = REPO / f
@@ -114,7 +114,6 @@ def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: t
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
     return dest
-
 
 
 def plant_bytes_entry(step_dir: Path, marker: Path) -> None:
@@ -180,8 +179,9 @@ def rewrite_checkpoint(step_dir: Path, change) -> None:
 
 def moe(*args, env=None, timeout=600):
     """`moe ARGS` as a subprocess with this interpreter (output captured)."""
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
+    )
 
 
 def sh(*cmd, cwd, env, check=True):

@@ -18,18 +18,27 @@ HERE = {
 }
 # GPU benchmarks: parsed here (--help), run on the GPU machine.
 GPU = {
-    "moe bench layer", "moe bench experts", "moe bench model --layers 12 --accum 8",
-    "python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2", "python -m bench.profile_layer",
+    "moe bench layer",
+    "moe bench experts",
+    "moe bench model --layers 12 --accum 8",
+    "python -m bench.ep --nproc 2 --parallel ep=1 --parallel ep=2",
+    "python -m bench.profile_layer",
     "python -m bench.ep --nproc 2 --sync-debug --parallel ep=1 --parallel ep=2 --parallel ep=2,ep_backend=nvshmem",
-    "python -m bench.ep_dispatch --nproc 2", "python -m bench.fp8 gemm", "python -m bench.memory --write-calibration",
-    "python -m bench.determinism --ep", "python -m bench.norm",
+    "python -m bench.ep_dispatch --nproc 2",
+    "python -m bench.fp8 gemm",
+    "python -m bench.memory --write-calibration",
+    "python -m bench.determinism --ep",
+    "python -m bench.norm",
     "python -m bench.parity run --recipe fp8_rowwise --data data/tokens --out runs/parity/fp8",
-    "python -m bench.ep --nproc 1 --parallel ep=1", "python -m bench.ep --nproc 2 --parallel ep=1,shard_optimizer=true,overlap_grad_reduce=true",
+    "python -m bench.ep --nproc 1 --parallel ep=1",
+    "python -m bench.ep --nproc 2 --parallel ep=1,shard_optimizer=true,overlap_grad_reduce=true",
     "python -m bench.layer --peers ours,gemm,sonic",
 }
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
-    ".venv/bin/dvc metrics show", ".venv/bin/dvc plots show", ".venv/bin/dvc exp run -S train.max_steps=30",
+    ".venv/bin/dvc metrics show",
+    ".venv/bin/dvc plots show",
+    ".venv/bin/dvc exp run -S train.max_steps=30",
     ".venv/bin/dvc exp run -S +model.d_model=128",
 ]
 ELSEWHERE = {
@@ -39,7 +48,8 @@ ELSEWHERE = {
     "moe paper repro --no-dvc": "the same stages without DVC; run on 1 and 2 H200s (bench/paper/NOTES.md)",
     "make ui": "a server: `moe ui` is started and stopped in tests/pipeline/test_cli.py",
     "moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": (
-        "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py"),
+        "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py"
+    ),
     "moe submit --wait --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": "as above",
     "moe status 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
     "moe logs 1234 --follow": "needs a Slurm job (tests/pipeline/test_slurm.py)",
@@ -49,7 +59,8 @@ ELSEWHERE = {
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
     "PATH=$PWD/.venv/bin:$PATH dvc exp run --queue -S optim.lr=0.001": (
-        "DVC's queue: tests/pipeline/test_dvc_workspaces.py::test_queued_experiment_logs_to_the_project_store"),
+        "DVC's queue: tests/pipeline/test_dvc_workspaces.py::test_queued_experiment_logs_to_the_project_store"
+    ),
     "PATH=$PWD/.venv/bin:$PATH dvc exp run --run-all": "as above",
 }
 

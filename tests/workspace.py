@@ -23,8 +23,28 @@ def write_corpus(directory: Path, docs: int = 60) -> None:
     import random
 
     rnd = random.Random(0)
-    words = ["the", "expert", "router", "sends", "each", "token", "to", "a", "few", "experts", "and", "the", "layer", "adds", "their",
-             "outputs", "weighted", "by", "the", "scores"]
+    words = [
+        "the",
+        "expert",
+        "router",
+        "sends",
+        "each",
+        "token",
+        "to",
+        "a",
+        "few",
+        "experts",
+        "and",
+        "the",
+        "layer",
+        "adds",
+        "their",
+        "outputs",
+        "weighted",
+        "by",
+        "the",
+        "scores",
+    ]
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "docs.jsonl", "w") as f:
         for _ in range(docs):

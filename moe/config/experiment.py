@@ -55,10 +55,16 @@ class ExperimentConfig(Config):
                 f"model.n_layers={m.n_layers} is not divisible by pp * pp_virtual_stages = {stages}",
             )
         if par.data_parallel == "fsdp":
-            require(par.pp == 1 and par.ep == 1 and not par.shard_optimizer, "parallel.data_parallel",
-                    "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false")
-            require(par.grad_reduce_dtype == "fp32", "parallel.grad_reduce_dtype",
-                    "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only")
+            require(
+                par.pp == 1 and par.ep == 1 and not par.shard_optimizer,
+                "parallel.data_parallel",
+                "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false",
+            )
+            require(
+                par.grad_reduce_dtype == "fp32",
+                "parallel.grad_reduce_dtype",
+                "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
+            )
         if par.pp > 1:
             require(not m.tie_embeddings, "model.tie_embeddings", "tied embeddings cannot be split over pipeline stages (parallel.pp > 1)")
         require(
@@ -84,13 +90,9 @@ class ExperimentConfig(Config):
             raise ConfigError(f"parallel.pp: world size {world_size} is not divisible by pp={par.pp}")
         dp = world_size // par.pp
         if par.dp not in (-1, dp):
-            raise ConfigError(
-                f"parallel.dp: {par.dp} does not match world size {world_size} / pp={par.pp} = {dp}"
-            )
+            raise ConfigError(f"parallel.dp: {par.dp} does not match world size {world_size} / pp={par.pp} = {dp}")
         if dp % par.ep:
-            raise ConfigError(
-                f"parallel.ep: data-parallel size {dp} (world {world_size} / pp {par.pp}) is not divisible by ep={par.ep}"
-            )
+            raise ConfigError(f"parallel.ep: data-parallel size {dp} (world {world_size} / pp {par.pp}) is not divisible by ep={par.ep}")
         per_step = tr.micro_batch_size * dp
         if tr.global_batch_size % per_step:
             raise ConfigError(

@@ -31,7 +31,7 @@ class LoadAlarmConfig(Config):
     ceiling: float = 2.5
 
     def _check(self, p: str) -> None:
-        k = (lambda name: f"{p}.{name}" if p else name)  # noqa: E731
+        k = lambda name: f"{p}.{name}" if p else name  # noqa: E731
         require(self.window >= 3, k("window"), f"must be >= 3 log points, got {self.window}")
         require(self.confirm >= 1, k("confirm"), f"must be >= 1, got {self.confirm}")
         require(self.min_rise > 0, k("min_rise"), f"must be > 0, got {self.min_rise}")

@@ -162,10 +162,12 @@ class ParallelConfig(Config):
         require(self.dp == -1 or self.dp >= 1, _k(p, "dp"), f"must be >= 1 or -1 (auto), got {self.dp}")
         require(self.pp_virtual_stages >= 1, _k(p, "pp_virtual_stages"), "must be >= 1")
         require(self.grad_bucket_mb > 0, _k(p, "grad_bucket_mb"), f"must be > 0, got {self.grad_bucket_mb}")
-        require(self.ep_capacity_factor is None or self.ep_capacity_factor > 0, _k(p, "ep_capacity_factor"),
-                f"must be > 0 or null, got {self.ep_capacity_factor}")
-        require(self.ep_capacity_factor is None or self.ep_backend == "nvshmem", _k(p, "ep_capacity_factor"),
-                "only applies to ep_backend=nvshmem")
+        require(
+            self.ep_capacity_factor is None or self.ep_capacity_factor > 0,
+            _k(p, "ep_capacity_factor"),
+            f"must be > 0 or null, got {self.ep_capacity_factor}",
+        )
+        require(self.ep_capacity_factor is None or self.ep_backend == "nvshmem", _k(p, "ep_capacity_factor"), "only applies to ep_backend=nvshmem")
 
 
 @dataclasses.dataclass

@@ -38,8 +38,7 @@ class BatchLoader:
             raise ValueError("global_batch_size must be divisible by micro_batch_size * dp_size")
         if len(dataset) < global_batch_size:
             raise TokenDataError(
-                f"{dataset.files[0]}: {len(dataset)} sequences of {dataset.seq_len + 1} tokens are fewer than "
-                f"one global batch of {global_batch_size}"
+                f"{dataset.files[0]}: {len(dataset)} sequences of {dataset.seq_len + 1} tokens are fewer than one global batch of {global_batch_size}"
             )
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -71,9 +70,7 @@ class BatchLoader:
         self.state.batch_in_epoch += 1
         per_rank = self.global_batch_size // self.dp_size
         mine = indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return [
-            self.dataset.batch(mine[i : i + self.micro_batch_size]) for i in range(0, per_rank, self.micro_batch_size)
-        ]
+        return [self.dataset.batch(mine[i : i + self.micro_batch_size]) for i in range(0, per_rank, self.micro_batch_size)]
 
     def state_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self.state)

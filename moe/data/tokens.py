@@ -24,8 +24,6 @@ FORMAT = "olmo-core-tokens/1"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class TokenFileInfo:
     dtype: str
@@ -144,8 +142,7 @@ def open_token_file(
         )
     if tokenizer_hash is not None and info.tokenizer_hash != tokenizer_hash:
         raise TokenDataError(
-            f"{path}: made with tokenizer {info.tokenizer_hash} but data.tokenizer_hash is {tokenizer_hash}: "
-            "the tokenizer does not match the data"
+            f"{path}: made with tokenizer {info.tokenizer_hash} but data.tokenizer_hash is {tokenizer_hash}: the tokenizer does not match the data"
         )
     if verify_checksum:
         actual = file_sha256(path)

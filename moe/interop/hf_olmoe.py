@@ -96,11 +96,27 @@ def hf_config(cfg: ModelConfig, *, eos_id: int, pad_id: int | None, bos_id: int 
 
 
 # config.json keys model_config_from_hf maps onto ours.
-HF_MAPPED = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "max_position_embeddings", "initializer_range", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
-    "tie_word_embeddings", "num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef",
-})
+HF_MAPPED = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "initializer_range",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "router_aux_loss_coef",
+    }
+)
 # Settings our model has exactly one value of: anything else is refused by name.
 HF_FIXED: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu",),
@@ -112,18 +128,69 @@ HF_FIXED: dict[str, tuple[Any, ...]] = {
 }
 # What leaves the forward pass alone: identity, token ids, dtype, caching/outputs, generation
 # defaults and the other generic PretrainedConfig fields.
-HF_IGNORED = frozenset({
-    "model_type", "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
-    "output_router_logits", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
-    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
-    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "id2label", "label2id", "problem_type",
-    "torchscript", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "finetuning_task", "tokenizer_class", "prefix",
-    "task_specific_params", "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
-    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
-    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
-    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "quantization_config_dict",
-})
+HF_IGNORED = frozenset(
+    {
+        "model_type",
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "output_router_logits",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "torchscript",
+        "pruned_heads",
+        "tf_legacy_loss",
+        "use_bfloat16",
+        "finetuning_task",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "quantization_config_dict",
+    }
+)
 
 
 def check_hf_settings(hf: Mapping[str, Any], source: str = "config.json") -> None:
@@ -138,8 +205,15 @@ def check_hf_settings(hf: Mapping[str, Any], source: str = "config.json") -> Non
 
 
 # config.json's typed settings: what each must hold (JSON types, checked before any use).
-_HF_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_experts", "num_experts_per_tok")
+_HF_REQUIRED_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "num_experts_per_tok",
+)
 _HF_OPTIONAL: dict[str, tuple[str, Any]] = {  # key -> (kind, value when absent)
     "num_key_value_heads": ("integer or null", None),
     "max_position_embeddings": ("integer", 4096),
@@ -154,11 +228,19 @@ _HF_OPTIONAL: dict[str, tuple[str, Any]] = {  # key -> (kind, value when absent)
 }
 # Our dotted keys -> the config.json key they come from, so that a range error names the file's key.
 _HF_KEY_OF = {
-    "model.vocab_size": "vocab_size", "model.d_model": "hidden_size", "model.n_layers": "num_hidden_layers",
-    "model.n_heads": "num_attention_heads", "model.n_kv_heads": "num_key_value_heads",
-    "model.max_seq_len": "max_position_embeddings", "model.rope_theta": "rope_theta", "model.norm_eps": "rms_norm_eps",
-    "model.init_std": "initializer_range", "model.moe.num_experts": "num_experts", "model.moe.top_k": "num_experts_per_tok",
-    "model.moe.expert_hidden": "intermediate_size", "model.moe.lb_loss_weight": "router_aux_loss_coef",
+    "model.vocab_size": "vocab_size",
+    "model.d_model": "hidden_size",
+    "model.n_layers": "num_hidden_layers",
+    "model.n_heads": "num_attention_heads",
+    "model.n_kv_heads": "num_key_value_heads",
+    "model.max_seq_len": "max_position_embeddings",
+    "model.rope_theta": "rope_theta",
+    "model.norm_eps": "rms_norm_eps",
+    "model.init_std": "initializer_range",
+    "model.moe.num_experts": "num_experts",
+    "model.moe.top_k": "num_experts_per_tok",
+    "model.moe.expert_hidden": "intermediate_size",
+    "model.moe.lb_loss_weight": "router_aux_loss_coef",
 }
 
 
@@ -251,9 +333,14 @@ def _hf_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A layer's tensors other than the experts (OLMoE's QK-norm spans the whole q and k projections)."""
     d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return {
-        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-        "self_attn.o_proj.weight": (d, q), "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "self_attn.q_norm.weight": (q,),
+        "self_attn.k_norm.weight": (kv,),
         "mlp.gate.weight": (cfg.moe.num_experts, d),
     }
 
@@ -298,8 +385,7 @@ def _first_missing(cfg: ModelConfig, names: frozenset[str] | set[str]) -> str | 
         if any(prefix + f in names for f in _HF_FUSED):
             wanted = (prefix + f for f in _HF_FUSED)
         else:
-            wanted = (f"{prefix}mlp.experts.{e}.{kind}.weight" for e in range(cfg.moe.num_experts)
-                      for kind in ("gate_proj", "up_proj", "down_proj"))
+            wanted = (f"{prefix}mlp.experts.{e}.{kind}.weight" for e in range(cfg.moe.num_experts) for kind in ("gate_proj", "up_proj", "down_proj"))
         for name in wanted:
             if name not in names:
                 return name
@@ -319,8 +405,10 @@ def check_hf_tensors(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], so
         elif m and _HF_EXPERT.match(m.group(2)):
             per_expert_layers.add(int(m.group(1)))
     if both := fused_layers & per_expert_layers:
-        raise ConversionError(f"{source}: model.layers.{min(both)} holds both the fused (mlp.experts.gate_up_proj) and the "
-                              "per-expert expert tensors; a checkpoint has one layout")
+        raise ConversionError(
+            f"{source}: model.layers.{min(both)} holds both the fused (mlp.experts.gate_up_proj) and the "
+            "per-expert expert tensors; a checkpoint has one layout"
+        )
     missing = _first_missing(cfg, set(shapes))
     if missing:
         raise ConversionError(f"{source}: tensor {missing} is missing")
@@ -330,8 +418,10 @@ def check_tied_lm_head(cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], s
     """With tie_word_embeddings, a separate lm_head.weight is dropped: only if it is the embedding."""
     head, embed = hf_state.get("lm_head.weight"), hf_state.get("model.embed_tokens.weight")
     if cfg.tie_embeddings and head is not None and embed is not None and not torch.equal(head.float(), embed.float()):
-        raise ConversionError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight; "
-                              "refusing to drop it (set tie_word_embeddings to false to keep both)")
+        raise ConversionError(
+            f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight; "
+            "refusing to drop it (set tie_word_embeddings to false to keep both)"
+        )
 
 
 def to_hf(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -361,9 +451,7 @@ def to_hf(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torc
                     out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e]
             elif rest == "mlp.router.expert_bias":
                 if torch.count_nonzero(t):
-                    raise ConversionError(
-                        f"{name}: cannot convert to Hugging Face OLMoE: it has no expert selection bias"
-                    )
+                    raise ConversionError(f"{name}: cannot convert to Hugging Face OLMoE: it has no expert selection bias")
             else:
                 raise ConversionError(f"{name}: no Hugging Face OLMoE counterpart")
         else:

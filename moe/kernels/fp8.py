@@ -72,8 +72,9 @@ if HAVE_TRITON:
                 tl.store(q + row * C + cols, _to_e4m3(tl.clamp(v * enc, -448.0, 448.0), q.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _quant_cols_grouped_kernel(x, ends, dst_ends, q, s, C, stride_x, stride_g, stride_c,
-                                   PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _quant_cols_grouped_kernel(
+        x, ends, dst_ends, q, s, C, stride_x, stride_g, stride_c, PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    ):
         g = tl.program_id(1)
         start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
         end = tl.load(ends + g).to(tl.int64)
@@ -214,7 +215,8 @@ def quantize_cols_grouped(x: torch.Tensor, ends: torch.Tensor, *, pad: bool) -> 
     elif groups and cols:
         block_c = 64
         _quant_cols_grouped_kernel[(triton.cdiv(cols, block_c), groups)](
-            x, ends, dst_ends, q, s, cols, x.stride(0), stride_g, stride_c, PAD=pad, BLOCK_R=64, BLOCK_C=block_c)
+            x, ends, dst_ends, q, s, cols, x.stride(0), stride_g, stride_c, PAD=pad, BLOCK_R=64, BLOCK_C=block_c
+        )
     return q, (s if pad else s.view(groups, cols)), dst_ends
 
 

@@ -52,8 +52,7 @@ if HAVE_TRITON:
         tl.store(rstd + rows, r, mask=rmask)
 
     @triton.jit
-    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         cmask = cols < D
@@ -96,13 +95,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     if m:
         block = triton.next_power_of_2(d)
         rows = _rows(block)
-        _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block,
-                                              num_warps=_warps(rows * block))
+        _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
     return y, rstd
 
 
-def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      need_dw: bool = True, programs: int = BWD_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, need_dw: bool = True, programs: int = BWD_PROGRAMS
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x."""
     m, d = x.shape
     dx = torch.empty_like(x)
@@ -113,8 +112,7 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     partial = torch.empty(n_prog, d, dtype=torch.float32, device=x.device) if need_dw else rstd
     block = triton.next_power_of_2(d)
     rows = _rows(block)
-    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block,
-                            num_warps=_warps(rows * block))
+    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
@@ -139,9 +137,16 @@ class _RMSNorm(torch.autograd.Function):
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton path applies (CUDA with Triton, or the interpreter; rows up to MAX_WIDTH)."""
-    return (use_triton(x) and x.dim() >= 1 and x.shape[-1] > 0 and weight.dim() == 1
-            and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
-            and x.dtype in _DTYPES and weight.dtype in _DTYPES and weight.device == x.device)
+    return (
+        use_triton(x)
+        and x.dim() >= 1
+        and x.shape[-1] > 0
+        and weight.dim() == 1
+        and x.shape[-1] == weight.shape[0] <= MAX_WIDTH
+        and x.dtype in _DTYPES
+        and weight.dtype in _DTYPES
+        and weight.device == x.device
+    )
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,8 +24,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rope_kernel(x, y, cos, sin, R, S, H, table_stride, SIGN: tl.constexpr, HALF: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rope_kernel(x, y, cos, sin, R, S, H, table_stride, SIGN: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         rmask, cmask = rows < R, cols < HALF
@@ -50,8 +49,9 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
         half = d // 2
         block = triton.next_power_of_2(half)
         rows = max(1, min(64, 4096 // block))
-        _rope_kernel[(triton.cdiv(rows_total, rows),)](x, y, cos, sin, rows_total, s, h, cos.stride(0), SIGN=sign,
-                                                       HALF=half, ROWS=rows, BLOCK=block, num_warps=4)
+        _rope_kernel[(triton.cdiv(rows_total, rows),)](
+            x, y, cos, sin, rows_total, s, h, cos.stride(0), SIGN=sign, HALF=half, ROWS=rows, BLOCK=block, num_warps=4
+        )
     return y
 
 
@@ -72,11 +72,23 @@ def fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None = None)
     """Whether the kernel applies: CUDA (or the interpreter), [b, h, s, d] with d even, and
     rotate-half tables (cos[:, :d/2] == cos[:, d/2:]) covering the sequence; sin laid out as cos."""
     sin = cos if sin is None else sin
-    return (use_triton(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and cos.is_floating_point() and cos.dim() == 2 and cos.shape[-1] == x.shape[-1] and cos.shape[0] >= x.shape[-2]
-            and cos.device == x.device and cos.stride(-1) == 1
-            and sin.shape == cos.shape and sin.stride() == cos.stride() and sin.dtype == cos.dtype and sin.device == cos.device)
+    return (
+        use_triton(x)
+        and x.dim() == 4
+        and x.shape[-1] % 2 == 0
+        and x.shape[-1] > 0
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and cos.is_floating_point()
+        and cos.dim() == 2
+        and cos.shape[-1] == x.shape[-1]
+        and cos.shape[0] >= x.shape[-2]
+        and cos.device == x.device
+        and cos.stride(-1) == 1
+        and sin.shape == cos.shape
+        and sin.stride() == cos.stride()
+        and sin.dtype == cos.dtype
+        and sin.device == cos.device
+    )
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -129,8 +129,17 @@ class _Combine(torch.autograd.Function):
         grad_w = torch.empty(n_tokens * k, dtype=torch.float32, device=y.device)
         if n_tokens:
             d = y.shape[1]
-            _combine_backward_kernel[(n_tokens * k,)](grad, y.contiguous(), inverse.contiguous(), weights.contiguous().float(),
-                                                      grad_y, grad_w, d, K=k, BLOCK=min(1024, triton.next_power_of_2(d)))
+            _combine_backward_kernel[(n_tokens * k,)](
+                grad,
+                y.contiguous(),
+                inverse.contiguous(),
+                weights.contiguous().float(),
+                grad_y,
+                grad_w,
+                d,
+                K=k,
+                BLOCK=min(1024, triton.next_power_of_2(d)),
+            )
         return grad_y, None, grad_w.view(n_tokens, k).to(weights.dtype)
 
 

@@ -38,6 +38,7 @@ if HAVE_TRITON:
         tl.store(grad_h + row * 2 * H + col, dg.to(grad_h.dtype.element_ty), mask=mask)
         tl.store(grad_h + row * 2 * H + H + col, (d * s).to(grad_h.dtype.element_ty), mask=mask)
 
+
 BLOCK = 1024
 
 

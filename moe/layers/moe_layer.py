@@ -51,9 +51,7 @@ class MoELayer(nn.Module):
             aux = self.lb_loss_weight * routing.lb_loss + self.z_loss_weight * routing.z_loss
             if aux.requires_grad:
                 out = attach_aux_loss(out, aux, self.aux_loss_scale)
-        self.last_stats = MoEStats(
-            routing.tokens_per_expert, routing.lb_loss.detach(), routing.z_loss.detach(), rows_per_expert.sum()
-        )
+        self.last_stats = MoEStats(routing.tokens_per_expert, routing.lb_loss.detach(), routing.z_loss.detach(), rows_per_expert.sum())
         return out.view(shape)
 
     def reset_parameters(self, std: float) -> None:

@@ -28,9 +28,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            logits = (hidden[s:s + chunk] @ weight.t()).float()
-            lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
-            picked[s:s + chunk] = logits.gather(1, safe[s:s + chunk, None]).squeeze(1)
+            logits = (hidden[s : s + chunk] @ weight.t()).float()
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            picked[s : s + chunk] = logits.gather(1, safe[s : s + chunk, None]).squeeze(1)
         count = valid.sum()
         loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum() / count
         ctx.save_for_backward(hidden, weight, safe, valid, lse, count)
@@ -46,13 +46,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         scale = (grad_loss / count).float()
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
+            h = hidden[s : s + chunk]
             g = (h @ weight.t()).float()  # a fresh chunk of logits: updated in place below
-            g.sub_(lse[s:s + chunk, None]).exp_()  # softmax
-            g.scatter_add_(1, safe[s:s + chunk, None], torch.full_like(g[:, :1], -1.0))
-            g = g.mul_(scale * valid[s:s + chunk, None]).to(hidden.dtype)
+            g.sub_(lse[s : s + chunk, None]).exp_()  # softmax
+            g.scatter_add_(1, safe[s : s + chunk, None], torch.full_like(g[:, :1], -1.0))
+            g = g.mul_(scale * valid[s : s + chunk, None]).to(hidden.dtype)
             if need_h:
-                grad_hidden[s:s + chunk] = g @ weight
+                grad_hidden[s : s + chunk] = g @ weight
             if need_w:
                 grad_weight += (g.t() @ h).float()
         if need_w:

@@ -77,9 +77,7 @@ class AllToAllDispatcher:
         recv_counts = recv_counts.view(ep, el)  # [source rank, local expert]
         send, recv = _split_sizes(counts.view(ep, el).sum(1), recv_counts.sum(1))
         received = all_to_all(rows, recv, send, self.group)  # ordered by (source rank, local expert)
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(el, device=x.device).repeat(ep), recv_counts.reshape(-1), output_size=received.shape[0]
-        )
+        expert_of_row = torch.repeat_interleave(torch.arange(el, device=x.device).repeat(ep), recv_counts.reshape(-1), output_size=received.shape[0])
         order, inverse = sort_by_expert(expert_of_row)
         return received.index_select(0, order), recv_counts.sum(0), AllToAllState(local_state, send, recv, inverse)
 
@@ -89,8 +87,7 @@ class AllToAllDispatcher:
 
 
 @torch.no_grad()
-def apply_expert_parallel(model: nn.Module, mesh: Mesh, backend: str = "nccl",
-                          capacity_factor: float | None = None) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, backend: str = "nccl", capacity_factor: float | None = None) -> nn.Module:
     """Keep this EP rank's slice of every MoE layer's experts; route tokens with all-to-all
     (``backend="nccl"``) or the sync-free symmetric-buffer dispatcher (``"nvshmem"``: NVSHMEM
     on GPUs, its gloo emulation on CPU; see moe.parallel.symmetric_dispatch).

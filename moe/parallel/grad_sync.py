@@ -95,8 +95,7 @@ class GradSync:
     """Reduces every gradient after the backward, bucket by bucket of one plan (bucket_plan),
     the plan OverlappedGradSync reduces during the backward: one bucketing, one finish."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.mesh, self.zero, self.reduce_dtype, self.bucket_bytes = mesh, zero, reduce_dtype, bucket_bytes
         self.buckets: list[_Bucket] = []
         self.local: list[MasterParam] = []  # parameters whose group is this rank alone
@@ -317,8 +316,7 @@ class OverlappedGradSync(GradSync):
     the trainer calls it before anything else reads the weights (a checkpoint, the end).
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: bool, reduce_dtype: torch.dtype = torch.float32, bucket_bytes: int = BUCKET_BYTES) -> None:
         super().__init__(model, mesh, zero, reduce_dtype, bucket_bytes)
         self.armed = False
         self.next = 0

@@ -70,8 +70,14 @@ def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk
         return lm_loss(model(batch[:, :-1]), batch[:, 1:])
 
 
-def accumulate(model: Transformer, micro: list[torch.Tensor], autocast: Autocast, device: torch.device,
-               chunk: int = 0, before_last: Callable[[], None] | None = None) -> torch.Tensor:
+def accumulate(
+    model: Transformer,
+    micro: list[torch.Tensor],
+    autocast: Autocast,
+    device: torch.device,
+    chunk: int = 0,
+    before_last: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """Forward and backward of every micro-batch (gradients accumulate); the mean loss.
     ``chunk``: tokens per chunk of the fused head + loss (0: unfused); ``before_last`` runs
     before the last micro-batch (e.g. to arm overlapped gradient reduction)."""
@@ -116,8 +122,9 @@ class ParallelLayout:
         model = apply_expert_parallel(model, self.mesh, par.ep_backend, par.ep_capacity_factor)
         if self.resolved.pp > 1:
             model, views = prune_for_stages(model, self.mesh, self.virtual, head=not self.chunk)
-            self.runner = PipelineRunner(views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum,
-                                         self.env.device, self.virtual, self.chunk)
+            self.runner = PipelineRunner(
+                views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum, self.env.device, self.virtual, self.chunk
+            )
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
         bucket_bytes = int(self.cfg.parallel.grad_bucket_mb * 2**20)

@@ -64,8 +64,9 @@ def prune_for_stages(model: Transformer, mesh: Mesh, virtual: int, head: bool = 
 class PipelineRunner:
     """Runs one optimizer step's micro-batches through the pipeline schedule."""
 
-    def __init__(self, views: list[StageView], mesh: Mesh, schedule: str, n_microbatches: int, device: torch.device, virtual: int,
-                 chunk: int = 0) -> None:
+    def __init__(
+        self, views: list[StageView], mesh: Mesh, schedule: str, n_microbatches: int, device: torch.device, virtual: int, chunk: int = 0
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches

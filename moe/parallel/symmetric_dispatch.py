@@ -63,8 +63,7 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.cumsum(dim) - x
 
 
-def plan_routes(counts_all: torch.Tensor, me: int, n_slots: int,
-                capacity: int) -> tuple[Route, Route, torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_routes(counts_all: torch.Tensor, me: int, n_slots: int, capacity: int) -> tuple[Route, Route, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole offset arithmetic, on the device, from the all-gathered counts.
 
     counts_all: [ep, E] slots each source sends to each global expert (n_slots = T*k per
@@ -129,8 +128,7 @@ class _Exchange(torch.autograd.Function):
 class SymmetricDispatcher:
     """Dropless EP dispatcher with no host sync (see the module docstring)."""
 
-    def __init__(self, group, ep_size: int, num_experts: int, transport: Transport,
-                 capacity_factor: float | None = None, name: str = "") -> None:
+    def __init__(self, group, ep_size: int, num_experts: int, transport: Transport, capacity_factor: float | None = None, name: str = "") -> None:
         self.group, self.ep, self.num_experts = group, ep_size, num_experts
         self.local_experts = num_experts // ep_size
         self.rank = dist.get_rank(group) if group is not None else 0
@@ -147,8 +145,9 @@ class SymmetricDispatcher:
         sizes: list = [None] * self.ep
         dist.all_gather_object(sizes, n_slots, group=self.group)
         if len(set(sizes)) != 1:
-            raise ValueError(f"{self.name or 'moe layer'}: parallel.ep_backend=nvshmem needs the same tokens x top_k on every "
-                             f"expert-parallel rank, got {sizes}")
+            raise ValueError(
+                f"{self.name or 'moe layer'}: parallel.ep_backend=nvshmem needs the same tokens x top_k on every expert-parallel rank, got {sizes}"
+            )
         self._checked_slots.add(n_slots)
 
     def capacity(self, n_slots: int) -> int:
@@ -172,14 +171,12 @@ class SymmetricDispatcher:
         self._record(received, capacity, overflow)
         # only the first `received` rows of a receive buffer hold data (no copy of the rest)
         received = received.clamp(max=capacity)
-        rows = _Exchange.apply(x, to_experts, to_sources, capacity, self.transport, (order // top_k, inverse, top_k),
-                               (received, None))
+        rows = _Exchange.apply(x, to_experts, to_sources, capacity, self.transport, (order // top_k, inverse, top_k), (received, None))
         state = SymmetricState(LocalDispatchState(order, inverse, routing.weights), to_experts, to_sources, overflow, received)
         return rows, rows_per_expert, state
 
     def combine(self, y: torch.Tensor, state: SymmetricState) -> torch.Tensor:
-        back = _Exchange.apply(y, state.to_sources, state.to_experts, state.to_experts.rank.numel(), self.transport, None,
-                               (None, state.received))
+        back = _Exchange.apply(y, state.to_sources, state.to_experts, state.to_experts.rank.numel(), self.transport, None, (None, state.received))
         out = self.local.combine(back, state.local)
         # a capacity overflow poisons the output: the step is skipped on the device, never silently short
         return out.masked_fill(state.overflow, float("nan"))
@@ -199,4 +196,3 @@ class SymmetricDispatcher:
         out = {} if self.peak_buffer_use is None else {"ep_buffer_use": self.peak_buffer_use, "ep_overflows": self.overflows}
         self.peak_buffer_use = self.overflows = None
         return out
-

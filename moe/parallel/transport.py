@@ -48,7 +48,6 @@ if HAVE_TRITON:
             v = tl.load(src + s * D + cols, mask=mask)
             tl.store(out + row * D + cols, v, mask=mask)
 
-
     @triton.jit
     def _copy_valid_rows_kernel(src, out, n_valid, D, BLOCK: tl.constexpr):
         """out[i] = src[i] for i < *n_valid (a device scalar): only the rows that arrived."""
@@ -70,24 +69,29 @@ def copy_valid_rows(src: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def put_rows(src: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-             out: torch.Tensor, rank: int) -> None:
+def put_rows(src: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor, out: torch.Tensor, rank: int) -> None:
     """The row-store kernel on one target buffer (Triton; the interpreter runs it on CPU)."""
     n, d = dst_rank.numel(), src.shape[1]
     if n == 0:
         return
     block = min(1024, triton.next_power_of_2(d))
     index = src_index if src_index is not None else dst_rank
-    _put_rows_kernel[(n, triton.cdiv(d, block))](src, index, dst_rank, dst_row, out, rank, d,
-                                                 HAS_INDEX=src_index is not None, BLOCK=block)
+    _put_rows_kernel[(n, triton.cdiv(d, block))](src, index, dst_rank, dst_row, out, rank, d, HAS_INDEX=src_index is not None, BLOCK=block)
 
 
 class Transport(Protocol):
     ep: int
     rank: int
 
-    def push(self, x: torch.Tensor, src_index: torch.Tensor | None, dst_rank: torch.Tensor, dst_row: torch.Tensor,
-             n_out: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def push(
+        self,
+        x: torch.Tensor,
+        src_index: torch.Tensor | None,
+        dst_rank: torch.Tensor,
+        dst_row: torch.Tensor,
+        n_out: int,
+        n_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Row i (x[src_index[i]], or x[i]) goes to row dst_row[i] of rank dst_rank[i]'s buffer.
         Collective. Returns this rank's [n_out, D] buffer; rows nobody wrote are unspecified
         (``n_valid``, a device scalar, may say that only the first n_valid rows are written)."""
@@ -168,8 +172,7 @@ def shutdown(clean: bool = True, timeout_s: float = 60.0) -> None:
         return
 
     def stuck() -> None:
-        print(f"NVSHMEM teardown did not finish within {timeout_s:.0f} s; exiting without it (results are written)",
-              file=sys.stderr, flush=True)
+        print(f"NVSHMEM teardown did not finish within {timeout_s:.0f} s; exiting without it (results are written)", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(0)
 

@@ -45,8 +45,6 @@ STEP_DIR_NAME = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
 
 
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -114,8 +112,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         raise CheckpointError(f"{root}: not a directory (checkpoint.dir)")
     steps = sorted((p for p in root.iterdir() if STEP_DIR_NAME.match(p.name) and p.is_dir()), key=checkpoint_step) if root.is_dir() else []
     if steps and not is_complete(steps[-1]):
-        raise CheckpointError(f"{steps[-1]}: damaged checkpoint (missing {_missing(steps[-1])}); "
-                              "restore it or move it away to resume from an older step")
+        raise CheckpointError(
+            f"{steps[-1]}: damaged checkpoint (missing {_missing(steps[-1])}); restore it or move it away to resume from an older step"
+        )
     pointer = root / "latest"
     if pointer.is_file():
         try:
@@ -124,8 +123,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
             raise CheckpointError(f"{pointer}: not a text file naming a checkpoint") from None
         candidate = root / name
         if STEP_DIR_NAME.match(name) and candidate.is_dir() and not is_complete(candidate):
-            raise CheckpointError(f"{candidate}: damaged checkpoint (missing {_missing(candidate)}); "
-                                  "restore it or move it away to resume from an older step")
+            raise CheckpointError(
+                f"{candidate}: damaged checkpoint (missing {_missing(candidate)}); restore it or move it away to resume from an older step"
+            )
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -256,8 +256,7 @@ def load_plain(path: Path) -> Any:
         with torch.serialization.safe_globals(_numpy_array_globals()):  # RNG files of earlier versions
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:  # weights_only found something that would need code to rebuild
-        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values "
-                              "(loading it could run code)") from None
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain values (loading it could run code)") from None
     except Exception as exc:  # RuntimeError/EOFError when truncated or not a torch file
         raise CheckpointError(f"{path}: refused: not a plain tensor file ({_first_line(exc)})") from None
 
@@ -312,8 +311,7 @@ def load_tensors(path: str | os.PathLike, tensors: dict[str, Any]) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(),
-                     no_dist=not _distributed())
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot load into this model/optimizer ({_cause(exc)})") from exc
     check_finite(tensors, path)

@@ -113,14 +113,16 @@ def configure(enabled: bool) -> Determinism:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)
-    settings.update({
-        "torch.use_deterministic_algorithms": "true",
-        "torch.utils.deterministic.fill_uninitialized_memory": str(torch.utils.deterministic.fill_uninitialized_memory).lower(),
-        "torch.backends.cudnn.deterministic": "true",
-        "torch.backends.cudnn.benchmark": "false",
-        "sdpa.cudnn": "false",
-        "router.counts": "fixed-order",
-    })
+    settings.update(
+        {
+            "torch.use_deterministic_algorithms": "true",
+            "torch.utils.deterministic.fill_uninitialized_memory": str(torch.utils.deterministic.fill_uninitialized_memory).lower(),
+            "torch.backends.cudnn.deterministic": "true",
+            "torch.backends.cudnn.benchmark": "false",
+            "sdpa.cudnn": "false",
+            "router.counts": "fixed-order",
+        }
+    )
     return Determinism(True, settings)
 
 
@@ -139,9 +141,7 @@ def prepare_model(model: nn.Module, recipe: Any, mode: Determinism) -> None:
             continue
         for role, obj in (("dispatcher", module.dispatcher), ("experts.gemm", module.experts.gemm)):
             if getattr(obj, "deterministic", False) is not True:
-                raise DeterminismError(
-                    f"train.deterministic: {name}.{role} ({type(obj).__name__}) has no deterministic variant"
-                )
+                raise DeterminismError(f"train.deterministic: {name}.{role} ({type(obj).__name__}) has no deterministic variant")
         module.router.deterministic = True
 
 
@@ -150,11 +150,15 @@ def resume_mismatch(saved: dict[str, Any] | None, current: Determinism, path: An
     saved = saved or {"enabled": False, "settings": {}}  # checkpoints from before the mode: off
     was = bool(saved.get("enabled"))
     if was != current.enabled:
-        return (f"{path}: written with train.deterministic={str(was).lower()}, resumed with "
-                f"{str(current.enabled).lower()}; the continuation is not bitwise reproducible against the original run")
+        return (
+            f"{path}: written with train.deterministic={str(was).lower()}, resumed with "
+            f"{str(current.enabled).lower()}; the continuation is not bitwise reproducible against the original run"
+        )
     old, new = saved.get("settings") or {}, current.settings
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            return (f"{path}: deterministic-mode setting {key}={old.get(key)!r} there, {new.get(key)!r} here; "
-                    "the continuation may differ from the original run")
+            return (
+                f"{path}: deterministic-mode setting {key}={old.get(key)!r} there, {new.get(key)!r} here; "
+                "the continuation may differ from the original run"
+            )
     return None

@@ -90,8 +90,7 @@ def _mesh(pp: int, dp: int, ep: int, rank: int):
     return mesh
 
 
-def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | None = None,
-                master_weights: bool | None = None) -> list[RankState]:
+def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | None = None, master_weights: bool | None = None) -> list[RankState]:
     """Every rank's parameter and optimizer bytes (one meta model per pipeline stage)."""
     from moe.parallel.expert_parallel import apply_expert_parallel
     from moe.parallel.grad_sync import GradSync
@@ -127,12 +126,21 @@ def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | No
                 owned = numel
             low = master_weights and param_dtype != torch.float32
             largest = max((n for _, n, _ in params), default=0)
-            out.append(RankState(
-                rank=stage * r.dp + dp_rank, stage=stage, params=numel, weights=numel * elem,
-                masters=owned * 4 if low else 0, grads=numel * 4, optimizer=owned * 8,
-                layers=len(model.layers), transient_grad=largest * elem if low else 0,
-                first=model.embed is not None, last=model.lm_head is not None,
-            ))
+            out.append(
+                RankState(
+                    rank=stage * r.dp + dp_rank,
+                    stage=stage,
+                    params=numel,
+                    weights=numel * elem,
+                    masters=owned * 4 if low else 0,
+                    grads=numel * 4,
+                    optimizer=owned * 8,
+                    layers=len(model.layers),
+                    transient_grad=largest * elem if low else 0,
+                    first=model.embed is not None,
+                    last=model.lm_head is not None,
+                )
+            )
     return out
 
 
@@ -146,8 +154,22 @@ def _fsdp_states(cfg: ExperimentConfig, world: int) -> list[RankState]:
             rows = math.ceil(p.shape[0] / world) if p.dim() else 1
             shard += rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1))
     numel = shard
-    return [RankState(rank=i, stage=0, params=numel, weights=numel * 4, masters=0, grads=numel * 4,
-                      optimizer=numel * 8, layers=cfg.model.n_layers, transient_grad=0, first=True, last=True) for i in range(world)]
+    return [
+        RankState(
+            rank=i,
+            stage=0,
+            params=numel,
+            weights=numel * 4,
+            masters=0,
+            grads=numel * 4,
+            optimizer=numel * 8,
+            layers=cfg.model.n_layers,
+            transient_grad=0,
+            first=True,
+            last=True,
+        )
+        for i in range(world)
+    ]
 
 
 def host_memory_gib(cfg: ExperimentConfig, processes: int) -> float:
@@ -220,8 +242,7 @@ def analytic_layer_bytes(m: ModelConfig, mode: str, moe_layer: bool, act: int = 
     if mode == "none":
         attn = _norm(d, act) + (_norm(d, act) + _norm(kv, act) if m.qk_norm else 0) + act * (d + kv) + act * kv + act * d + 4 * h + act * d
         if moe_layer:
-            mlp = (_norm(d, act) + 8 * e + 8 * k + 24 * k + act * k * d + 2 * act * k * hid + act * k * hid + act * k * d + 4 * k
-                   + 4 * act * hs)
+            mlp = _norm(d, act) + 8 * e + 8 * k + 24 * k + act * k * d + 2 * act * k * hid + act * k * hid + act * k * d + 4 * k + 4 * act * hs
         else:
             mlp = _norm(d, act) + 4 * act * hd
         return attn + mlp
@@ -288,8 +309,7 @@ class Plan:
         text = f"does not fit: peak {self.peak_gib:.1f} GiB of {self.capacity_gib:.1f} GiB ({-self.margin_gib:.1f} GiB over)"
         if self.knobs:
             best = self.knobs[0]
-            text += (f"; the knob that helps most: {best['set']} (-{best['saves_gib']:.1f} GiB, "
-                     + ("then fits)" if best["fits"] else "still over)"))
+            text += f"; the knob that helps most: {best['set']} (-{best['saves_gib']:.1f} GiB, " + ("then fits)" if best["fits"] else "still over)")
         return text
 
 
@@ -328,8 +348,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
         # frees it: three fp32 copies of the largest block (2x H200, paper width: predicted
         # 88.3 GiB without the gradient term against 104.7 measured; bench/paper/h200x2).
         gathered = 3 * 4 * max(1, _largest_block_params(m))
-    one_block = tokens * max((analytic_layer_bytes(m, "none", m.is_moe_layer(i)) * factors.get("none", 1.0) for i in layer_indices),
-                             default=0.0)
+    one_block = tokens * max((analytic_layer_bytes(m, "none", m.is_moe_layer(i)) * factors.get("none", 1.0) for i in layer_indices), default=0.0)
     lines = {
         "weights": state.weights,
         "fp32 masters": state.masters,
@@ -344,8 +363,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
     }
     # End of backward: every gradient, the last block's activations (saved or recomputed) and
     # the low-precision gradient of the largest parameter before it is added to its fp32 one.
-    end = {**lines, "fp32 gradients": state.grads, "activations": one_block, "head or recomputed block": state.transient_grad,
-           "EP buffers": 0.0}
+    end = {**lines, "fp32 gradients": state.grads, "activations": one_block, "head or recomputed block": state.transient_grad, "EP buffers": 0.0}
     if sum(end.values()) > sum(lines.values()):
         lines = end
     return {k: v / GIB for k, v in lines.items()}
@@ -364,13 +382,13 @@ def _stage_layer_indices(cfg: ExperimentConfig, pp: int, stage: int) -> list[int
 def _largest_block_params(m: ModelConfig) -> int:
     d, kv = m.d_model, m.kv_heads * m.head_dim
     attn = 2 * d * d + 2 * d * kv
-    mlp = max(m.moe.num_experts * 3 * d * m.moe.expert_hidden + m.moe.num_experts * d + 3 * d * m.moe.shared_hidden_total,
-              3 * d * (m.dense_hidden or 0))
+    mlp = max(
+        m.moe.num_experts * 3 * d * m.moe.expert_hidden + m.moe.num_experts * d + 3 * d * m.moe.shared_hidden_total, 3 * d * (m.dense_hidden or 0)
+    )
     return attn + mlp
 
 
-def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knobs: bool = True,
-              calibration: dict[str, Any] | None = None) -> Plan:
+def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knobs: bool = True, calibration: dict[str, Any] | None = None) -> Plan:
     """The plan of ``cfg`` on ``gpus`` GPUs of kind ``gpu`` (h100, h200, b200, b300)."""
     if gpu not in GPUS:
         raise PlanError(f"--gpu: unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
@@ -391,14 +409,30 @@ def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knob
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     plan = Plan(
-        gpu=gpu, gpus=gpus,
-        layout={"pp": resolved.pp, "dp": resolved.dp, "ep": resolved.ep, "grad_accum": resolved.grad_accum,
-                "zero1": cfg.parallel.shard_optimizer, "data_parallel": cfg.parallel.data_parallel,
-                "recompute": cfg.train.recompute, "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.data.seq_len},
-        params_total=total, params_active=active, memory_gib=lines, peak_gib=sum(lines.values()),
-        capacity_gib=spec.memory_gib, flops_per_token=fpt, tokens_per_step=tokens, mfu=mfu,
+        gpu=gpu,
+        gpus=gpus,
+        layout={
+            "pp": resolved.pp,
+            "dp": resolved.dp,
+            "ep": resolved.ep,
+            "grad_accum": resolved.grad_accum,
+            "zero1": cfg.parallel.shard_optimizer,
+            "data_parallel": cfg.parallel.data_parallel,
+            "recompute": cfg.train.recompute,
+            "micro_batch_size": cfg.train.micro_batch_size,
+            "seq_len": cfg.data.seq_len,
+        },
+        params_total=total,
+        params_active=active,
+        memory_gib=lines,
+        peak_gib=sum(lines.values()),
+        capacity_gib=spec.memory_gib,
+        flops_per_token=fpt,
+        tokens_per_step=tokens,
+        mfu=mfu,
         step_time_s=tokens * fpt / (gpus * spec.peak_bf16_tflops * 1e12 * mfu),
-        calibration=calibration.get("source", "analytic"), worst_rank=worst.rank,
+        calibration=calibration.get("source", "analytic"),
+        worst_rank=worst.rank,
     )
     if knobs and not plan.fits:
         plan.knobs = _knobs(cfg, gpu, gpus, mfu, plan.peak_gib, calibration)
@@ -445,9 +479,11 @@ def format_plan(plan: Plan) -> str:
     for k, v in plan.memory_gib.items():
         lines.append(f"  {k.ljust(width)}  {v:8.2f}")
     lines.append(f"  {'peak'.ljust(width)}  {plan.peak_gib:8.2f}   of {plan.capacity_gib:.1f}")
-    lines.append(f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
-                 f"predicted step {plan.step_time_s:.3g} s at {plan.mfu:.0%} MFU "
-                 f"({GPUS[plan.gpu].peak_bf16_tflops:.0f} TFLOP/s dense bf16 per GPU)")
+    lines.append(
+        f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
+        f"predicted step {plan.step_time_s:.3g} s at {plan.mfu:.0%} MFU "
+        f"({GPUS[plan.gpu].peak_bf16_tflops:.0f} TFLOP/s dense bf16 per GPU)"
+    )
     lines.append(f"verdict: {plan.verdict()}")
     for k in plan.knobs[1:4]:
         lines.append(f"  also: {k['set']} (-{k['saves_gib']:.1f} GiB{', fits' if k['fits'] else ''})")

@@ -62,8 +62,13 @@ def _set_legacy(state: dict[str, Any]) -> None:
 def _set(state: dict[str, Any]) -> None:
     try:
         py = (state["python_version"], tuple(int(v) for v in state["python_state"].tolist()), state["python_gauss"])
-        np_state = ("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]),
-                    int(state["numpy_has_gauss"]), float(state["numpy_gauss"]))
+        np_state = (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            int(state["numpy_pos"]),
+            int(state["numpy_has_gauss"]),
+            float(state["numpy_gauss"]),
+        )
         torch_state = state["torch"]
         if not (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8):
             raise TypeError("torch state is not a uint8 tensor")

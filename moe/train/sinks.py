@@ -100,6 +100,5 @@ def read_metric_rows(path: Path) -> list[dict[str, Any]]:
         except (ValueError, KeyError, TypeError):
             damaged.append(lineno)
     if damaged:
-        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)",
-              file=sys.stderr, flush=True)
+        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)", file=sys.stderr, flush=True)
     return [by_step[s] for s in sorted(by_step)]

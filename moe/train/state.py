@@ -47,7 +47,10 @@ def save_entries(model: nn.Module, opt: MasterWeightAdamW) -> dict[str, Any]:
             offset = experts[name][0]
             for i in range(state["exp_avg"].shape[0]):
                 optim[EXPERT_KEY.format(name=name, index=offset + i)] = {
-                    "step": state["step"], "exp_avg": state["exp_avg"][i], "exp_avg_sq": state["exp_avg_sq"][i]}
+                    "step": state["step"],
+                    "exp_avg": state["exp_avg"][i],
+                    "exp_avg_sq": state["exp_avg_sq"][i],
+                }
         else:
             optim[name] = state
     return {"model": weights, "optim": optim}
@@ -73,8 +76,9 @@ def load_targets(model: nn.Module, opt: MasterWeightAdamW, with_optim: bool = Tr
     return targets, copies
 
 
-def full_model_targets(shapes: dict[str, torch.Size], experts: dict[str, int],
-                       dtype=torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def full_model_targets(
+    shapes: dict[str, torch.Size], experts: dict[str, int], dtype=torch.float32
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(full tensors by parameter name, load targets with per-expert views into them)."""
     full = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}
     targets: dict[str, torch.Tensor] = {}

@@ -43,8 +43,6 @@ from moe.train.telemetry import MoETelemetry
 log = logging.getLogger("moe.train")
 
 
-
-
 @dataclasses.dataclass
 class TrainSummary:
     steps: int
@@ -75,8 +73,7 @@ class Trainer:
         self.device = self.env.device
         self.layout: Layout = build_layout(cfg, self.env)
         self.sinks = list(sinks) if self.env.is_main else []
-        self.recipe = resolve_recipe(cfg.precision.recipe, self.device, emulate=cfg.precision.emulate,
-                                     fp8_min_dim=cfg.precision.fp8_min_dim)
+        self.recipe = resolve_recipe(cfg.precision.recipe, self.device, emulate=cfg.precision.emulate, fp8_min_dim=cfg.precision.fp8_min_dim)
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):
@@ -96,8 +93,7 @@ class Trainer:
         )
         if self.dataset.vocab_size > cfg.model.vocab_size:
             raise TokenDataError(
-                f"{self.dataset.files[0]}: the data's vocabulary ({self.dataset.vocab_size}) is larger than "
-                f"model.vocab_size={cfg.model.vocab_size}"
+                f"{self.dataset.files[0]}: the data's vocabulary ({self.dataset.vocab_size}) is larger than model.vocab_size={cfg.model.vocab_size}"
             )
         self.loader = BatchLoader(
             self.dataset,
@@ -277,8 +273,10 @@ class Trainer:
             sink.close(dataclasses.asdict(summary))
         if summary.final_loss is not None and not math.isfinite(summary.final_loss):
             # even under nonfinite=skip: a run that ends on a non-finite loss did not succeed
-            raise NonFiniteLossError(f"final loss {summary.final_loss} at step {self.step} is not finite "
-                                     f"({int(self._skipped.item())} steps skipped); the checkpoint holds the last finite update")
+            raise NonFiniteLossError(
+                f"final loss {summary.final_loss} at step {self.step} is not finite "
+                f"({int(self._skipped.item())} steps skipped); the checkpoint holds the last finite update"
+            )
         return summary
 
     # --------------------------------------------------------------- logging
@@ -353,7 +351,4 @@ def _check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Any)
     diffs = [k for k in sorted(set(saved) | set(current)) if k != "preset" and saved.get(k) != current.get(k)]
     if diffs:
         k = diffs[0]
-        raise CheckpointError(
-            f"{path}: written for a different model (model.{k}={saved.get(k)!r} there, {current.get(k)!r} here)"
-        )
-
+        raise CheckpointError(f"{path}: written for a different model (model.{k}={saved.get(k)!r} there, {current.get(k)!r} here)")

@@ -98,8 +98,12 @@ class LocalExecutor:
             t.join(timeout=5)
         if forward.signum is not None:
             name = signal.Signals(forward.signum).name
-            return JobResult(False, 128 + forward.signum, str(procs[0][1]),
-                             f"interrupted by {name}: the workers were stopped; rerun to resume from the last checkpoint")
+            return JobResult(
+                False,
+                128 + forward.signum,
+                str(procs[0][1]),
+                f"interrupted by {name}: the workers were stopped; rerun to resume from the last checkpoint",
+            )
         if failed:
             rank, code, log_path = failed
             detail = last_error_line(log_path)

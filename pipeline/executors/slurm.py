@@ -28,10 +28,10 @@ from pipeline.slurm_task import SlurmTrainTask
 # the batch shell, and bash runs no trap while a foreground command runs.
 FORWARD_USR2_TO_TASKS = [
     "srun() {  # USR2 to this batch shell goes on to the tasks",
-    "  command srun \"$@\" & local pid=$! rc",
+    '  command srun "$@" & local pid=$! rc',
     "  trap 'kill -USR2 '\"$pid\"' 2>/dev/null' USR2",
-    "  while :; do wait \"$pid\" && rc=0 || rc=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
-    "  trap - USR2; return \"$rc\"",
+    '  while :; do wait "$pid" && rc=0 || rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
+    '  trap - USR2; return "$rc"',
     "}",
 ]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -43,8 +43,9 @@ def check_script_value(value: str, what: str) -> str:
     a command of its own (quoting protects spaces, not line breaks inside #SBATCH comments)."""
     bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
     if bad is not None:
-        raise PipelineError(f"{what}: {value!r} contains a control character ({bad!r}); it would reach the sbatch "
-                            "script: rename it or run from another directory")
+        raise PipelineError(
+            f"{what}: {value!r} contains a control character ({bad!r}); it would reach the sbatch script: rename it or run from another directory"
+        )
     return value
 
 
@@ -113,8 +114,14 @@ class SlurmExecutor:
         }
         if s.gpus_per_node:
             params["gpus_per_node"] = s.gpus_per_node
-        optional = {"cpus_per_task": s.cpus_per_task, "slurm_partition": s.partition, "slurm_account": s.account,
-                    "slurm_qos": s.qos, "slurm_constraint": s.constraint, "slurm_mem": s.mem}
+        optional = {
+            "cpus_per_task": s.cpus_per_task,
+            "slurm_partition": s.partition,
+            "slurm_account": s.account,
+            "slurm_qos": s.qos,
+            "slurm_constraint": s.constraint,
+            "slurm_mem": s.mem,
+        }
         params.update({k: v for k, v in optional.items() if v is not None})
         if s.exclusive:
             params["slurm_exclusive"] = True

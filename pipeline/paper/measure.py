@@ -46,8 +46,9 @@ def fresh_run_dir(path: Path) -> Path:
     return path
 
 
-def measure(base: PipelineConfig, name: str, sections: dict[str, Any], work_dir: Path, steps: int,
-            data_dir: Path | None = None, tracker=None) -> dict[str, Any]:
+def measure(
+    base: PipelineConfig, name: str, sections: dict[str, Any], work_dir: Path, steps: int, data_dir: Path | None = None, tracker=None
+) -> dict[str, Any]:
     """Run ``sections`` (model/train/parallel/precision/... overrides) and return its figures."""
     world = base.slurm.nodes * base.slurm.tasks_per_node if base.executor.kind == "slurm" else base.executor.nprocs
     run_dir = fresh_run_dir(work_dir / name)
@@ -80,8 +81,13 @@ def measure(base: PipelineConfig, name: str, sections: dict[str, Any], work_dir:
     out = {
         "name": name,
         "world": world,
-        "layout": {"pp": layout.pp, "dp": layout.dp, "ep": exp.parallel.ep, "data_parallel": exp.parallel.data_parallel,
-                   "shard_optimizer": exp.parallel.shard_optimizer},
+        "layout": {
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "ep": exp.parallel.ep,
+            "data_parallel": exp.parallel.data_parallel,
+            "shard_optimizer": exp.parallel.shard_optimizer,
+        },
         "model": exp.model.to_dict(),
         "seq_len": seq,
         "micro_batch_size": exp.train.micro_batch_size,

@@ -44,31 +44,45 @@ def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
         return "not measured", "n/a"
     if stage == "resident":
         s = derived.get("speedup")
-        return (f"{_fmt(derived.get('tokens_per_s_per_device'))} vs {_fmt(derived.get('baseline_tokens_per_s_per_device'))} "
-                f"tokens/s/device ({_fmt(s)}x)", _fmt(s / ref["speedup"]) if s else "n/a")
+        return (
+            f"{_fmt(derived.get('tokens_per_s_per_device'))} vs {_fmt(derived.get('baseline_tokens_per_s_per_device'))} tokens/s/device ({_fmt(s)}x)",
+            _fmt(s / ref["speedup"]) if s else "n/a",
+        )
     if stage == "experts":
         d = derived.get("drop")
-        return (f"{_pct(-d if d is not None else None)} from {derived['experts_from']} to {derived['experts_to']} experts",
-                "within the paper's bound" if d is not None and d < ref["drop"] else f"drop {_pct(d)} vs < 5%")
+        return (
+            f"{_pct(-d if d is not None else None)} from {derived['experts_from']} to {derived['experts_to']} experts",
+            "within the paper's bound" if d is not None and d < ref["drop"] else f"drop {_pct(d)} vs < 5%",
+        )
     if stage == "fp8":
         s = derived.get("speedup")
-        return (f"{_pct(s - 1 if s else None)} throughput ({derived.get('recipe')}), peak {_fmt(derived.get('baseline_peak_gb'))} -> "
-                f"{_fmt(derived.get('peak_gb'))} GB", f"{_fmt((s - 1) / (ref['speedup'] - 1)) if s else 'n/a'} of the paper's gain")
+        return (
+            f"{_pct(s - 1 if s else None)} throughput ({derived.get('recipe')}), peak {_fmt(derived.get('baseline_peak_gb'))} -> "
+            f"{_fmt(derived.get('peak_gb'))} GB",
+            f"{_fmt((s - 1) / (ref['speedup'] - 1)) if s else 'n/a'} of the paper's gain",
+        )
     if stage == "recompute":
         parts, ratios = [], []
         for mode, r in derived.items():
-            parts.append(f"{mode}: peak above rest x{_fmt(r.get('above_rest_ratio', r.get('activation_ratio')))}, peak x{_fmt(r.get('peak_ratio'))}, "
-                         f"throughput x{_fmt(r.get('throughput_ratio'))}")
+            parts.append(
+                f"{mode}: peak above rest x{_fmt(r.get('above_rest_ratio', r.get('activation_ratio')))}, peak x{_fmt(r.get('peak_ratio'))}, "
+                f"throughput x{_fmt(r.get('throughput_ratio'))}"
+            )
             if r.get("throughput_ratio"):
                 ratios.append(f"{mode}: throughput ratio {_fmt(r['throughput_ratio'] / ref['throughput_ratio'])} of the paper's")
         return "; ".join(parts), "; ".join(ratios) or "n/a"
     if stage == "ep":
-        return ("; ".join(f"{k}: {_fmt(v['step_time_s'] * 1e3)} ms/step (x{_fmt(v['relative_to_ep1'])} of EP=1)" for k, v in derived.items()),
-                "n/a (no paper figure)")
+        return (
+            "; ".join(f"{k}: {_fmt(v['step_time_s'] * 1e3)} ms/step (x{_fmt(v['relative_to_ep1'])} of EP=1)" for k, v in derived.items()),
+            "n/a (no paper figure)",
+        )
     if stage == "gerrymander":
-        return (f"balance loss {_fmt(derived.get('lb_loss_first'))} -> {_fmt(derived.get('lb_loss_last'))}, busiest expert "
-                f"{_fmt(derived.get('max_over_mean_first'))} -> {_fmt(derived.get('max_over_mean_last'))}x mean; "
-                f"alarm: {derived.get('alarm', 'diverging' if derived.get('diverging') else 'quiet')}", "qualitative")
+        return (
+            f"balance loss {_fmt(derived.get('lb_loss_first'))} -> {_fmt(derived.get('lb_loss_last'))}, busiest expert "
+            f"{_fmt(derived.get('max_over_mean_first'))} -> {_fmt(derived.get('max_over_mean_last'))}x mean; "
+            f"alarm: {derived.get('alarm', 'diverging' if derived.get('diverging') else 'quiet')}",
+            "qualitative",
+        )
     return "", ""
 
 
@@ -171,8 +185,9 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             continue
         r = results[stage]
         ours, ratio = ours_and_ratio(stage, r.get("derived", {}))
-        lines.append(f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | {ours} | {ratio} | "
-                     f"{r['hardware']['describe']}; {r['scaling']['shape']} |")
+        lines.append(
+            f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | {ours} | {ratio} | {r['hardware']['describe']}; {r['scaling']['shape']} |"
+        )
     lines += ["", "## Every variant", ""]
     for stage, r in results.items():
         lines += [f"### {CLAIMS[stage].title}", ""]
@@ -180,8 +195,10 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             lines += [f"Measured at commit `{r['commit']}`.", ""]
         if r.get("note"):
             lines += [f"Note: {r['note']}.", ""]
-        lines += ["| variant | status | tokens/s/device | TFLOP/s/device | step (ms) | peak GB (plan) | peak above rest GB | final loss |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| variant | status | tokens/s/device | TFLOP/s/device | step (ms) | peak GB (plan) | peak above rest GB | final loss |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for v in r["variants"]:
             if v.get("status") != "ok":
                 lines.append(f"| {v['name']} | {v.get('status')}: {v.get('reason', '')} | | | | | | |")
@@ -190,9 +207,11 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             peak_s = _fmt(peak) if peak is not None else f"{_fmt(v.get('peak_rss_gb'))} (RSS)"
             if v.get("predicted_peak_gb") is not None:
                 peak_s += f" ({_fmt(v['predicted_peak_gb'])})"
-            lines.append(f"| {v['name']} | ok | {_fmt(v['tokens_per_s_per_device'])} | {_fmt(v['tflops_per_device'])} | "
-                         f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('above_rest_gb', v.get('activation_gb')))} | "
-                         f"{_fmt(v.get('final_loss'))} |")
+            lines.append(
+                f"| {v['name']} | ok | {_fmt(v['tokens_per_s_per_device'])} | {_fmt(v['tflops_per_device'])} | "
+                f"{_fmt(v['step_time_s'] * 1e3)} | {peak_s} | {_fmt(v.get('above_rest_gb', v.get('activation_gb')))} | "
+                f"{_fmt(v.get('final_loss'))} |"
+            )
         lines.append("")
     if missing:
         lines += [f"Stages without results: {', '.join(missing)}.", ""]

@@ -37,22 +37,27 @@ class Scaled:
     def describe(self) -> str:
         m = self.model
         moe = m["moe"]
-        shape = (f"d={m['d_model']} layers={m['n_layers']} E={moe['num_experts']} h={moe['expert_hidden']} "
-                 f"k={moe['top_k']} seq={self.seq_len} micro={self.micro_batch_size}")
+        shape = (
+            f"d={m['d_model']} layers={m['n_layers']} E={moe['num_experts']} h={moe['expert_hidden']} "
+            f"k={moe['top_k']} seq={self.seq_len} micro={self.micro_batch_size}"
+        )
         return shape + ("; " + "; ".join(self.notes) if self.notes else "; the paper's shape")
 
 
-def predict_peak_gb(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any],
-                    recompute: str = "none") -> float:
+def predict_peak_gb(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any], recompute: str = "none") -> float:
     """``moe plan``'s predicted peak (GiB) of the worst rank of one training step."""
     from moe.config import ExperimentConfig
     from moe.train.plan import make_plan
 
-    cfg = ExperimentConfig.from_dict({
-        "model": model, "data": {"seq_len": seq_len},
-        "train": {"micro_batch_size": micro, "global_batch_size": micro * world, "recompute": recompute},
-        "parallel": layout, "precision": {"recipe": "amp_bf16" if layout.get("data_parallel") == "fsdp" else "bf16"},
-    }).validate()
+    cfg = ExperimentConfig.from_dict(
+        {
+            "model": model,
+            "data": {"seq_len": seq_len},
+            "train": {"micro_batch_size": micro, "global_batch_size": micro * world, "recompute": recompute},
+            "parallel": layout,
+            "precision": {"recipe": "amp_bf16" if layout.get("data_parallel") == "fsdp" else "bf16"},
+        }
+    ).validate()
     # The peak does not depend on the GPU kind (only the capacity, which the caller compares).
     return make_plan(cfg, "h200", world, knobs=False).peak_gib
 
@@ -67,13 +72,23 @@ def _halve_width(model: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def paper_shape(hw: Hardware, num_experts: int, seq: int | None, micro: int | None,
-                layouts: list[dict[str, Any]], memory_fraction: float, recompute: str = "none") -> Scaled:
+def paper_shape(
+    hw: Hardware, num_experts: int, seq: int | None, micro: int | None, layouts: list[dict[str, Any]], memory_fraction: float, recompute: str = "none"
+) -> Scaled:
     """The paper's model at ``num_experts`` experts, scaled so every layout in ``layouts`` fits."""
     if hw.kind == "cpu":
-        model = {**model_preset("tiny"), "n_layers": 2, "max_seq_len": 64,
-                 "moe": {**model_preset("tiny")["moe"], "num_experts": num_experts, "top_k": min(4, num_experts),
-                         "expert_hidden": 64, "routing": "random"}}
+        model = {
+            **model_preset("tiny"),
+            "n_layers": 2,
+            "max_seq_len": 64,
+            "moe": {
+                **model_preset("tiny")["moe"],
+                "num_experts": num_experts,
+                "top_k": min(4, num_experts),
+                "expert_hidden": 64,
+                "routing": "random",
+            },
+        }
         return Scaled(model, 64, micro or 2, ["CPU scale: a tiny model of the same structure (plumbing, not speed)"])
     model = model_preset(PAPER_MODEL)
     model["moe"] = {**model["moe"], "num_experts": num_experts, "routing": "random"}
@@ -96,7 +111,7 @@ def paper_shape(hw: Hardware, num_experts: int, seq: int | None, micro: int | No
                     if s != seq_len:
                         notes.append(f"sequence {seq_len} -> {s} (memory)")
                     if width_halvings:
-                        notes.append(f"width / {2 ** width_halvings} (d_model, expert hidden, dense hidden: memory)")
+                        notes.append(f"width / {2**width_halvings} (d_model, expert hidden, dense hidden: memory)")
                     return Scaled(cand, s, micro, notes)
         if model["d_model"] <= 256:
             raise ValueError(f"the paper's model does not fit {hw.describe()} even at d_model {model['d_model']}")

@@ -41,10 +41,20 @@ class Context:
 
     def sections(self, shape: Scaled, parallel: dict[str, Any], **extra: Any) -> dict[str, Any]:
         micro = shape.micro_batch_size
-        train = {"micro_batch_size": micro, "global_batch_size": micro * self.hw.count,
-                 "device": "cuda" if self.hw.kind == "gpu" else "cpu", **extra.pop("train", {})}
-        return {"model": shape.model, "data": {"seq_len": shape.seq_len}, "train": train, "parallel": parallel,
-                "precision": {"recipe": extra.pop("recipe", "auto"), **extra.pop("precision", {})}, **extra}
+        train = {
+            "micro_batch_size": micro,
+            "global_batch_size": micro * self.hw.count,
+            "device": "cuda" if self.hw.kind == "gpu" else "cpu",
+            **extra.pop("train", {}),
+        }
+        return {
+            "model": shape.model,
+            "data": {"seq_len": shape.seq_len},
+            "train": train,
+            "parallel": parallel,
+            "precision": {"recipe": extra.pop("recipe", "auto"), **extra.pop("precision", {})},
+            **extra,
+        }
 
     def run(self, name: str, sections: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """Measure one variant; a variant this setup cannot run is recorded with the reason.
@@ -53,13 +63,23 @@ class Context:
         predicted = None
         if self.hw.kind == "gpu":
             try:
-                predicted = predict_peak_gb(sections["model"], sections["data"]["seq_len"], sections["train"]["micro_batch_size"],
-                                            self.hw.count, sections["parallel"], sections["train"].get("recompute", "none"))
+                predicted = predict_peak_gb(
+                    sections["model"],
+                    sections["data"]["seq_len"],
+                    sections["train"]["micro_batch_size"],
+                    self.hw.count,
+                    sections["parallel"],
+                    sections["train"].get("recompute", "none"),
+                )
             except ConfigError as exc:
                 return {"name": name, "status": "not run", "reason": str(exc).splitlines()[0]}
             if predicted > self.hw.memory_gb:
-                return {"name": name, "status": "not run", "predicted_peak_gb": predicted,
-                        "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gb:.1f} GiB of one GPU"}
+                return {
+                    "name": name,
+                    "status": "not run",
+                    "predicted_peak_gb": predicted,
+                    "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gb:.1f} GiB of one GPU",
+                }
         try:
             m = measure(self.params.base, name, sections, self.work, self.steps, tracker=self.tracker, **kw)
         except ConfigError as exc:  # this setup cannot express the variant (e.g. FP8 on a CPU)
@@ -92,10 +112,12 @@ def resident(ctx: Context) -> dict[str, Any]:
     b = ctx.run("resident-fsdp2", ctx.sections(shape, fsdp, recipe="amp_bf16" if ctx.hw.kind == "gpu" else "auto"))
     derived = {}
     if _ok(a) and _ok(b):
-        derived = {"speedup": _ratio(a["tokens_per_s_per_device"], b["tokens_per_s_per_device"]),
-                   "tokens_per_s_per_device": a["tokens_per_s_per_device"],
-                   "baseline_tokens_per_s_per_device": b["tokens_per_s_per_device"],
-                   "peak_ratio": _ratio(a.get("peak_mem_gb"), b.get("peak_mem_gb"))}
+        derived = {
+            "speedup": _ratio(a["tokens_per_s_per_device"], b["tokens_per_s_per_device"]),
+            "tokens_per_s_per_device": a["tokens_per_s_per_device"],
+            "baseline_tokens_per_s_per_device": b["tokens_per_s_per_device"],
+            "peak_ratio": _ratio(a.get("peak_mem_gb"), b.get("peak_mem_gb")),
+        }
     note = "with one GPU both layouts hold everything; the comparison is meaningful from 2 GPUs on" if w == 1 else ""
     return {"shape": shape, "variants": [a, b], "derived": derived, "note": note}
 
@@ -117,9 +139,12 @@ def experts(ctx: Context) -> dict[str, Any]:
     derived = {}
     if len(ok) >= 2:
         first, last = ok[0], ok[-1]
-        derived = {"drop": 1 - first_last_ratio(first, last), "experts_from": first["model"]["moe"]["num_experts"],
-                   "experts_to": last["model"]["moe"]["num_experts"],
-                   "tokens_per_s_per_device": {str(v["model"]["moe"]["num_experts"]): v["tokens_per_s_per_device"] for v in ok}}
+        derived = {
+            "drop": 1 - first_last_ratio(first, last),
+            "experts_from": first["model"]["moe"]["num_experts"],
+            "experts_to": last["model"]["moe"]["num_experts"],
+            "tokens_per_s_per_device": {str(v["model"]["moe"]["num_experts"]): v["tokens_per_s_per_device"] for v in ok},
+        }
     return {"shape": shape, "variants": variants, "derived": derived}
 
 
@@ -156,9 +181,13 @@ def fp8(ctx: Context) -> dict[str, Any]:
         b = ctx.run(f"fp8-{recipe}", ctx.sections(shape, layout, recipe=recipe, precision={"fp8_min_dim": 0}))
     derived = {}
     if _ok(a) and _ok(b):
-        derived = {"speedup": _ratio(b["tokens_per_s_per_device"], a["tokens_per_s_per_device"]),
-                   "peak_ratio": _ratio(b.get("peak_mem_gb"), a.get("peak_mem_gb")), "recipe": recipe,
-                   "peak_gb": b.get("peak_mem_gb"), "baseline_peak_gb": a.get("peak_mem_gb")}
+        derived = {
+            "speedup": _ratio(b["tokens_per_s_per_device"], a["tokens_per_s_per_device"]),
+            "peak_ratio": _ratio(b.get("peak_mem_gb"), a.get("peak_mem_gb")),
+            "recipe": recipe,
+            "peak_gb": b.get("peak_mem_gb"),
+            "baseline_peak_gb": a.get("peak_mem_gb"),
+        }
     return {"shape": shape, "variants": [a, b], "derived": derived}
 
 
@@ -172,8 +201,9 @@ def recompute(ctx: Context) -> dict[str, Any]:
         budget = ctx.hw.memory_gb * p.memory_fraction
         for micro in (8, 4, 2):
             if predict_peak_gb(shape.model, shape.seq_len, micro, ctx.hw.count, layout) <= budget:
-                shape = dataclasses.replace(shape, micro_batch_size=micro,
-                                            notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"])
+                shape = dataclasses.replace(
+                    shape, micro_batch_size=micro, notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"]
+                )
                 break
     variants = [ctx.run(f"recompute-{mode}", ctx.sections(shape, layout, train={"recompute": mode})) for mode in p.recompute]
     base = variants[0]
@@ -182,9 +212,11 @@ def recompute(ctx: Context) -> dict[str, Any]:
         for v in variants[1:]:
             if _ok(v):
                 mode = v["name"].removeprefix("recompute-")
-                derived[mode] = {"above_rest_ratio": _ratio(_above_rest(v), _above_rest(base)),
-                                 "peak_ratio": _ratio(v.get("peak_mem_gb"), base.get("peak_mem_gb")),
-                                 "throughput_ratio": _ratio(v["tokens_per_s_per_device"], base["tokens_per_s_per_device"])}
+                derived[mode] = {
+                    "above_rest_ratio": _ratio(_above_rest(v), _above_rest(base)),
+                    "peak_ratio": _ratio(v.get("peak_mem_gb"), base.get("peak_mem_gb")),
+                    "throughput_ratio": _ratio(v["tokens_per_s_per_device"], base["tokens_per_s_per_device"]),
+                }
     return {"shape": shape, "variants": variants, "derived": derived}
 
 
@@ -201,13 +233,15 @@ def ep(ctx: Context) -> dict[str, Any]:
     shape = paper_shape(ctx.hw, 64, p.seq_len, p.micro_batch_size, layouts, p.memory_fraction)
     variants = []
     for e in sizes:
-        for backend in (p.ep_backends if e > 1 else p.ep_backends[:1]):
+        for backend in p.ep_backends if e > 1 else p.ep_backends[:1]:
             par = {"ep": e, "shard_optimizer": True, "ep_backend": backend}
             variants.append(ctx.run(f"ep{e}-{backend}", ctx.sections(shape, par)))
     ok = {v["name"]: v for v in variants if _ok(v)}
     base = ok.get(f"ep1-{p.ep_backends[0]}")
-    derived = {name: {"step_time_s": v["step_time_s"], "relative_to_ep1": _ratio(v["step_time_s"], base["step_time_s"]) if base else None}
-               for name, v in ok.items()}
+    derived = {
+        name: {"step_time_s": v["step_time_s"], "relative_to_ep1": _ratio(v["step_time_s"], base["step_time_s"]) if base else None}
+        for name, v in ok.items()
+    }
     return {"shape": shape, "variants": variants, "derived": derived}
 
 
@@ -239,13 +273,17 @@ def gerrymander(ctx: Context) -> dict[str, Any]:
     v["status"] = "ok"
     rows = [r for r in v["rows"] if "lb_loss" in r]
     derived = load_trends(rows)
-    fired = sorted({k.removeprefix("load_alarm/layer_") for r in v["rows"] for k, x in r.items()
-                    if k.startswith("load_alarm/layer_") and x > 0}, key=int)
+    fired = sorted(
+        {k.removeprefix("load_alarm/layer_") for r in v["rows"] for k, x in r.items() if k.startswith("load_alarm/layer_") and x > 0}, key=int
+    )
     derived["alarm"] = f"fired (layers {', '.join(fired)})" if fired else "quiet"
     logs = Path(ctx.work) / "gerrymander" / "logs"
-    derived["alarm_lines"] = [line.split("token gerrymandering alarm: ", 1)[1].strip()
-                              for f in sorted(logs.glob("*.log")) for line in f.read_text(errors="replace").splitlines()
-                              if "token gerrymandering alarm: " in line]
+    derived["alarm_lines"] = [
+        line.split("token gerrymandering alarm: ", 1)[1].strip()
+        for f in sorted(logs.glob("*.log"))
+        for line in f.read_text(errors="replace").splitlines()
+        if "token gerrymandering alarm: " in line
+    ]
     v["history"] = [{k: r.get(k) for k in ("step", "loss", "lb_loss", "expert_load_max_over_mean")} for r in rows]
     return {"shape": shape, "variants": [v], "derived": derived}
 
@@ -261,14 +299,15 @@ def _slope(xs: list[float], ys: list[float]) -> float | None:
 def load_trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Least-squares trends (per 1000 steps) of the balance loss and the busiest expert's load
     over the second half of the run; 'diverging' when the loss improves while the load worsens."""
-    half = rows[len(rows) // 2:]
+    half = rows[len(rows) // 2 :]
     steps = [float(r["step"]) for r in half]
     lb = [r["lb_loss"] for r in half]
     load = [r.get("expert_load_max_over_mean") for r in half]
     lb_slope = _slope(steps, lb)
     load_slope = _slope(steps, load) if all(x is not None for x in load) else None
     out: dict[str, Any] = {
-        "lb_loss_first": rows[0]["lb_loss"] if rows else None, "lb_loss_last": rows[-1]["lb_loss"] if rows else None,
+        "lb_loss_first": rows[0]["lb_loss"] if rows else None,
+        "lb_loss_last": rows[-1]["lb_loss"] if rows else None,
         "max_over_mean_first": rows[0].get("expert_load_max_over_mean") if rows else None,
         "max_over_mean_last": rows[-1].get("expert_load_max_over_mean") if rows else None,
         "lb_loss_trend_per_1k": lb_slope * 1000 if lb_slope is not None else None,
@@ -279,7 +318,12 @@ def load_trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 STAGE_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "resident": resident, "experts": experts, "fp8": fp8, "recompute": recompute, "ep": ep, "gerrymander": gerrymander,
+    "resident": resident,
+    "experts": experts,
+    "fp8": fp8,
+    "recompute": recompute,
+    "ep": ep,
+    "gerrymander": gerrymander,
 }
 
 
@@ -297,10 +341,19 @@ def run_stage(stage: str, params: PaperParams, tracker=None) -> Path:
     claim = CLAIMS[stage]
     shape: Scaled = out.pop("shape")
     result = {
-        "stage": stage, "claim": dataclasses.asdict(claim), "hardware": dataclasses.asdict(hw) | {"describe": hw.describe()},
-        "scaling": {"shape": shape.describe(), "notes": shape.notes, "model": shape.model,
-                    "seq_len": shape.seq_len, "micro_batch_size": shape.micro_batch_size},
-        "steps_per_measurement": ctx.steps, "commit": commit_label(), **out,
+        "stage": stage,
+        "claim": dataclasses.asdict(claim),
+        "hardware": dataclasses.asdict(hw) | {"describe": hw.describe()},
+        "scaling": {
+            "shape": shape.describe(),
+            "notes": shape.notes,
+            "model": shape.model,
+            "seq_len": shape.seq_len,
+            "micro_batch_size": shape.micro_batch_size,
+        },
+        "steps_per_measurement": ctx.steps,
+        "commit": commit_label(),
+        **out,
     }
     for v in result["variants"]:
         v.pop("rows", None)  # the per-step rows stay in the run directory (metrics.jsonl)

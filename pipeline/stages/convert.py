@@ -49,11 +49,14 @@ def check_checkpoint_tokenizer(checkpoint: str | Path, tokenizer: TokenizerInfo,
     vocab_size = ModelConfig.from_dict(config.get("model")).vocab_size
     named = tokenizer_file or "the tokenizer (tokenize.output)"
     if tokenizer.vocab_size > vocab_size:
-        raise PipelineError(f"{named}: {tokenizer.vocab_size} tokens, more than the checkpoint's model.vocab_size={vocab_size} "
-                            f"({ckpt / 'meta.json'})")
+        raise PipelineError(
+            f"{named}: {tokenizer.vocab_size} tokens, more than the checkpoint's model.vocab_size={vocab_size} ({ckpt / 'meta.json'})"
+        )
     if recorded is not None and recorded != tokenizer.sha256:
-        raise PipelineError(f"{named}: tokenizer {tokenizer.sha256[:12]} is not the one {ckpt} was trained with "
-                            f"({ckpt / 'meta.json'}: data.tokenizer_hash {str(recorded)[:12]})")
+        raise PipelineError(
+            f"{named}: tokenizer {tokenizer.sha256[:12]} is not the one {ckpt} was trained with "
+            f"({ckpt / 'meta.json'}: data.tokenizer_hash {str(recorded)[:12]})"
+        )
 
 
 def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
@@ -95,8 +98,15 @@ def _commit_dir(tmp: Path, out: Path) -> None:
     replace_own_output(tmp, out, MARKER, "convert.output (--out)")
 
 
-def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerInfo | None, *, dtype: str = "float32",
-                  max_shard_bytes: int = 2_000_000_000, tokenizer_file: str | Path | None = None) -> dict[str, Any]:
+def convert_to_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    tokenizer: TokenizerInfo | None,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = 2_000_000_000,
+    tokenizer_file: str | Path | None = None,
+) -> dict[str, Any]:
     out = Path(out)
     check_own_output(out, MARKER, "convert.output (--out)")  # before any work
     if tokenizer:
@@ -125,8 +135,9 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, tokenizer: TokenizerI
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _disk_full(exc):
-            raise PipelineError(f"{out}: cannot write the converted model: no space left on the device "
-                                f"({_first_line(exc)}); nothing was written") from None
+            raise PipelineError(
+                f"{out}: cannot write the converted model: no space left on the device ({_first_line(exc)}); nothing was written"
+            ) from None
         raise
     return provenance
 
@@ -145,8 +156,17 @@ def _first_line(exc: BaseException) -> str:
 
 # Weights we read: floating point that every layer of ours computes in (safetensors' dtype codes).
 HF_WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_OTHER_DTYPES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # only to name them in the error
+_OTHER_DTYPES = {
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}  # only to name them in the error
 INDEX = "model.safetensors.index.json"
 
 
@@ -166,8 +186,9 @@ def file_inside(directory: Path, name: Any, named_by: str) -> Path:
         raise PipelineError(f"{named_by}: {name!r} is not a plain file name inside {directory}")
     path = directory / name
     if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
-        raise PipelineError(f"{path}: a symlink pointing outside {directory} (to {path.resolve()}); refusing to read it "
-                            "(copy the file into the directory)")
+        raise PipelineError(
+            f"{path}: a symlink pointing outside {directory} (to {path.resolve()}); refusing to read it (copy the file into the directory)"
+        )
     if not path.is_file():
         raise PipelineError(f"{path}: not found or not a file (named by {named_by})")
     return path
@@ -243,8 +264,9 @@ def open_hf_dir(directory: str | Path) -> HfDirectory:
             raise PipelineError(f"{directory / INDEX}: weight_map names tensor {unlisted[0]}, which no shard holds")
     for name, (file, dtype, _) in headers.items():
         if dtype not in HF_WEIGHT_DTYPES:
-            raise ConversionError(f"{directory / file}: tensor {name} is {_OTHER_DTYPES.get(dtype, dtype)}; weights must be "
-                                  f"{', '.join(HF_WEIGHT_DTYPES.values())}")
+            raise ConversionError(
+                f"{directory / file}: tensor {name} is {_OTHER_DTYPES.get(dtype, dtype)}; weights must be {', '.join(HF_WEIGHT_DTYPES.values())}"
+            )
     check_hf_tensors(cfg, {name: shape for name, (_, _, shape) in headers.items()}, str(directory))
     shards: dict[str, list[str]] = {f: [] for f in files}
     for name, (file, _, _) in headers.items():

@@ -56,19 +56,26 @@ def greedy(model: Transformer, prompt: list[int], new_tokens: int, eos_id: int, 
         ids.append(nxt)
         if nxt == eos_id:
             break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def generation_length(requested: int, prompt_len: int, max_seq_len: int) -> tuple[int, bool]:
     """(tokens to generate, whether evaluate.generate_tokens was cut to what the model allows)."""
     room = max_seq_len - prompt_len
     if room < 1 and requested > 0:
-        raise PipelineError(f"evaluate.prompt: {prompt_len} tokens leave no room to generate within the model's "
-                            f"{max_seq_len} positions (model.max_seq_len)")
+        raise PipelineError(
+            f"evaluate.prompt: {prompt_len} tokens leave no room to generate within the model's {max_seq_len} positions (model.max_seq_len)"
+        )
     new_tokens = min(requested, room)
     if new_tokens < requested:
-        log.warning("evaluate.generate_tokens=%d: the model has %d positions (model.max_seq_len), %d after the %d-token "
-                    "prompt; generating %d", requested, max_seq_len, new_tokens, prompt_len, new_tokens)
+        log.warning(
+            "evaluate.generate_tokens=%d: the model has %d positions (model.max_seq_len), %d after the %d-token prompt; generating %d",
+            requested,
+            max_seq_len,
+            new_tokens,
+            prompt_len,
+            new_tokens,
+        )
     return new_tokens, new_tokens < requested
 
 
@@ -89,9 +96,24 @@ def load_hf_model(hf_dir: Path, device: torch.device):
 
 
 EVAL_METRIC_KEYS = {
-    "val_loss", "val_perplexity", "hf_val_loss", "hf_rel_diff", "val_tokens", "val_windows", "val_windows_total",
-    "eval_tokens_per_s", "hf_eval_tokens_per_s", "generation_matches_hf", "generate_tokens", "generation_capped",
-    "sample_sha256", "tasks", "suite", "checkpoint", "step", "format",
+    "val_loss",
+    "val_perplexity",
+    "hf_val_loss",
+    "hf_rel_diff",
+    "val_tokens",
+    "val_windows",
+    "val_windows_total",
+    "eval_tokens_per_s",
+    "hf_eval_tokens_per_s",
+    "generation_matches_hf",
+    "generate_tokens",
+    "generation_capped",
+    "sample_sha256",
+    "tasks",
+    "suite",
+    "checkpoint",
+    "step",
+    "format",
 }
 recognise_metrics = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
 
@@ -152,10 +174,13 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     hf_ids: list[int] = []
     if new_tokens:  # transformers refuses max_new_tokens=0
         hf_out = hf.generate(
-            torch.tensor([prompt], device=device), max_new_tokens=new_tokens, do_sample=False,
-            eos_token_id=tok_info.eos_id, pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
+            torch.tensor([prompt], device=device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=tok_info.eos_id,
+            pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
         )
-        hf_ids = hf_out[0, len(prompt):].tolist()
+        hf_ids = hf_out[0, len(prompt) :].tolist()
     sample = cfg.evaluate.prompt + tok.decode(ours_ids, skip_special_tokens=False)
 
     metrics = {

@@ -60,11 +60,18 @@ class Skipped:
 
     def warn(self, cfg: TokenizeConfig) -> None:
         if self.files:
-            log.warning("tokenize.inputs: skipped %d file(s) that are not UTF-8 text (binary or another encoding): %s",
-                        len(self.files), _first_few(self.files))
+            log.warning(
+                "tokenize.inputs: skipped %d file(s) that are not UTF-8 text (binary or another encoding): %s",
+                len(self.files),
+                _first_few(self.files),
+            )
         if self.documents:
-            log.warning("tokenize.inputs: skipped %d document(s) over tokenize.max_document_bytes (%d bytes): %s",
-                        len(self.documents), cfg.max_document_bytes, _first_few([d["source"] for d in self.documents]))
+            log.warning(
+                "tokenize.inputs: skipped %d document(s) over tokenize.max_document_bytes (%d bytes): %s",
+                len(self.documents),
+                cfg.max_document_bytes,
+                _first_few([d["source"] for d in self.documents]),
+            )
 
 
 def _first_few(names: list[str], n: int = 5) -> str:
@@ -185,8 +192,9 @@ class _EncodingPool:
         self.stall_timeout_s = stall_timeout_s
         self.workers = workers
         self.closed = False
-        self.executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                                            initargs=(tokenizer_json, self.heartbeat, os.getpid()))
+        self.executor = ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_start_worker, initargs=(tokenizer_json, self.heartbeat, os.getpid())
+        )
 
     def map_in_order(self, jobs: list[_Job]) -> Iterator[dict[str, list[np.ndarray]]]:
         window = 2 * self.workers  # jobs in flight: keeps every worker busy, bounds results held
@@ -198,8 +206,9 @@ class _EncodingPool:
             try:
                 result = futures[i].result()
             except BrokenProcessPool:
-                raise PipelineError(f"tokenize: an encoding process died (killed, or aborted inside the tokenizer) "
-                                    f"while encoding {self._in_flight(futures, jobs)}") from None
+                raise PipelineError(
+                    f"tokenize: an encoding process died (killed, or aborted inside the tokenizer) while encoding {self._in_flight(futures, jobs)}"
+                ) from None
             del futures[i]
             yield result
 
@@ -211,9 +220,11 @@ class _EncodingPool:
             if now != seen:
                 seen, since = now, time.monotonic()
             elif time.monotonic() - since > self.stall_timeout_s:
-                raise PipelineError(f"tokenize: no document encoded for {self.stall_timeout_s:g}s (tokenize.stall_timeout_s) "
-                                    f"while encoding {self._in_flight(futures, jobs)}; a tokenizer this slow (e.g. a "
-                                    f"backtracking pre-tokenizer regex) or a stuck worker; encoding processes killed")
+                raise PipelineError(
+                    f"tokenize: no document encoded for {self.stall_timeout_s:g}s (tokenize.stall_timeout_s) "
+                    f"while encoding {self._in_flight(futures, jobs)}; a tokenizer this slow (e.g. a "
+                    f"backtracking pre-tokenizer regex) or a stuck worker; encoding processes killed"
+                )
 
     def _progress(self, futures: dict[int, Future]) -> tuple[int, int]:
         return self.heartbeat.value, sum(f.done() for f in futures.values())
@@ -323,9 +334,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
             "sources": len(plan),
             "skipped_files": skipped.files,
             "skipped_documents": skipped.documents,
-            "splits": {
-                s: {"files": w.files, "documents": w.documents, "tokens": w.tokens} for s, w in writers.items()
-            },
+            "splits": {s: {"files": w.files, "documents": w.documents, "tokens": w.tokens} for s, w in writers.items()},
             # what determines the content (not workers, the stall deadline or the output path)
             "params": {k: v for k, v in cfg.to_dict().items() if k not in ("workers", "stall_timeout_s", "output")},
         }

@@ -204,9 +204,25 @@ def load_alarm_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 TRAIN_METRIC_KEYS = {
-    "steps", "final_loss", "params_total", "params_active", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_device",
-    "tflops_per_device", "lb_loss", "z_loss", "expert_load_max_over_mean", "expert_load_min_over_mean", "expert_load_cv",
-    "expert_load_entropy", "load_alarm", "load_alarm_first_step", "skipped_steps", "mfu", "router_health",
+    "steps",
+    "final_loss",
+    "params_total",
+    "params_active",
+    "tokens_per_step",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "lb_loss",
+    "z_loss",
+    "expert_load_max_over_mean",
+    "expert_load_min_over_mean",
+    "expert_load_cv",
+    "expert_load_entropy",
+    "load_alarm",
+    "load_alarm_first_step",
+    "skipped_steps",
+    "mfu",
+    "router_health",
     "router_health_first_step",
 }
 LOSS_COLUMNS = ["step", "loss"]
@@ -222,8 +238,7 @@ def csv_text(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def write_outputs(metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    write_output_file(METRICS_FILE, json.dumps(metrics, indent=2) + "\n", "metrics/train.json",
-                      json_keys_within(TRAIN_METRIC_KEYS, "final_loss"))
+    write_output_file(METRICS_FILE, json.dumps(metrics, indent=2) + "\n", "metrics/train.json", json_keys_within(TRAIN_METRIC_KEYS, "final_loss"))
     loss = [[r["step"], r["loss"]] for r in rows if isinstance(r.get("loss"), (int, float))]
     write_output_file(LOSS_PLOT, csv_text(LOSS_COLUMNS, loss), str(LOSS_PLOT), csv_header(LOSS_COLUMNS))
     speed = [[r["step"], r["tokens_per_s_per_device"], r["tflops_per_device"]] for r in rows if "tokens_per_s_per_device" in r]

@@ -111,10 +111,12 @@ class StoreBroken(PipelineError):
 def check_local_store(uri: str, exc: BaseException) -> None:
     if not uri.startswith("sqlite:///"):
         return
-    db = Path(uri[len("sqlite:///"):])
+    db = Path(uri[len("sqlite:///") :])
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    raise StoreBroken(f"{db}: the MLflow store cannot be used ({redact(first)[:300]}); restore it from a backup, "
-                      "run `mlflow db upgrade` on it, or move it away (a new one is created)") from None
+    raise StoreBroken(
+        f"{db}: the MLflow store cannot be used ({redact(first)[:300]}); restore it from a backup, "
+        "run `mlflow db upgrade` on it, or move it away (a new one is created)"
+    ) from None
 
 
 def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:

@@ -68,8 +68,7 @@ class MlflowSink:
         if not tags or self.failed:
             return
         try:
-            within_deadline(lambda: [self._get_client().set_tag(self.run_id, k, redact(str(v))) for k, v in tags.items()],
-                            "MLflow tags")
+            within_deadline(lambda: [self._get_client().set_tag(self.run_id, k, redact(str(v))) for k, v in tags.items()], "MLflow tags")
         except Exception as exc:  # keep training without tracking
             self.failed = True
             log.warning("MLflow unreachable (%s); continuing without tags", redact(str(exc)))

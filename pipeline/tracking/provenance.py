@@ -80,8 +80,11 @@ def inventory_tags() -> dict[str, str]:
         inv = json.loads(path.read_text())
     except ValueError:
         return {}
-    tags = {f"image.{k}": str(inv[k])
-            for k in ("base_image", "base_image_digest", "python", "torch", "cuda", "nccl", "nvshmem", "lock_sha256") if inv.get(k)}
+    tags = {
+        f"image.{k}": str(inv[k])
+        for k in ("base_image", "base_image_digest", "python", "torch", "cuda", "nccl", "nvshmem", "lock_sha256")
+        if inv.get(k)
+    }
     if os.environ.get("MOE_IMAGE_DIGEST"):
         tags["container.image_digest"] = os.environ["MOE_IMAGE_DIGEST"]
     return tags

@@ -36,9 +36,11 @@ def check_spooled_runs_exist(client, rows: list[dict[str, Any]], uri: str) -> No
         except Exception:
             recorded = next((r["uri"] for r in rows if r.get("run_id") == run_id and r.get("uri")), None)
             where = f"; the spool was written for {recorded}" if recorded else ""
-            raise PipelineError(f"run {run_id} is not in {redact(uri)}{where}: sync against the store it was created in "
-                                "(run `moe mlflow-sync` from the project directory, or set MLFLOW_TRACKING_URI); "
-                                "nothing was uploaded and the spool is kept") from None
+            raise PipelineError(
+                f"run {run_id} is not in {redact(uri)}{where}: sync against the store it was created in "
+                "(run `moe mlflow-sync` from the project directory, or set MLFLOW_TRACKING_URI); "
+                "nothing was uploaded and the spool is kept"
+            ) from None
 
 
 def sync_fallback(paths: Path | list[Path], uri: str) -> int:

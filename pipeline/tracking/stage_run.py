@@ -61,8 +61,9 @@ class Tracker:
     ``moe mlflow-sync``; an unreachable server at the start gives an ``offline-`` run id that
     the sync creates."""
 
-    def __init__(self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"),
-                 fallback: Path = STAGE_FALLBACK, parent_name: str | None = None) -> None:
+    def __init__(
+        self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"), fallback: Path = STAGE_FALLBACK, parent_name: str | None = None
+    ) -> None:
         bound_http()
         self.cfg, self.stage, self.params_path, self.fallback = cfg, stage, params_path, fallback
         self.parent_name = parent_name
@@ -101,9 +102,12 @@ class Tracker:
     def _fail(self, exc: BaseException) -> None:
         if not self.failed:
             self.failed = True
-            log.warning("MLflow at %s unreachable (%s); continuing; spooling to %s for `moe mlflow-sync`",
-                        redact(self.uri), redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__),
-                        self.fallback)
+            log.warning(
+                "MLflow at %s unreachable (%s); continuing; spooling to %s for `moe mlflow-sync`",
+                redact(self.uri),
+                redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__),
+                self.fallback,
+            )
 
     def _send(self, fn, row: dict[str, Any]) -> None:
         """Run ``fn`` against the server; on failure (now or earlier) spool ``row`` instead."""
@@ -122,7 +126,7 @@ class Tracker:
             return exp.experiment_id
         artifacts = None
         if self.uri.startswith("sqlite:///"):
-            artifacts = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+            artifacts = (Path(self.uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
         try:
             return self.client.create_experiment(self.cfg.experiment, artifact_location=artifacts)
         except Exception:  # created concurrently by another process
@@ -135,9 +139,13 @@ class Tracker:
         )
         if found:
             return found[0].info.run_id
-        tags = {PIPELINE_KEY_TAG: key, "moe.stage": "pipeline",
-                "mlflow.runName": self.parent_name or run_name("pipeline", key[:8]), **git_info(),
-                **standard_tags("pipeline")}
+        tags = {
+            PIPELINE_KEY_TAG: key,
+            "moe.stage": "pipeline",
+            "mlflow.runName": self.parent_name or run_name("pipeline", key[:8]),
+            **git_info(),
+            **standard_tags("pipeline"),
+        }
         run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         if self.params_path.is_file():
             self.client.log_artifact(run_id, str(redacted_copy(self.params_path)))
@@ -223,8 +231,12 @@ def start_system_metrics(uri: str, run_id: str):
         import psutil  # noqa: F401
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=float(os.environ.get("MOE_SYSTEM_METRICS_INTERVAL", "2")),
-                                       samples_before_logging=1, tracking_uri=client_uri(uri))
+        monitor = SystemMetricsMonitor(
+            run_id,
+            sampling_interval=float(os.environ.get("MOE_SYSTEM_METRICS_INTERVAL", "2")),
+            samples_before_logging=1,
+            tracking_uri=client_uri(uri),
+        )
         monitor.start()
         return monitor
     except Exception as exc:  # never fail a stage for its telemetry

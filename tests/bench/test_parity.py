@@ -31,19 +31,44 @@ def test_parity_runs_and_reports(tmp_path):
         return out.stdout
 
     tok = tmp_path / "tokens"
-    py("-m", "pipeline.cli", "paper", "tokenize", "--set", f"tokenize.output={tok}", "--set", "tokenize.max_bytes=200000",
-       cwd=ROOT / "bench" / "paper")
+    py(
+        "-m",
+        "pipeline.cli",
+        "paper",
+        "tokenize",
+        "--set",
+        f"tokenize.output={tok}",
+        "--set",
+        "tokenize.max_bytes=200000",
+        cwd=ROOT / "bench" / "paper",
+    )
     small = ["--data", str(tok), "--preset", "tiny", "--layers", "0", "--seq", "32", "--micro", "2", "--steps", "12"]
     py("-m", "bench.parity", "run", "--recipe", "bf16", "--out", str(tmp_path / "a"), *small)
     py("-m", "bench.parity", "run", "--recipe", "fp8_rowwise", "--emulate", "--out", str(tmp_path / "b"), *small)
     db = tmp_path / "ml.db"
-    out = py("-m", "bench.parity", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--results-dir", str(tmp_path / "res"),
-             "--tail", "4", "--plot", str(tmp_path / "p.png"))
+    out = py(
+        "-m",
+        "bench.parity",
+        "report",
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+        "--results-dir",
+        str(tmp_path / "res"),
+        "--tail",
+        "4",
+        "--plot",
+        str(tmp_path / "p.png"),
+    )
     assert "relative difference" in out and (tmp_path / "p.png").stat().st_size > 0
     result = next((tmp_path / "res").glob("parity-*.json"))
-    logged = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "log", str(result)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}",
-                                                         "PYTHONPATH": str(ROOT)})
+    logged = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "bench", "log", str(result)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db}", "PYTHONPATH": str(ROOT)},
+    )
     assert logged.returncode == 0, logged.stderr[-3000:]
     import mlflow
 
@@ -56,6 +81,11 @@ def test_parity_runs_and_reports(tmp_path):
 
 
 def test_run_refuses_missing_corpus(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench.parity", "run", "--recipe", "bf16", "--data", str(tmp_path),
-                          "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.parity", "run", "--recipe", "bf16", "--data", str(tmp_path), "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "manifest.json: not found" in out.stderr

@@ -66,8 +66,17 @@ def test_world_layout_checks():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("16", 16), ("1e-3", 0.001), ("true", True), ("Off", False), ("null", None), ("[1, 2]", [1, 2]), ("abc", "abc"), ('"7"', "7"),
-     ("[a, b]", ["a", "b"])],
+    [
+        ("16", 16),
+        ("1e-3", 0.001),
+        ("true", True),
+        ("Off", False),
+        ("null", None),
+        ("[1, 2]", [1, 2]),
+        ("abc", "abc"),
+        ('"7"', "7"),
+        ("[a, b]", ["a", "b"]),
+    ],
 )
 def test_override_values_parse(text, value):
     assert parse_value(text) == value

@@ -45,16 +45,31 @@ def cpu_image():
     t0 = time.time()
     if not (ROOTFS / "usr/bin/python3").exists():
         shutil.rmtree(ROOTFS, ignore_errors=True)
-        sh("debootstrap", "--variant=minbase", "--include=python3,python3-venv,python3-pip,ca-certificates",
-           "bookworm", str(ROOTFS), "http://deb.debian.org/debian")
+        sh(
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-venv,python3-pip,ca-certificates",
+            "bookworm",
+            str(ROOTFS),
+            "http://deb.debian.org/debian",
+        )
         for entry in (ROOTFS / "dev").iterdir():  # device nodes would be copied as files
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
     sh("/usr/bin/python3", shutil.which("ch-image"), "import", str(ROOTFS), "moe-ci-base")
-    r = sh("make", "container", "BASE_IMAGE=moe-ci-base", "LOCK=requirements/cpu.lock", "TAG=moe:cpu",
-           f"IMAGE_DIR={IMAGE_DIR}", f"BIN={Path(sys.executable).parent}", cwd=REPO, timeout=2400)
+    r = sh(
+        "make",
+        "container",
+        "BASE_IMAGE=moe-ci-base",
+        "LOCK=requirements/cpu.lock",
+        "TAG=moe:cpu",
+        f"IMAGE_DIR={IMAGE_DIR}",
+        f"BIN={Path(sys.executable).parent}",
+        cwd=REPO,
+        timeout=2400,
+    )
     build_s = time.time() - t0
     print(f"image build (debootstrap + import + build + export): {build_s:.0f} s")
     (REPO / "bench" / "results").mkdir(exist_ok=True)
@@ -67,8 +82,15 @@ def test_image_holds_the_pinned_environment(cpu_image):
     assert inv["lock"] == "requirements/cpu.lock"
     assert inv["lock_sha256"]
     assert any(line.startswith("mlflow==") for line in inv["pip_freeze"])
-    r = sh("ch-run", "--set-env", str(cpu_image["dir"]), "--", "sh", "-c",
-           "command -v python3; command -v moe; python3 -c 'import torch, moe; print(torch.__version__)'")
+    r = sh(
+        "ch-run",
+        "--set-env",
+        str(cpu_image["dir"]),
+        "--",
+        "sh",
+        "-c",
+        "command -v python3; command -v moe; python3 -c 'import torch, moe; print(torch.__version__)'",
+    )
     assert r.stdout.splitlines()[:2] == ["/opt/moe/venv/bin/python3", "/opt/moe/venv/bin/moe"]
 
 
@@ -82,8 +104,18 @@ def test_slurm_job_trains_inside_the_image(cpu_image, workspace):
 
     digest = directory_image_digest(cpu_image["dir"])
     assert moe("tokenize", "--no-mlflow").returncode == 0
-    r = moe("submit", "--wait", "--set", "container.runtime=charliecloud", "--set", f"container.image={cpu_image['dir']}",
-            "--set", f"container.image_digest={digest}", "--set", "train.max_steps=4")
+    r = moe(
+        "submit",
+        "--wait",
+        "--set",
+        "container.runtime=charliecloud",
+        "--set",
+        f"container.image={cpu_image['dir']}",
+        "--set",
+        f"container.image_digest={digest}",
+        "--set",
+        "train.max_steps=4",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.strip().splitlines()[0]
     from mlflow.tracking import MlflowClient

@@ -31,8 +31,17 @@ def test_reads_files_written_by_olmo_core_style_writers(tmp_path):
     from moe.data.tokens import file_sha256
 
     (tmp_path / "c.npy.json").write_text(
-        json.dumps({"dtype": "uint32", "vocab_size": 100_352, "eos_id": 0, "pad_id": 1, "tokenizer_hash": None,
-                    "num_tokens": 10, "sha256": file_sha256(tmp_path / "c.npy")})
+        json.dumps(
+            {
+                "dtype": "uint32",
+                "vocab_size": 100_352,
+                "eos_id": 0,
+                "pad_id": 1,
+                "tokenizer_hash": None,
+                "num_tokens": 10,
+                "sha256": file_sha256(tmp_path / "c.npy"),
+            }
+        )
     )
     assert open_token_file(tmp_path / "c.npy")[0].tolist() == list(range(10))
 

@@ -62,8 +62,15 @@ def test_non_olmoe_config_is_refused():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("hidden_act", "gelu"), ("clip_qkv", 8.0), ("attention_bias", True), ("attention_dropout", 0.1),
-     ("mlp_bias", True), ("sliding_window", 4096), ("layer_types", ["full_attention"])],
+    [
+        ("hidden_act", "gelu"),
+        ("clip_qkv", 8.0),
+        ("attention_bias", True),
+        ("attention_dropout", 0.1),
+        ("mlp_bias", True),
+        ("sliding_window", 4096),
+        ("layer_types", ["full_attention"]),
+    ],
 )
 def test_every_hf_setting_we_do_not_express_is_refused_by_name(key, value):
     hf = hf_config(ModelConfig.from_dict({"preset": "tiny"}).validate(), eos_id=0, pad_id=None)
@@ -81,6 +88,7 @@ def test_transformers_own_olmoe_config_converts():
 
 # ------------------------------------------------------------------ hostile config.json values
 
+
 def tiny_hf(**over):
     cfg = ModelConfig.from_dict({"preset": "tiny", **over}).validate()
     return cfg, hf_config(cfg, eos_id=0, pad_id=None)
@@ -88,20 +96,22 @@ def tiny_hf(**over):
 
 @pytest.mark.parametrize(
     "key, value, words",
-    [("hidden_size", "64", "hidden_size must be an integer, got str '64'"),
-     ("hidden_size", 64.5, "hidden_size must be an integer, got float 64.5"),
-     ("num_hidden_layers", True, "num_hidden_layers must be an integer, got bool True"),
-     ("num_experts", None, "num_experts must be an integer, got NoneType None"),
-     ("num_key_value_heads", "2", "num_key_value_heads must be an integer or null"),
-     ("rms_norm_eps", "small", "rms_norm_eps must be a number"),
-     ("rms_norm_eps", float("nan"), "rms_norm_eps must be a number"),
-     ("tie_word_embeddings", "yes", "tie_word_embeddings must be a bool"),
-     ("rope_scaling", "linear", "rope_scaling must be an object or null, got str 'linear'"),
-     ("rope_parameters", [10000.0], "rope_parameters must be an object or null"),
-     ("rope_parameters", {"rope_type": "yarn"}, "rope_parameters has rope_type 'yarn'"),
-     ("rope_parameters", {"rope_theta": "big"}, "rope_parameters.rope_theta must be a number"),
-     ("num_attention_heads", 3, "hidden_size (model.d_model): d_model=64 is not divisible by n_heads=3"),
-     ("num_experts_per_tok", 0, "num_experts_per_tok (model.moe.top_k)")],
+    [
+        ("hidden_size", "64", "hidden_size must be an integer, got str '64'"),
+        ("hidden_size", 64.5, "hidden_size must be an integer, got float 64.5"),
+        ("num_hidden_layers", True, "num_hidden_layers must be an integer, got bool True"),
+        ("num_experts", None, "num_experts must be an integer, got NoneType None"),
+        ("num_key_value_heads", "2", "num_key_value_heads must be an integer or null"),
+        ("rms_norm_eps", "small", "rms_norm_eps must be a number"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps must be a number"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings must be a bool"),
+        ("rope_scaling", "linear", "rope_scaling must be an object or null, got str 'linear'"),
+        ("rope_parameters", [10000.0], "rope_parameters must be an object or null"),
+        ("rope_parameters", {"rope_type": "yarn"}, "rope_parameters has rope_type 'yarn'"),
+        ("rope_parameters", {"rope_theta": "big"}, "rope_parameters.rope_theta must be a number"),
+        ("num_attention_heads", 3, "hidden_size (model.d_model): d_model=64 is not divisible by n_heads=3"),
+        ("num_experts_per_tok", 0, "num_experts_per_tok (model.moe.top_k)"),
+    ],
 )
 def test_config_values_are_refused_by_file_and_key(key, value, words):
     _, hf = tiny_hf()
@@ -120,6 +130,7 @@ def test_a_config_that_is_not_an_object_or_lacks_a_size_is_refused():
 
 
 # ------------------------------------------------------------------ tensor names and shapes
+
 
 @pytest.mark.parametrize("over", [{}, {"tie_embeddings": True, "n_kv_heads": 2}])
 def test_the_shapes_config_json_implies_are_those_of_our_export_and_of_transformers(over):

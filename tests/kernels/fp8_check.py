@@ -70,12 +70,12 @@ def check_cols_grouped() -> None:
     assert all(p % 16 == 0 for p in pstarts) and padded[-1].item() == width
     start = 0
     for g, n in enumerate(counts):
-        rq, rs = ref_rows(x[start:start + n].t().contiguous()) if n else (None, None)
-        sg = s[g * cols:(g + 1) * cols]
-        block = q[:, pstarts[g]:pstarts[g] + n]
+        rq, rs = ref_rows(x[start : start + n].t().contiguous()) if n else (None, None)
+        sg = s[g * cols : (g + 1) * cols]
+        block = q[:, pstarts[g] : pstarts[g] + n]
         if n:
             close(block, sg[:, None], rq, rs[:, None], f"cols group {g}")
-        pad = q[:, pstarts[g] + n:padded[g].item()].float()
+        pad = q[:, pstarts[g] + n : padded[g].item()].float()
         assert pad.abs().max().item() == 0 if pad.numel() else True, f"group {g} padding not zero"
         start += n
     # equal groups, no padding: the transposed weights of dgrad

@@ -1,7 +1,6 @@
 """FP8 quantisation kernels: Triton (interpreter, in a subprocess since the interpreter must be
 chosen before triton is imported) and the torch fallback, against the reference in fp8_check."""
 
-
 from tests.helpers import run_under_triton_interpreter
 from tests.kernels import fp8_check
 

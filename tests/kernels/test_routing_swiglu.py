@@ -1,7 +1,6 @@
 """The Triton kernels, run by Triton's interpreter on the CPU (a subprocess, since the
 interpreter must be chosen before triton is imported)."""
 
-
 import pytest
 
 from tests.helpers import run_under_triton_interpreter

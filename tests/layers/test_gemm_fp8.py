@@ -32,7 +32,7 @@ def loop_reference(x, w, counts, grad):
     outs, gxs, gws = [], [], []
     start = 0
     for g, n in enumerate(counts):
-        xs, gs = x[start:start + n], grad[start:start + n]
+        xs, gs = x[start : start + n], grad[start : start + n]
         outs.append(fq(xs, 1) @ fq(w[g], 1).t())
         gxs.append(fq(gs, 1) @ fq(w[g], 0))
         gws.append(fq(gs, 0).t() @ fq(xs, 0) if n else torch.zeros_like(w[g], dtype=torch.float32))

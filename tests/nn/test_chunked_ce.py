@@ -50,6 +50,7 @@ def test_autocast_casts_like_linear():
         def run(h, w, t):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return fn(h, w, t)
+
         return run
 
     ref = _loss_and_grads(under_autocast(unfused_linear_cross_entropy), hidden, weight, target)

@@ -22,8 +22,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, backend: str = "gloo") -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     try:
         if backend == "nccl":

@@ -13,7 +13,8 @@ GLOBAL_BATCH = 8
 
 def config(corpus, ckpt, parallel, micro, steps=10, lb=0.01):
     return tiny_config(
-        corpus, ckpt,
+        corpus,
+        ckpt,
         model={"n_layers": 4, "moe": {"lb_loss_weight": lb, "lb_loss_scope": "global_batch", "z_loss_weight": 0.001}},
         parallel=parallel,
         train={"global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro, "max_steps": steps, "log_every": 1},
@@ -63,8 +64,13 @@ def train_rank(rank, world, corpus, ckpt, parallel, micro, steps, lb, resume_fro
         trainer.load_checkpoint(resume_from)
     summary = trainer.fit() if resume_from is None else trainer.fit()
     owned = sorted(p.name for p in trainer.opt.params if p.owned)
-    return {"grads": grads, "losses": summary.losses, "owned": owned, "start": summary.start_step,
-            "names": sorted(p.name for p in trainer.opt.params)}
+    return {
+        "grads": grads,
+        "losses": summary.losses,
+        "owned": owned,
+        "start": summary.start_step,
+        "names": sorted(p.name for p in trainer.opt.params),
+    }
 
 
 def reference(tmp_path, corpus, micro, lb, steps=10):

@@ -35,9 +35,14 @@ def ep_rank(rank, world):
     x = x_all[rank * T : (rank + 1) * T].clone().requires_grad_(True)
     out = layer(x)
     (out * probe_all[rank * T : (rank + 1) * T]).sum().backward()
-    return {"out": out.detach(), "dx": x.grad, "router": layer.router.weight.grad,
-            "gate_up": layer.experts.gate_up.grad, "offset": layer.experts.expert_offset,
-            "local_counts": layer.last_stats.tokens_per_expert}
+    return {
+        "out": out.detach(),
+        "dx": x.grad,
+        "router": layer.router.weight.grad,
+        "gate_up": layer.experts.gate_up.grad,
+        "offset": layer.experts.expert_offset,
+        "local_counts": layer.last_stats.tokens_per_expert,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.distributed
 
 def config(corpus, ckpt, parallel, train, steps=10, recipe="auto"):
     return tiny_config(
-        corpus, ckpt, precision={"recipe": recipe},
+        corpus,
+        ckpt,
+        precision={"recipe": recipe},
         model={"n_layers": 4, "moe": {"lb_loss_weight": 0.01, "lb_loss_scope": "global_batch", "z_loss_weight": 0.001}},
         parallel=parallel,
         train={"global_batch_size": 8, "max_steps": steps, "log_every": 1, **train},
@@ -67,13 +69,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, world, parallel, micro, recipe", CASES,
-                         ids=["dp2-accum2", "dp2-zero1-bf16-accum2", "dp4-ep2-zero1", "dp2-bf16-reduce-accum2"])
+@pytest.mark.parametrize(
+    "name, world, parallel, micro, recipe", CASES, ids=["dp2-accum2", "dp2-zero1-bf16-accum2", "dp4-ep2-zero1", "dp2-bf16-reduce-accum2"]
+)
 def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus, name, world, parallel, micro, recipe):
     train = {"micro_batch_size": micro}
     ref = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ref"), parallel, train, None, recipe)
-    got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ovl"), {**parallel, "overlap_grad_reduce": True}, train,
-                    64 * 1024, recipe)
+    got = run_ranks(train_rank, world, str(corpus), str(tmp_path / "ovl"), {**parallel, "overlap_grad_reduce": True}, train, 64 * 1024, recipe)
     assert all(r["overlapped"] for r in got) and not any(r["overlapped"] for r in ref)
     for r in got:  # the reduction did start inside the backward
         early, total = r["early"]
@@ -88,8 +90,7 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
 def test_bf16_reduction_is_the_fp32_one_within_bf16_rounding(tmp_path, corpus, parallel):
     train = {"micro_batch_size": 2}
     ref = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "fp32"), parallel, train, None, "bf16")
-    got = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "bf16"), {**parallel, "grad_reduce_dtype": "bf16"}, train,
-                    None, "bf16")
+    got = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "bf16"), {**parallel, "grad_reduce_dtype": "bf16"}, train, None, "bf16")
     for r, f in zip(got, ref, strict=True):
         for k, g in f["grads"].items():
             # each rank's addend and the sum are rounded to bf16 (8 bits of mantissa); where the
@@ -151,9 +152,15 @@ def test_a_bucket_is_cast_into_the_reduction_dtype_and_back():
 
 
 def fp8_rank(rank, world, corpus, ckpt, parallel):
-    cfg = tiny_config(Path(corpus), Path(ckpt), precision={"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0},
-                      model={"n_layers": 2}, parallel=parallel, checkpoint={"save": False},
-                      train={"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4, "log_every": 1})
+    cfg = tiny_config(
+        Path(corpus),
+        Path(ckpt),
+        precision={"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0},
+        model={"n_layers": 2},
+        parallel=parallel,
+        checkpoint={"save": False},
+        train={"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4, "log_every": 1},
+    )
     trainer = Trainer(cfg)
     return trainer.fit().losses
 

@@ -17,7 +17,8 @@ MODES = [m for m in RECOMPUTE_MODES if m != "none"]
 
 def config(corpus, ckpt, mode, parallel=None, moe=None, micro=2):
     return tiny_config(
-        corpus, ckpt,
+        corpus,
+        ckpt,
         model={"n_layers": 4, "moe": {"lb_loss_weight": 0.01, "z_loss_weight": 0.001, **(moe or {})}},
         parallel=parallel or {},
         train={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 2, "log_every": 1, "recompute": mode},
@@ -60,8 +61,11 @@ def assert_same(ref, got, label):
         assert torch.equal(buf[k], ref_buf[k]), f"{label}: {k} differs"
 
 
-@pytest.mark.parametrize("moe", [{}, {"routing": "random"}, {"bias_update_rate": 0.01, "num_shared_experts": 1}],
-                         ids=["learned", "random-routing", "bias-balancing-shared"])
+@pytest.mark.parametrize(
+    "moe",
+    [{}, {"routing": "random"}, {"bias_update_rate": 0.01, "num_shared_experts": 1}],
+    ids=["learned", "random-routing", "bias-balancing-shared"],
+)
 def test_every_mode_is_bitwise_equal_to_no_recompute(tmp_path, corpus, moe):
     ref = step_grads_and_losses(Trainer(config(corpus, tmp_path / "none", "none", moe=moe)))
     for mode in MODES:

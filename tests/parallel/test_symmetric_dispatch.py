@@ -49,8 +49,9 @@ def test_capacity_overflow_is_flagged_not_written():
 
 def make_layer(skew):
     torch.manual_seed(0)
-    layer = MoELayer(D, MoEConfig(num_experts=E, top_k=K, expert_hidden=H, lb_loss_weight=0.0, z_loss_weight=0.0,
-                                  bias_update_rate=1e-9 if skew else 0.0))
+    layer = MoELayer(
+        D, MoEConfig(num_experts=E, top_k=K, expert_hidden=H, lb_loss_weight=0.0, z_loss_weight=0.0, bias_update_rate=1e-9 if skew else 0.0)
+    )
     layer.reset_parameters(0.3)
     if skew:  # every token's top-k among experts 0 .. E/world-1 (those of EP rank 0 at any world)
         layer.router.expert_bias[: E // 4] = 100.0
@@ -75,8 +76,13 @@ def train(layer, rows, world, steps=10, distributed=False):
         if distributed:  # the dense router is replicated: sum its gradient (experts are complete)
             torch.distributed.all_reduce(layer.router.weight.grad)
         if first is None:
-            first = {"out": out.detach(), "dx": x.grad, "router": layer.router.weight.grad.clone(),
-                     "gate_up": layer.experts.gate_up.grad.clone(), "down": layer.experts.down.grad.clone()}
+            first = {
+                "out": out.detach(),
+                "dx": x.grad,
+                "router": layer.router.weight.grad.clone(),
+                "gate_up": layer.experts.gate_up.grad.clone(),
+                "down": layer.experts.down.grad.clone(),
+            }
         losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
@@ -96,9 +102,11 @@ def ep_rank(rank, world, skew, factor):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, skew", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow),
-                                         pytest.param(4, True, marks=pytest.mark.slow)],
-                         ids=["ep2", "ep2-skewed", "ep4", "ep4-skewed"])
+@pytest.mark.parametrize(
+    "world, skew",
+    [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow), pytest.param(4, True, marks=pytest.mark.slow)],
+    ids=["ep2", "ep2-skewed", "ep4", "ep4-skewed"],
+)
 def test_symmetric_ep_matches_single_process(world, skew):
     results = run_ranks(ep_rank, world, skew, None)
     ref, ref_losses = train(make_layer(skew), slice(0, world * T), world)

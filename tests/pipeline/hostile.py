@@ -158,8 +158,15 @@ def run_cli(case: Case, ws: Path) -> tuple[str, str]:
 
 def _run_subprocess(case: Case, ws: Path) -> Result | None:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *case.args], cwd=ws, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *case.args],
+        cwd=ws,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=case.timeout)
     except subprocess.TimeoutExpired:
@@ -225,6 +232,9 @@ def summary_lines() -> list[str]:
             total[o] = total.get(o, 0) + 1
     if RESULTS:
         tried = sum(len(r) for r in RESULTS.values())
-        lines.append("hostile-input totals: tried {} / clear {} / absorbed {} / traceback {} / silent {} / lost {} / "
-                     "leaked {} / executed {} / hang {}".format(tried, *(total[k] for k in OUTCOMES)))
+        lines.append(
+            "hostile-input totals: tried {} / clear {} / absorbed {} / traceback {} / silent {} / lost {} / leaked {} / executed {} / hang {}".format(
+                tried, *(total[k] for k in OUTCOMES)
+            )
+        )
     return lines

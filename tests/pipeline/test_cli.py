@@ -8,13 +8,32 @@ from pathlib import Path
 
 import pytest
 
-COMMANDS = [[], ["tokenize"], ["train"], ["convert"], ["evaluate"], ["params"], ["repro"], ["ui"], ["bench"], ["submit"],
-            ["status"], ["logs"], ["cancel"], ["job"], ["mlflow-server"], ["mlflow-sync"], ["image-digest"], ["bench", "log"]]
+COMMANDS = [
+    [],
+    ["tokenize"],
+    ["train"],
+    ["convert"],
+    ["evaluate"],
+    ["params"],
+    ["repro"],
+    ["ui"],
+    ["bench"],
+    ["submit"],
+    ["status"],
+    ["logs"],
+    ["cancel"],
+    ["job"],
+    ["mlflow-server"],
+    ["mlflow-sync"],
+    ["image-digest"],
+    ["bench", "log"],
+]
 
 
 def moe(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600
+    )
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "moe")
@@ -52,8 +71,9 @@ def test_stage_errors(workspace):
     assert r.returncode == 0, r.stderr
     assert_one_error_line(moe("train", "--no-mlflow", "--set", "data.tokenizer_hash=0123"), 2, "the tokenizer does not match the data")
     assert not Path("metrics/train.json").exists()
-    assert_one_error_line(moe("train", "--no-mlflow", "--set", "model.vocab_size=100"), 2,
-                          "model.vocab_size: 100 is smaller than the tokenizer's vocabulary")
+    assert_one_error_line(
+        moe("train", "--no-mlflow", "--set", "model.vocab_size=100"), 2, "model.vocab_size: 100 is smaller than the tokenizer's vocabulary"
+    )
     assert_one_error_line(moe("evaluate", "--no-mlflow"), 4, "no complete checkpoint")
     Path("llama").mkdir()
     Path("llama/config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -76,6 +96,7 @@ def test_console_script_is_installed():
 
 
 # ------------------------------------------------------------------ moe plan and submit's plan
+
 
 def test_plan_prints_the_table_and_json(workspace):
     r = moe("plan", "--gpu", "h100", "--set", "train.recompute=selective")
@@ -100,19 +121,53 @@ def test_plan_checks_an_fp8_recipe_against_the_planned_gpu_not_this_machine(work
     """Issue 26: on a CPU machine the planner checked the recipe against a fake CUDA device (a traceback)."""
     r = moe("plan", "--gpu", "h100", "--set", "precision.recipe=fp8_rowwise")
     assert r.returncode == 0 and "verdict: fits" in r.stdout, r.stderr
-    r = moe("submit", "--dry-run", "--nodes", "1", "--gpus-per-node", "1", "--tasks-per-node", "1", "--partition", "gpu",
-            "--set", "precision.recipe=fp8_rowwise")
+    r = moe(
+        "submit",
+        "--dry-run",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--tasks-per-node",
+        "1",
+        "--partition",
+        "gpu",
+        "--set",
+        "precision.recipe=fp8_rowwise",
+    )
     assert r.returncode == 0 and r.stdout.startswith("#!/bin/bash"), r.stderr
-    assert_one_error_line(moe("plan", "--gpu", "h200", "--set", "precision.recipe=mxfp8"), 2,
-                          "mxfp8 needs compute capability >= 10.0, but H200 141GB is sm90")
+    assert_one_error_line(
+        moe("plan", "--gpu", "h200", "--set", "precision.recipe=mxfp8"), 2, "mxfp8 needs compute capability >= 10.0, but H200 141GB is sm90"
+    )
     assert moe("plan", "--gpu", "b200", "--set", "precision.recipe=mxfp8").returncode == 0
 
 
-BIG = ["--set", "model.preset=olmoe-1b-7b", "--set", "model.n_layers=18", "--set", "model.vocab_size=50304",
-       "--set", "model.d_model=2048", "--set", "model.n_heads=16",
-       "--set", "model.moe.num_experts=64", "--set", "model.moe.top_k=8", "--set", "model.moe.expert_hidden=1024",
-       "--set", "data.seq_len=4096", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
-       "--gpus-per-node", "1"]
+BIG = [
+    "--set",
+    "model.preset=olmoe-1b-7b",
+    "--set",
+    "model.n_layers=18",
+    "--set",
+    "model.vocab_size=50304",
+    "--set",
+    "model.d_model=2048",
+    "--set",
+    "model.n_heads=16",
+    "--set",
+    "model.moe.num_experts=64",
+    "--set",
+    "model.moe.top_k=8",
+    "--set",
+    "model.moe.expert_hidden=1024",
+    "--set",
+    "data.seq_len=4096",
+    "--set",
+    "train.global_batch_size=4",
+    "--set",
+    "train.micro_batch_size=4",
+    "--gpus-per-node",
+    "1",
+]
 
 
 def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(workspace):
@@ -122,6 +177,8 @@ def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(workspace):
     assert r.stdout.startswith("#!/bin/bash")
     assert_one_error_line(moe("submit", "--no-mlflow", "--gpu", "h200", *BIG), 2, "moe plan: does not fit")
     assert not Path("runs").exists()
+
+
 def test_version_and_rich_help_with_completion():
     r = moe("--version")
     assert r.returncode == 0 and r.stdout.startswith("moe-pipeline ")
@@ -130,8 +187,10 @@ def test_version_and_rich_help_with_completion():
 
 
 def test_help_does_not_import_torch_or_mlflow():
-    code = "import sys; sys.argv = ['moe', '--help']\nfrom pipeline.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n" \
-           "bad = [m for m in ('torch', 'mlflow', 'numpy') if m in sys.modules]\nassert not bad, bad"
+    code = (
+        "import sys; sys.argv = ['moe', '--help']\nfrom pipeline.cli import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+        "bad = [m for m in ('torch', 'mlflow', 'numpy') if m in sys.modules]\nassert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
 
@@ -139,8 +198,13 @@ def test_help_does_not_import_torch_or_mlflow():
 def test_without_the_pipeline_extra_the_error_names_it(tmp_path):
     """A Python where typer is missing (`pip install .` without the extra): one line, the extra named."""
     (tmp_path / "typer.py").write_text("raise ImportError('No module named typer')\n")
-    r = subprocess.run([sys.executable, "-c", "from pipeline.cli import main"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", "from pipeline.cli import main"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        timeout=300,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "moe-pipeline[pipeline]" in r.stderr
 
@@ -170,8 +234,9 @@ def test_ui_leaves_no_server_processes_after_sigterm(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "ui", "--port", str(port)], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "ui", "--port", str(port)], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     children = []
     while time.time() < deadline:

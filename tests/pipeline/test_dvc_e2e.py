@@ -26,9 +26,15 @@ def clone(tmp_path_factory):
     params["checkpoint"]["every"] = 10
     params["schedule"]["warmup_steps"] = 5
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(dest), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(dest),
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     sh("git", "init", "-q", cwd=dest, env=env)
     sh("git", "add", "-A", cwd=dest, env=env)
@@ -53,8 +59,13 @@ def test_repro_end_to_end_then_incremental(clone):
 
     sh("dvc", "metrics", "show", cwd=dest, env=env)
     plots = sh("dvc", "plots", "show", "--json", cwd=dest, env=env)
-    for png in ("plots/train/loss.png", "plots/train/lr.png", "plots/train/throughput_mfu.png", "plots/train/expert_load.png",
-                "plots/eval/val_loss.png"):
+    for png in (
+        "plots/train/loss.png",
+        "plots/train/lr.png",
+        "plots/train/throughput_mfu.png",
+        "plots/train/expert_load.png",
+        "plots/eval/val_loss.png",
+    ):
         assert png in plots.stdout, png
     sh("dvc", "plots", "show", "-o", "plots_html", cwd=dest, env=env)
     html = (dest / "plots_html/index.html").read_text()

@@ -36,8 +36,7 @@ def project(tmp_path_factory):
     params["evaluate"].update({"max_batches": 2, "generate_tokens": 4})
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MOE_PIPELINE_KEY", "PYTHONPATH", "VIRTUAL_ENV")}
-    env.update({"PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                "GIT_COMMITTER_EMAIL": "t@t"})
+    env.update({"PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
     sh("git", "init", "-q", cwd=dest, env=env)
     sh("git", "add", "-A", cwd=dest, env=env)
     sh("git", "commit", "-qm", "clone", cwd=dest, env=env)
@@ -58,8 +57,14 @@ def train_runs(dest):
 def test_interrupted_repro_resumes_and_a_changed_config_does_not(project):
     dest, env = project
     dvc(project, "repro", "tokenize")
-    proc = subprocess.Popen([str(dest / ".venv/bin/dvc"), "repro", "train"], cwd=dest, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(dest / ".venv/bin/dvc"), "repro", "train"],
+        cwd=dest,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpts = dest / "runs/train/checkpoints"
 
     def checkpointed() -> bool:  # any step (keep_last deletes older ones as training goes on)

@@ -16,11 +16,24 @@ from pipeline.stages.train import load_alarm_metrics
 REPO = Path(__file__).resolve().parents[2]
 
 ROWS = [
-    {"step": 10, "loss": 5.0, "expert_load/layer_0/expert_0": 1.5, "expert_load/layer_0/expert_1": 0.5,
-     "expert_load/layer_1/expert_0": 1.0, "expert_load/layer_1/expert_1": 1.0, "load_alarm/layer_0": 0.0},
+    {
+        "step": 10,
+        "loss": 5.0,
+        "expert_load/layer_0/expert_0": 1.5,
+        "expert_load/layer_0/expert_1": 0.5,
+        "expert_load/layer_1/expert_0": 1.0,
+        "expert_load/layer_1/expert_1": 1.0,
+        "load_alarm/layer_0": 0.0,
+    },
     {"step": 11, "loss": 4.9},  # a loss-only row
-    {"step": 20, "expert_load/layer_0/expert_0": 2.0, "expert_load/layer_0/expert_1": 0.0,
-     "expert_load/layer_1/expert_0": 0.8, "expert_load/layer_1/expert_1": 1.2, "load_alarm/layer_0": 1.0},
+    {
+        "step": 20,
+        "expert_load/layer_0/expert_0": 2.0,
+        "expert_load/layer_0/expert_1": 0.0,
+        "expert_load/layer_1/expert_0": 0.8,
+        "expert_load/layer_1/expert_1": 1.2,
+        "load_alarm/layer_0": 1.0,
+    },
 ]
 
 

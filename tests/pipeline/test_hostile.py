@@ -213,9 +213,25 @@ def _mlflow_server_banner(ws):
     (ws / "pw").write_text(SECRET + "\n")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "mlflow-server", "--backend", f"sqlite:///{ws}/srv.db", "--port", str(port),
-         "--password-file", str(ws / "pw"), "--workers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ws, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "mlflow-server",
+            "--backend",
+            f"sqlite:///{ws}/srv.db",
+            "--port",
+            str(port),
+            "--password-file",
+            str(ws / "pw"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ws,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
@@ -228,7 +244,11 @@ def _mlflow_server_banner(ws):
     backend = f"postgresql://mlflow@127.0.0.1:{free_port()}/mlflow"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "mlflow-server", "--backend", backend, "--port", str(port), "--workers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ws, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ws,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO), "MOE_MLFLOW_BACKEND_PASSWORD": SECRET},
     )
     try:
@@ -311,13 +331,18 @@ CASES = [
     Case("params-secret-uri-masked", 7, params(f"mlflow.tracking_uri=postgresql://u:{SECRET}@db/x"), expect="ok", check=_secret_params),
     Case("error-line-secret-masked", 7, params(f"mlflow.tracking_uri=postgresql://u:{SECRET}@db/x", "optim.lr=nan"), check=_secret_params),
     # 6: sbatch injection through any value that reaches the script
-    *[Case(f"sbatch-{k.split('.')[1]}-newline", 6, sbatch(k)) for k in (
-        "slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "slurm.mem", "slurm.job_name", "slurm.folder")],
+    *[
+        Case(f"sbatch-{k.split('.')[1]}-newline", 6, sbatch(k))
+        for k in ("slurm.partition", "slurm.account", "slurm.qos", "slurm.constraint", "slurm.mem", "slurm.job_name", "slurm.folder")
+    ],
     Case("sbatch-extra-newline", 6, sbatch("slurm.extra_sbatch", '["--comment=a\\ntouch injected #"]')),
     Case("sbatch-setup-newline", 6, sbatch("slurm.setup", '["module load x\\ntouch injected"]')),
     Case("sbatch-container-python-semicolon", 6, sbatch("container.python", "python3;touch injected")),
-    Case("sbatch-container-image-newline", 6, ["submit", "--dry-run", "--set", "container.runtime=apptainer",
-                                               "--set", "container.image=a.sif\ntouch injected"]),
+    Case(
+        "sbatch-container-image-newline",
+        6,
+        ["submit", "--dry-run", "--set", "container.runtime=apptainer", "--set", "container.image=a.sif\ntouch injected"],
+    ),
     Case("sbatch-partition-space", 6, sbatch("slurm.partition", "gpu --wrap=x")),
     Case("sbatch-valid-dry-run", 6, sbatch("slurm.partition", "gpu"), expect="ok", check=_dry_run_ok),
     # 2: outputs never delete what they did not create
@@ -335,24 +360,66 @@ CASES = [
     Case("checkpoint-truncated-rng", 8, call=_truncated_rng),
     # 1: loading a checkpoint never executes code
     Case("checkpoint-planted-metadata-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_metadata, check=_no_exec),
-    Case("checkpoint-planted-rng-resume", 1, ["train", "--no-mlflow"], setup=_plant_rng_mid_run,
-         check=_no_exec, slow=True),
-    Case("checkpoint-planted-rng-init-from", 1, ["train", "--no-mlflow", "--set", "checkpoint.init_from=runs/train/checkpoints",
-                                                 "--set", "checkpoint.dir=runs/other", "--set", "executor.run_dir=runs/other"],
-         setup=_plant_rng, check=_no_exec, slow=True),
+    Case("checkpoint-planted-rng-resume", 1, ["train", "--no-mlflow"], setup=_plant_rng_mid_run, check=_no_exec, slow=True),
+    Case(
+        "checkpoint-planted-rng-init-from",
+        1,
+        [
+            "train",
+            "--no-mlflow",
+            "--set",
+            "checkpoint.init_from=runs/train/checkpoints",
+            "--set",
+            "checkpoint.dir=runs/other",
+            "--set",
+            "executor.run_dir=runs/other",
+        ],
+        setup=_plant_rng,
+        check=_no_exec,
+        slow=True,
+    ),
     # 3: tracking never fails or stalls a run
     Case("mlflow-hanging-server-sink", 3, call=_hanging_server_sink, expect="ok", env={"MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}),
     Case("mlflow-offline-tracker-no-password", 7, call=_tracker_offline_redacted, expect="ok"),
     Case("mlflow-server-password-file", 7, call=_mlflow_server_banner, expect="ok"),
-    Case("mlflow-unreachable-train-then-sync", 3, ["train", "--set", "train.max_steps=4", "--set", "checkpoint.dir=runs/train/c2"],
-         env={"MLFLOW_TRACKING_URI": "unreachable"}, expect="ok", check=_unreachable_train_check, slow=True),
-    Case("mlflow-sync-bad-store-secret-masked", 7, ["mlflow-sync"], setup=_spool_one_row, check=_spool_kept,
-         env={"MLFLOW_TRACKING_URI": f"bogus://u:{SECRET}@h/x"}),
+    Case(
+        "mlflow-unreachable-train-then-sync",
+        3,
+        ["train", "--set", "train.max_steps=4", "--set", "checkpoint.dir=runs/train/c2"],
+        env={"MLFLOW_TRACKING_URI": "unreachable"},
+        expect="ok",
+        check=_unreachable_train_check,
+        slow=True,
+    ),
+    Case(
+        "mlflow-sync-bad-store-secret-masked",
+        7,
+        ["mlflow-sync"],
+        setup=_spool_one_row,
+        check=_spool_kept,
+        env={"MLFLOW_TRACKING_URI": f"bogus://u:{SECRET}@h/x"},
+    ),
     # 5: a run ending on a non-finite loss does not exit 0, even under nonfinite=skip
-    Case("nonfinite-final-loss-under-skip", 5, ["train", "--no-mlflow", "--set", "train.nonfinite=skip", "--set", "optim.lr=1e30",
-                                                "--set", "train.grad_clip=null", "--set", "checkpoint.dir=runs/nan",
-                                                "--set", "executor.run_dir=runs/nan"],
-         check=_nonfinite_final, slow=True),
+    Case(
+        "nonfinite-final-loss-under-skip",
+        5,
+        [
+            "train",
+            "--no-mlflow",
+            "--set",
+            "train.nonfinite=skip",
+            "--set",
+            "optim.lr=1e30",
+            "--set",
+            "train.grad_clip=null",
+            "--set",
+            "checkpoint.dir=runs/nan",
+            "--set",
+            "executor.run_dir=runs/nan",
+        ],
+        check=_nonfinite_final,
+        slow=True,
+    ),
 ]
 
 

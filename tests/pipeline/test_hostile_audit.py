@@ -33,8 +33,7 @@ def _no_exec(ws, result):
 
 def _run(ws: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ws, env=full, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ws, env=full, capture_output=True, text=True, timeout=300)
 
 
 # ---------------------------------------------------------------- 1: code through a checkpoint
@@ -116,10 +115,13 @@ class Holder:
 
     @classmethod
     def start(cls, ws: Path, *dirs: str) -> None:
-        code = ("import sys, time; from pipeline.run_lock import RunLock; RunLock(*sys.argv[1:]).acquire('moe train'); "
-                "print('held', flush=True); time.sleep(120)")
-        proc = subprocess.Popen([sys.executable, "-c", code, *dirs], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                stdout=subprocess.PIPE, text=True)
+        code = (
+            "import sys, time; from pipeline.run_lock import RunLock; RunLock(*sys.argv[1:]).acquire('moe train'); "
+            "print('held', flush=True); time.sleep(120)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *dirs], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "held"
         cls.procs.append(proc)
 
@@ -197,8 +199,17 @@ def _trickle_train(ws):
     """`moe train` against the trickling server ends (offline, spooled) instead of hanging."""
     _trickling(ws)
     t0 = time.monotonic()
-    r = _run(ws, "train", "--set", "train.max_steps=10", "--set", "checkpoint.dir=runs/t/ck", "--set", "executor.run_dir=runs/t",
-             env={"MLFLOW_TRACKING_URI": (ws / "uri").read_text(), "MOE_TRACKING_DEADLINE_S": "5"})
+    r = _run(
+        ws,
+        "train",
+        "--set",
+        "train.max_steps=10",
+        "--set",
+        "checkpoint.dir=runs/t/ck",
+        "--set",
+        "executor.run_dir=runs/t",
+        env={"MLFLOW_TRACKING_URI": (ws / "uri").read_text(), "MOE_TRACKING_DEADLINE_S": "5"},
+    )
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (ws / "runs/t/summary.json").is_file() and took < 150, took
@@ -307,10 +318,11 @@ def _damaged_metrics_kept(ws, result):
 
 
 def _no_mlflow_module(ws):
-    code = ("import sys; sys.modules['mlflow'] = None; sys.argv = ['moe', 'tokenize', '--set', 'tokenize.output=tok2']; "
-            "from pipeline.cli import main; main()")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                       text=True, timeout=300)
+    code = (
+        "import sys; sys.modules['mlflow'] = None; sys.argv = ['moe', 'tokenize', '--set', 'tokenize.output=tok2']; "
+        "from pipeline.cli import main; main()"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ws, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     last = (r.stdout + r.stderr).strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("error:") and "moe-pipeline[pipeline]" in last and "--no-mlflow" in last, last
 
@@ -318,8 +330,10 @@ def _no_mlflow_module(ws):
 def _half_migrated_store(ws):
     """A store left between two schema versions (a migration that a full disk interrupted),
     made in another process (MLflow caches a store's engine per process)."""
-    code = ("import sqlite3, sys; from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///' + sys.argv[1]).search_experiments(); "
-            "db = sqlite3.connect(sys.argv[1]); db.execute(\"UPDATE alembic_version SET version_num = '0584bdc529eb'\"); db.commit()")
+    code = (
+        "import sqlite3, sys; from mlflow.tracking import MlflowClient; MlflowClient('sqlite:///' + sys.argv[1]).search_experiments(); "
+        "db = sqlite3.connect(sys.argv[1]); db.execute(\"UPDATE alembic_version SET version_num = '0584bdc529eb'\"); db.commit()"
+    )
     subprocess.run([sys.executable, "-c", code, str(ws / "mlflow.db")], check=True, capture_output=True, timeout=120)
 
 
@@ -376,10 +390,28 @@ def _credentials_masked_everywhere(ws):
 
     port = free_port()
     store = ws / "srv"
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}.db",
-                               "--default-artifact-root", str(store), "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{store}.db",
+            "--default-artifact-root",
+            str(store),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=ws,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -391,8 +423,15 @@ def _credentials_masked_everywhere(ws):
         uri = f"http://alice:{SECRET}@127.0.0.1:{port}"
         outputs = []
         for env in ({}, {"MLFLOW_TRACKING_URI": uri}):
-            args = ["train", "--set", "train.max_steps=2", "--set", f"checkpoint.dir=runs/c{len(outputs)}/ck",
-                    "--set", f"executor.run_dir=runs/c{len(outputs)}"]
+            args = [
+                "train",
+                "--set",
+                "train.max_steps=2",
+                "--set",
+                f"checkpoint.dir=runs/c{len(outputs)}/ck",
+                "--set",
+                f"executor.run_dir=runs/c{len(outputs)}",
+            ]
             if not env:
                 args += ["--set", f"mlflow.tracking_uri={uri}"]
             r = _run(ws, *args, env=env)
@@ -454,8 +493,9 @@ def _user_run_dir(ws):
 
 def _spool_for_another_store(ws):
     (ws / "runs/train/mlflow-fallback.jsonl").write_text(
-        json.dumps({"run_id": "0123456789abcdef0123456789abcdef", "uri": "sqlite:////somewhere/mlflow.db", "step": 1,
-                    "metrics": {"loss": 1.0}}) + "\n")
+        json.dumps({"run_id": "0123456789abcdef0123456789abcdef", "uri": "sqlite:////somewhere/mlflow.db", "step": 1, "metrics": {"loss": 1.0}})
+        + "\n"
+    )
     (ws / "elsewhere").mkdir()
 
 
@@ -472,29 +512,69 @@ CASES = [
     # 1: no checkpoint path reaches an unrestricted unpickling
     Case("bytes-entry-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_bytes, check=_no_exec),
     Case("bytes-entry-evaluate", 1, ["evaluate", "--no-mlflow"], setup=_plant_bytes_for_evaluate, check=_no_exec, slow=True),
-    Case("bytes-entry-init-from", 1, [*TRAIN, "--set", "checkpoint.init_from=runs/train/checkpoints",
-                                      "--set", "checkpoint.dir=runs/other/ck", "--set", "executor.run_dir=runs/other"],
-         setup=_plant_bytes, check=_no_exec, slow=True),
+    Case(
+        "bytes-entry-init-from",
+        1,
+        [
+            *TRAIN,
+            "--set",
+            "checkpoint.init_from=runs/train/checkpoints",
+            "--set",
+            "checkpoint.dir=runs/other/ck",
+            "--set",
+            "executor.run_dir=runs/other",
+        ],
+        setup=_plant_bytes,
+        check=_no_exec,
+        slow=True,
+    ),
     Case("bytes-entry-resume", 1, TRAIN, setup=_unfinish, check=_no_exec, slow=True),
     Case("bytes-entry-rerun-finished", 1, TRAIN, setup=_plant_bytes, check=_no_exec, slow=True),
     # 2: replace only what we provably wrote
-    Case("tokenize-output-webapp-with-manifest", 2, ["tokenize", "--no-mlflow", "--set", "tokenize.output=webapp"],
-         setup=_webapp, keep=("webapp/**/*",)),
-    Case("convert-out-marker-beside-user-files", 2, ["convert", "--no-mlflow", "--out", "adapter"], setup=_adapter_dir,
-         keep=("adapter/*",)),
-    Case("convert-out-own-output-with-user-notes", 2, ["convert", "--no-mlflow", "--out", "hfmine"],
-         setup=_own_conversion_edited, keep=("hfmine/*",)),
-    Case("evaluate-output-user-file", 2, ["evaluate", "--no-mlflow", "--set", "evaluate.output=README.md"],
-         setup=_user_readme, keep=("README.md", "README_sample.txt"), slow=True),
-    Case("evaluate-output-sample-sibling", 2, ["evaluate", "--no-mlflow", "--set", "evaluate.output=metrics/notes.json"],
-         setup=_user_sample, keep=("metrics/notes_sample.txt",), slow=True),
+    Case(
+        "tokenize-output-webapp-with-manifest",
+        2,
+        ["tokenize", "--no-mlflow", "--set", "tokenize.output=webapp"],
+        setup=_webapp,
+        keep=("webapp/**/*",),
+    ),
+    Case("convert-out-marker-beside-user-files", 2, ["convert", "--no-mlflow", "--out", "adapter"], setup=_adapter_dir, keep=("adapter/*",)),
+    Case(
+        "convert-out-own-output-with-user-notes", 2, ["convert", "--no-mlflow", "--out", "hfmine"], setup=_own_conversion_edited, keep=("hfmine/*",)
+    ),
+    Case(
+        "evaluate-output-user-file",
+        2,
+        ["evaluate", "--no-mlflow", "--set", "evaluate.output=README.md"],
+        setup=_user_readme,
+        keep=("README.md", "README_sample.txt"),
+        slow=True,
+    ),
+    Case(
+        "evaluate-output-sample-sibling",
+        2,
+        ["evaluate", "--no-mlflow", "--set", "evaluate.output=metrics/notes.json"],
+        setup=_user_sample,
+        keep=("metrics/notes_sample.txt",),
+        slow=True,
+    ),
     # 3: reruns never destroy checkpoints
     Case("rerun-extend-max-steps", 3, [*TRAIN, "--set", "train.max_steps=12"], expect="ok", check=_extended, slow=True),
     Case("rerun-changed-config-refused", 3, [*TRAIN, "--set", "optim.lr=0.001"], keep=CKPT_FILES),
-    Case("init-from-own-checkpoint-dir", 3, [*TRAIN, "--set", "checkpoint.init_from=runs/train/checkpoints",
-                                             "--set", "optim.lr=0.001"], keep=CKPT_FILES),
-    Case("lock-refusal-touches-nothing", 3, [*TRAIN, "--set", "optim.lr=0.001", "--set", "checkpoint.resume=auto"],
-         setup=_hold_run_dir, teardown=Holder.stop, keep=CKPT_FILES),
+    Case(
+        "init-from-own-checkpoint-dir",
+        3,
+        [*TRAIN, "--set", "checkpoint.init_from=runs/train/checkpoints", "--set", "optim.lr=0.001"],
+        keep=CKPT_FILES,
+    ),
+    Case(
+        "lock-refusal-touches-nothing",
+        3,
+        [*TRAIN, "--set", "optim.lr=0.001", "--set", "checkpoint.resume=auto"],
+        setup=_hold_run_dir,
+        teardown=Holder.stop,
+        keep=CKPT_FILES,
+    ),
     # 4: a path into the sbatch script
     Case("sbatch-working-directory-newline", 4, call=_newline_cwd),
     # 5: tracking calls have a total deadline
@@ -511,32 +591,73 @@ CASES = [
     Case("yaml-50000-deep", 8, ["params", "--params", "deep.yaml"], setup=_yaml_deep, subprocess=True, timeout=60),
     Case("yaml-duplicate-keys", 8, ["params", "--params", "dup.yaml"], setup=_yaml_duplicate),
     Case("max-seq-len-1e9", 8, [*TRAIN, "--set", "model.max_seq_len=1000000000"]),
-    Case("olmoe-preset-on-cpu", 8, [*TRAIN, "--params", "olmoe.yaml", "--set", "executor.run_dir=runs/big",
-                                    "--set", "checkpoint.dir=runs/big/ck"], setup=_olmoe_params, subprocess=True, timeout=240),
+    Case(
+        "olmoe-preset-on-cpu",
+        8,
+        [*TRAIN, "--params", "olmoe.yaml", "--set", "executor.run_dir=runs/big", "--set", "checkpoint.dir=runs/big/ck"],
+        setup=_olmoe_params,
+        subprocess=True,
+        timeout=240,
+    ),
     Case("metrics-jsonl-damaged-rerun", 8, TRAIN, setup=_damaged_metrics, expect="ok", check=_damaged_metrics_kept, slow=True),
     Case("mlflow-not-installed-tokenize", 8, call=_no_mlflow_module),
-    Case("mlflow-store-half-migrated", 8, ["tokenize", "--set", "tokenize.output=tok2"], setup=_half_migrated_store,
-         check=_store_named, subprocess=True),
-    Case("disk-full-tokenize", 8, ["tokenize", "--no-mlflow", "--set", "tokenize.output=full/tokens"], setup=_full_disk,
-         teardown=_unmount, check=_nothing_partial("tokens")),
-    Case("disk-full-convert", 8, ["convert", "--no-mlflow", "--out", "full/hf"], setup=_full_disk_convert, teardown=_unmount,
-         check=_nothing_partial("hf")),
-    Case("disk-full-checkpoint", 8, [*TRAIN, "--set", "checkpoint.dir=full/ck", "--set", "executor.run_dir=runs/full"],
-         setup=_full_disk_checkpoint, teardown=_unmount, check=_nothing_partial("step_00000004"), slow=True),
+    Case(
+        "mlflow-store-half-migrated",
+        8,
+        ["tokenize", "--set", "tokenize.output=tok2"],
+        setup=_half_migrated_store,
+        check=_store_named,
+        subprocess=True,
+    ),
+    Case(
+        "disk-full-tokenize",
+        8,
+        ["tokenize", "--no-mlflow", "--set", "tokenize.output=full/tokens"],
+        setup=_full_disk,
+        teardown=_unmount,
+        check=_nothing_partial("tokens"),
+    ),
+    Case(
+        "disk-full-convert",
+        8,
+        ["convert", "--no-mlflow", "--out", "full/hf"],
+        setup=_full_disk_convert,
+        teardown=_unmount,
+        check=_nothing_partial("hf"),
+    ),
+    Case(
+        "disk-full-checkpoint",
+        8,
+        [*TRAIN, "--set", "checkpoint.dir=full/ck", "--set", "executor.run_dir=runs/full"],
+        setup=_full_disk_checkpoint,
+        teardown=_unmount,
+        check=_nothing_partial("step_00000004"),
+        slow=True,
+    ),
     # 9: credentials never leave in clear text
     Case("credentials-live-server-train", 9, call=_credentials_masked_everywhere, expect="ok", slow=True),
     # 10: one lock over everything a run writes
-    Case("same-checkpoint-dir-other-run-dir", 10, [*TRAIN, "--set", "executor.run_dir=runs/second"],
-         setup=_hold_checkpoint_dir, teardown=Holder.stop, keep=CKPT_FILES),
+    Case(
+        "same-checkpoint-dir-other-run-dir",
+        10,
+        [*TRAIN, "--set", "executor.run_dir=runs/second"],
+        setup=_hold_checkpoint_dir,
+        teardown=Holder.stop,
+        keep=CKPT_FILES,
+    ),
     # 11: writes never follow symlinks; user directories are not run directories
     Case("lock-file-symlink", 11, TRAIN, setup=_symlink("runs/train/.lock"), keep=("precious.txt",)),
     Case("job-json-symlink", 11, TRAIN, setup=_symlink("runs/train/job.json"), keep=("precious.txt",)),
-    Case("rank0-log-symlink", 11, [*TRAIN, "--set", "train.max_steps=9"], setup=_symlink("runs/train/logs/rank0.log"),
-         keep=("precious.txt",)),
+    Case("rank0-log-symlink", 11, [*TRAIN, "--set", "train.max_steps=9"], setup=_symlink("runs/train/logs/rank0.log"), keep=("precious.txt",)),
     Case("plot-csv-symlink", 11, TRAIN, setup=_symlinked_plot, keep=("precious.txt",), slow=True),
     Case("eval-sample-symlink", 11, ["evaluate", "--no-mlflow"], setup=_symlinked_sample, keep=("precious.txt",), slow=True),
-    Case("run-dir-is-a-user-dir", 11, [*TRAIN, "--set", "executor.run_dir=mydir", "--set", "checkpoint.dir=runs/x/ck"],
-         setup=_user_run_dir, keep=("mydir/*",)),
+    Case(
+        "run-dir-is-a-user-dir",
+        11,
+        [*TRAIN, "--set", "executor.run_dir=mydir", "--set", "checkpoint.dir=runs/x/ck"],
+        setup=_user_run_dir,
+        keep=("mydir/*",),
+    ),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
     Case("set-container-runtime-none", 11, ["params", "--set", "container.runtime=none"], expect="ok"),
     # 13: mismatches
@@ -555,8 +676,7 @@ def test_parse_params_yaml_limits():
     from pipeline.params import parse_params_text
 
     assert parse_params_text("a: {b: [1, 2]}\n", "x") == {"a": {"b": [1, 2]}}
-    for text, message in (("a: &x 1\nb: *x\n", "aliases"), ("a: 1\na: 2\n", "duplicate key 'a'"),
-                          ("a: " + "[" * 40 + "]" * 40, "nested deeper")):
+    for text, message in (("a: &x 1\nb: *x\n", "aliases"), ("a: 1\na: 2\n", "duplicate key 'a'"), ("a: " + "[" * 40 + "]" * 40, "nested deeper")):
         with pytest.raises(ConfigError, match=message):
             parse_params_text(text, "x")
     assert yaml.safe_load("a: 1") == {"a": 1}

@@ -231,19 +231,47 @@ def _stage_killed_takes_workers_along(ws):
 
 CASES = [
     # 8: one document bounds memory and the tokenizer's work, not only the total
-    Case("jsonl-line-over-max-document-bytes", 8, TOKENIZE + sets("tokenize.max_document_bytes=100000"),
-         setup=_giant_jsonl_line, expect="ok", check=_giant_line_skipped, subprocess=True),
+    Case(
+        "jsonl-line-over-max-document-bytes",
+        8,
+        TOKENIZE + sets("tokenize.max_document_bytes=100000"),
+        setup=_giant_jsonl_line,
+        expect="ok",
+        check=_giant_line_skipped,
+        subprocess=True,
+    ),
     Case("txt-one-line-over-default-bound", 8, TOKENIZE, setup=_giant_txt, expect="ok", check=_giant_txt_skipped, subprocess=True),
     Case("jsonl-gz-bomb-bounded-memory", 8, call=_gzip_bomb_bounded, expect="ok"),
     # 12: text that is not Unicode gets U+FFFD, as undecodable bytes in a .txt do
     Case("jsonl-lone-surrogates", 12, TOKENIZE, setup=_lone_surrogates, expect="ok", check=_surrogates_kept),
     # 12: the tokenizer runs in worker processes; their death or stall ends the stage clearly
-    Case("tokenizer-panics-in-worker", 12, TOKENIZE + sets("tokenize.tokenizer=redos.json"), setup=_panicking_tokenizer,
-         check=_error_says("the tokenizer failed", "corpus/aaa.jsonl"), subprocess=True, timeout=120),
-    Case("tokenizer-backtracks-past-stall-timeout", 12, TOKENIZE + sets("tokenize.tokenizer=redos.json", "tokenize.stall_timeout_s=3"),
-         setup=_stalling_tokenizer, check=_error_says("no document encoded for 3s", "corpus/slow.jsonl"), subprocess=True, timeout=120),
-    Case("worker-sigkilled", 12, TOKENIZE + sets("tokenize.tokenizer=redos.json", "tokenize.workers=2"),
-         setup=_kill_a_worker_once_started, check=_worker_death_reported, subprocess=True, timeout=120),
+    Case(
+        "tokenizer-panics-in-worker",
+        12,
+        TOKENIZE + sets("tokenize.tokenizer=redos.json"),
+        setup=_panicking_tokenizer,
+        check=_error_says("the tokenizer failed", "corpus/aaa.jsonl"),
+        subprocess=True,
+        timeout=120,
+    ),
+    Case(
+        "tokenizer-backtracks-past-stall-timeout",
+        12,
+        TOKENIZE + sets("tokenize.tokenizer=redos.json", "tokenize.stall_timeout_s=3"),
+        setup=_stalling_tokenizer,
+        check=_error_says("no document encoded for 3s", "corpus/slow.jsonl"),
+        subprocess=True,
+        timeout=120,
+    ),
+    Case(
+        "worker-sigkilled",
+        12,
+        TOKENIZE + sets("tokenize.tokenizer=redos.json", "tokenize.workers=2"),
+        setup=_kill_a_worker_once_started,
+        check=_worker_death_reported,
+        subprocess=True,
+        timeout=120,
+    ),
     Case("stage-sigkilled-workers-exit", 12, call=_stage_killed_takes_workers_along, expect="ok"),
 ]
 

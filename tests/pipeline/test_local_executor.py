@@ -13,13 +13,15 @@ pytestmark = pytest.mark.distributed
 
 
 def job(tmp_path, name, nprocs, corpus, **train):
-    cfg = ExperimentConfig.load({
-        "model": {"preset": "tiny", "vocab_size": 256},
-        "data": {"paths": [str(corpus)], "seq_len": 32},
-        "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 6, "log_every": 1, **train},
-        "schedule": {"warmup_steps": 2},
-        "checkpoint": {"dir": str(tmp_path / name / "ck")},
-    })
+    cfg = ExperimentConfig.load(
+        {
+            "model": {"preset": "tiny", "vocab_size": 256},
+            "data": {"paths": [str(corpus)], "seq_len": 32},
+            "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 6, "log_every": 1, **train},
+            "schedule": {"warmup_steps": 2},
+            "checkpoint": {"dir": str(tmp_path / name / "ck")},
+        }
+    )
     return TrainJob(config=cfg.to_dict(), run_dir=str(tmp_path / name), nprocs=nprocs)
 
 
@@ -65,6 +67,7 @@ def test_local_executor_launches_a_pipeline_layout_unchanged(tmp_path):
 
 # --- `moe train` as an operator runs it: kills, a second writer, resumes and reruns --------
 
+
 def moe(*args, timeout=600):
     import subprocess
     import sys
@@ -76,8 +79,9 @@ def start_train(*args):
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def worker_pids(spec: str = "runs/train/job.json") -> list[int]:
@@ -106,8 +110,7 @@ def wait_for(predicate, timeout=240.0):
     raise AssertionError("timed out")
 
 
-TRAIN = ["--no-mlflow", "--set", "executor.nprocs=2", "--set", "train.max_steps=120", "--set", "train.log_every=10",
-         "--set", "checkpoint.every=20"]
+TRAIN = ["--no-mlflow", "--set", "executor.nprocs=2", "--set", "train.max_steps=120", "--set", "train.log_every=10", "--set", "checkpoint.every=20"]
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Offline figures (pipeline/plots.py) from a real training run's metric rows."""
 
-
 from moe.train.sinks import read_metric_rows
 from pipeline.outputs import LEDGER
 from pipeline.plots import expert_load_matrix, train_figures, validation_figure

@@ -73,8 +73,7 @@ def test_checkpoints_stored_in_the_dvc_cache_make_way_for_another_config(trained
 
     project = tmp_path / "project"
     project.mkdir()
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-           "PATH": "/usr/bin:/bin"}
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
     subprocess.run(["git", "init", "-q"], cwd=project, check=True, env=env)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=project, check=True)
     root = project / "ck"

@@ -10,8 +10,9 @@ import pytest
 from pipeline.run_lock import RunDirBusy, RunLock
 from tests.workspace import REPO
 
-HOLD = ("import sys, time; from pipeline.run_lock import RunLock; RunLock(sys.argv[1]).acquire('moe train'); "
-        "print('held', flush=True); time.sleep(600)")
+HOLD = (
+    "import sys, time; from pipeline.run_lock import RunLock; RunLock(sys.argv[1]).acquire('moe train'); print('held', flush=True); time.sleep(600)"
+)
 
 
 def test_second_writer_is_refused_naming_the_holder(tmp_path):

@@ -50,8 +50,20 @@ def release_requeued(job_id) -> None:
 
 
 def test_dry_run_prints_the_exact_sbatch_script(workspace):
-    r = moe("submit", "--dry-run", "--nodes", "2", "--partition", "debug", "--time-min", "30",
-            "--set", "slurm.extra_sbatch=[--comment=golden]", "--set", "slurm.setup=[export MOE_X=1]")
+    r = moe(
+        "submit",
+        "--dry-run",
+        "--nodes",
+        "2",
+        "--partition",
+        "debug",
+        "--time-min",
+        "30",
+        "--set",
+        "slurm.extra_sbatch=[--comment=golden]",
+        "--set",
+        "slurm.setup=[export MOE_X=1]",
+    )
     assert r.returncode == 0, r.stderr
     text = r.stdout.replace(str(workspace.resolve()), "<CWD>").replace(sys.executable, "<PYTHON>")
     if os.environ.get("MOE_UPDATE_GOLDEN"):
@@ -69,11 +81,11 @@ def tokenized(workspace):
 
 def test_two_node_job_matches_two_local_processes(slurm_cluster, tokenized):
     common = ["--no-mlflow", "--set", "train.max_steps=6", "--set", "train.log_every=1"]
-    local = moe("train", *common, "--set", "executor.nprocs=2", "--set", "executor.run_dir=runs/local",
-                "--set", "checkpoint.dir=runs/local/ck")
+    local = moe("train", *common, "--set", "executor.nprocs=2", "--set", "executor.run_dir=runs/local", "--set", "checkpoint.dir=runs/local/ck")
     assert local.returncode == 0, local.stderr
-    slurm = moe("submit", "--wait", "--nodes", "2", *common, "--set", "executor.run_dir=runs/slurm_train",
-                "--set", "checkpoint.dir=runs/slurm_train/ck")
+    slurm = moe(
+        "submit", "--wait", "--nodes", "2", *common, "--set", "executor.run_dir=runs/slurm_train", "--set", "checkpoint.dir=runs/slurm_train/ck"
+    )
     assert slurm.returncode == 0, slurm.stdout[-2000:] + slurm.stderr[-2000:]
     a, b = losses("runs/local"), losses("runs/slurm_train")
     assert a.keys() == b.keys() == set(range(1, 7))
@@ -171,9 +183,25 @@ def mlflow_server(tmp_path):
     db = f"mlflow_test_{os.getpid()}"
     subprocess.run(["runuser", "-u", "postgres", "--", "psql", "-q", "-c", f"CREATE DATABASE {db} OWNER mlflow"], check=True)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "mlflow-server", "--backend", f"postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/{db}",
-                             "--artifacts", str(tmp_path / "artifacts"), "--port", str(port), "--workers", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "mlflow-server",
+            "--backend",
+            f"postgresql+psycopg2://mlflow:mlflow@127.0.0.1:5432/{db}",
+            "--artifacts",
+            str(tmp_path / "artifacts"),
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     import urllib.request
 
     def up():
@@ -195,8 +223,20 @@ def test_postgres_tracking_server_gets_two_concurrent_jobs_complete(slurm_cluste
     env = {"MLFLOW_TRACKING_URI": mlflow_server}
     jobs = []
     for name in ("a", "b"):
-        r = moe("submit", "--set", "train.max_steps=40", "--set", "train.log_every=10", "--set", f"executor.run_dir=runs/{name}",
-                "--set", f"checkpoint.dir=runs/{name}/ck", "--set", f"train.seed={ord(name)}", env=env)
+        r = moe(
+            "submit",
+            "--set",
+            "train.max_steps=40",
+            "--set",
+            "train.log_every=10",
+            "--set",
+            f"executor.run_dir=runs/{name}",
+            "--set",
+            f"checkpoint.dir=runs/{name}/ck",
+            "--set",
+            f"train.seed={ord(name)}",
+            env=env,
+        )
         assert r.returncode == 0, r.stderr
         jobs.append(r.stdout.strip().splitlines()[-1])
     for j in jobs:
@@ -221,8 +261,13 @@ def test_plain_sbatch_template_trains_on_two_nodes(slurm_cluster, tokenized):
     assert r.returncode == 0, r.stderr
     spec = r.stdout.strip()
     Path("runs/slurm").mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), spec],
-                         capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}, check=True)
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), spec],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        check=True,
+    )
     job_id = out.stdout.strip().split(";")[0]
     finish(job_id)
     assert json.loads(Path("runs/plain/summary.json").read_text())["steps"] == 6
@@ -230,8 +275,13 @@ def test_plain_sbatch_template_trains_on_two_nodes(slurm_cluster, tokenized):
 
 def submit_and_wait_in_background(out: Path, *args, env=None) -> tuple[subprocess.Popen, str]:
     """`moe submit --wait ...` running on; (process, job id) once it has printed the id."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", "--wait", *args], stdout=open(out, "w"),  # noqa: SIM115 - the child's stdout
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "submit", "--wait", *args],
+        stdout=open(out, "w"),  # noqa: SIM115 - the child's stdout
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     wait_until(lambda: out.read_text().strip() != "" or proc.poll() is not None, timeout=120)
     assert proc.poll() is None, proc.stderr.read()
     return proc, out.read_text().splitlines()[0].strip()
@@ -239,8 +289,17 @@ def submit_and_wait_in_background(out: Path, *args, env=None) -> tuple[subproces
 
 def test_requeues_stop_at_max_requeues_with_a_failure_naming_the_limit(slurm_cluster, tokenized):
     uri = f"sqlite:///{tokenized / 'mlflow.db'}"
-    waiting, job = submit_and_wait_in_background(Path("submit.out"), *LONG, "--set", "slurm.max_requeues=1", "--set", "executor.run_dir=runs/lim",
-                                                 "--set", "checkpoint.dir=runs/lim/ck", env={"MLFLOW_TRACKING_URI": uri})
+    waiting, job = submit_and_wait_in_background(
+        Path("submit.out"),
+        *LONG,
+        "--set",
+        "slurm.max_requeues=1",
+        "--set",
+        "executor.run_dir=runs/lim",
+        "--set",
+        "checkpoint.dir=runs/lim/ck",
+        env={"MLFLOW_TRACKING_URI": uri},
+    )
     try:
         wait_until(lambda: Path("runs/lim/ck/step_00000050").is_dir())
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # requeue 1 of 1
@@ -266,8 +325,16 @@ def test_requeues_stop_at_max_requeues_with_a_failure_naming_the_limit(slurm_clu
 
 
 def test_resubmitted_job_resumes_and_keeps_the_metrics_history(slurm_cluster, tokenized):
-    short = ["--set", "train.log_every=5", "--set", "checkpoint.every=10", "--set", "executor.run_dir=runs/again",
-             "--set", "checkpoint.dir=runs/again/ck"]
+    short = [
+        "--set",
+        "train.log_every=5",
+        "--set",
+        "checkpoint.every=10",
+        "--set",
+        "executor.run_dir=runs/again",
+        "--set",
+        "checkpoint.dir=runs/again/ck",
+    ]
     finish(submit_background(*short, "--set", "train.max_steps=20"))
     first = losses("runs/again")
     assert set(first) == set(range(1, 21))
@@ -289,8 +356,13 @@ def test_usr2_to_the_batch_shell_reaches_the_tasks(slurm_cluster, tokenized, lau
         r = moe("job", *LONG, "--set", f"train.max_steps={steps}", *where)
         assert r.returncode == 0, r.stderr
         Path("runs/slurm").mkdir(parents=True, exist_ok=True)
-        out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), r.stdout.strip()],
-                             capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}, check=True)
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", str(REPO / "slurm/train.sbatch"), r.stdout.strip()],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+            check=True,
+        )
         job = out.stdout.strip().split(";")[0]
     wait_until(lambda: Path("runs/batch/ck/step_00000050").is_dir())
     subprocess.run(["scancel", "--signal=USR2", scope, job], check=True)

@@ -87,8 +87,9 @@ def run_script(script, cfg, tmp_path, env_extra):
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
     (tmp_path / "script.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
-    return subprocess.run([sys.executable, str(tmp_path / "script.py"), str(tmp_path / "cfg.json")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "cfg.json")], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_process_dying_mid_save_keeps_previous_checkpoint_and_resumes_exactly(tmp_path, corpus):
@@ -112,8 +113,9 @@ def test_sigkill_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path, cor
     cfg = tiny_config(corpus, tmp_path / "run", train={"max_steps": 40}, checkpoint={"every": 1, "keep_last": 2})
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "moe.train", str(tmp_path / "cfg.json")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe.train", str(tmp_path / "cfg.json")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(list_checkpoints(tmp_path / "run")) < 2 and proc.poll() is None:
         time.sleep(0.05)

@@ -26,8 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def restore_process_state():
     """The mode is process-wide: put torch's flags and the environment back after each test."""
     env = {k: os.environ.get(k) for k in determinism.ENVIRONMENT}
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, torch.backends.cuda.cudnn_sdp_enabled())
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.cudnn_sdp_enabled(),
+    )
     yield
     for k, v in env.items():
         if v is None:
@@ -69,8 +73,16 @@ def test_on_sets_and_records_every_setting(monkeypatch):
     assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_PROTO"] == "Simple"
     tags = mode.tags()
     assert tags["determinism.enabled"] == "true"
-    for key in ("env.CUBLAS_WORKSPACE_CONFIG", "env.NCCL_ALGO", "env.NCCL_PROTO", "torch.use_deterministic_algorithms",
-                "torch.backends.cudnn.deterministic", "torch.backends.cudnn.benchmark", "sdpa.cudnn", "router.counts"):
+    for key in (
+        "env.CUBLAS_WORKSPACE_CONFIG",
+        "env.NCCL_ALGO",
+        "env.NCCL_PROTO",
+        "torch.use_deterministic_algorithms",
+        "torch.backends.cudnn.deterministic",
+        "torch.backends.cudnn.benchmark",
+        "sdpa.cudnn",
+        "router.counts",
+    ):
         assert f"determinism.{key}" in tags, key
 
 
@@ -135,8 +147,9 @@ def test_mode_settings_and_a_mode_change_on_resume_reach_mlflow(corpus, tmp_path
     exp = client.create_experiment("det", artifact_location=(tmp_path / "art").as_uri())
     first, second = (client.create_run(exp).info.run_id for _ in range(2))
 
-    Trainer(det_config(corpus, tmp_path / "ck", on=True, train={"max_steps": 6}),
-            sinks=[MlflowSink(uri, first, tmp_path / "f1.jsonl")]).fit(stop_at=3)
+    Trainer(det_config(corpus, tmp_path / "ck", on=True, train={"max_steps": 6}), sinks=[MlflowSink(uri, first, tmp_path / "f1.jsonl")]).fit(
+        stop_at=3
+    )
     tags = client.get_run(first).data.tags
     assert tags["determinism.enabled"] == "true"
     assert tags["determinism.env.CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
@@ -144,8 +157,9 @@ def test_mode_settings_and_a_mode_change_on_resume_reach_mlflow(corpus, tmp_path
     assert tags["determinism.sdpa.cudnn"] == "false"
 
     with caplog.at_level(logging.WARNING, logger="moe.train"):
-        resumed = Trainer(det_config(corpus, tmp_path / "ck", on=False, train={"max_steps": 6}),
-                          sinks=[MlflowSink(uri, second, tmp_path / "f2.jsonl")]).fit()
+        resumed = Trainer(
+            det_config(corpus, tmp_path / "ck", on=False, train={"max_steps": 6}), sinks=[MlflowSink(uri, second, tmp_path / "f2.jsonl")]
+        ).fit()
     assert resumed.start_step == 3
     assert "written with train.deterministic=true, resumed with false" in caplog.text
     tags = client.get_run(second).data.tags
@@ -169,8 +183,10 @@ def test_entry_point_refuses_a_conflicting_environment_in_one_line(corpus, tmp_p
     proc = subprocess.run([sys.executable, "-m", "moe.train", str(run)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: train.deterministic: the environment sets NCCL_ALGO='Tree'; the deterministic mode "
-                      "needs 'Ring' (unset it or set train.deterministic=false)"]
+    assert errors == [
+        "error: train.deterministic: the environment sets NCCL_ALGO='Tree'; the deterministic mode "
+        "needs 'Ring' (unset it or set train.deterministic=false)"
+    ]
     assert not (tmp_path / "ck").exists()
 
 

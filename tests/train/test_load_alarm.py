@@ -40,8 +40,15 @@ def gerrymandered(n=16):
     hist = []
     for i in range(n):
         t = i / (n - 1)
-        hist.append(point(10 * (i + 1), **{"0": (1.01 + 0.005 * rng.random(), 1.2 + 0.1 * rng.random()),
-                                          "1": (1.12 - 0.10 * t + 0.005 * rng.random(), 1.3 + 1.0 * t + 0.1 * rng.random())}))
+        hist.append(
+            point(
+                10 * (i + 1),
+                **{
+                    "0": (1.01 + 0.005 * rng.random(), 1.2 + 0.1 * rng.random()),
+                    "1": (1.12 - 0.10 * t + 0.005 * rng.random(), 1.3 + 1.0 * t + 0.1 * rng.random()),
+                },
+            )
+        )
     return hist
 
 

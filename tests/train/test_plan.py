@@ -17,7 +17,8 @@ from tests.parallel.dist_utils import run_ranks
 
 def config(corpus, ckpt, parallel=None, model=None, recipe="bf16", micro=2):
     return tiny_config(
-        corpus, ckpt,
+        corpus,
+        ckpt,
         model={"n_layers": 4, **(model or {})},
         parallel=parallel or {},
         train={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 1},
@@ -50,8 +51,7 @@ def planned(state) -> dict[str, int]:
 
 MODELS = [
     ("tiny-bf16", {}, "bf16"),
-    ("dense-shared-tied-fp32", {"dense_layers": [0], "dense_hidden": 48, "tie_embeddings": True,
-                                "moe": {"num_shared_experts": 1}}, "fp32"),
+    ("dense-shared-tied-fp32", {"dense_layers": [0], "dense_hidden": 48, "tie_embeddings": True, "moe": {"num_shared_experts": 1}}, "fp32"),
 ]
 
 
@@ -63,8 +63,11 @@ def test_single_process_bytes_equal_the_built_model(tmp_path, corpus, name, mode
 
 
 def test_counts_match_the_accounting():
-    for model in [{}, {"dense_layers": [0], "dense_hidden": 96, "tie_embeddings": True, "moe": {"num_shared_experts": 2}},
-                  {"preset": "olmoe-1b-7b", "n_layers": 2}]:
+    for model in [
+        {},
+        {"dense_layers": [0], "dense_hidden": 96, "tie_embeddings": True, "moe": {"num_shared_experts": 2}},
+        {"preset": "olmoe-1b-7b", "n_layers": 2},
+    ]:
         cfg = ExperimentConfig.load({"model": {"preset": "tiny", **model}})
         counts = param_counts(cfg.model)
         assert total_params(cfg.model) == (counts.total, counts.active)
@@ -102,18 +105,26 @@ def test_zero1_shards_masters_and_moments_over_four_ranks(tmp_path, corpus):
 
 
 def olmoe(layers, micro=4, accum=1, recompute="none", parallel=None, dp=1):
-    return ExperimentConfig.load({
-        "model": {"preset": "olmoe-1b-7b", "n_layers": layers, "max_seq_len": 4096},
-        "data": {"seq_len": 4096},
-        "train": {"global_batch_size": micro * accum * dp, "micro_batch_size": micro, "recompute": recompute},
-        "parallel": parallel or {}, "precision": {"recipe": "bf16"}, "schedule": {"warmup_steps": 1},
-    })
+    return ExperimentConfig.load(
+        {
+            "model": {"preset": "olmoe-1b-7b", "n_layers": layers, "max_seq_len": 4096},
+            "data": {"seq_len": 4096},
+            "train": {"global_batch_size": micro * accum * dp, "micro_batch_size": micro, "recompute": recompute},
+            "parallel": parallel or {},
+            "precision": {"recipe": "bf16"},
+            "schedule": {"warmup_steps": 1},
+        }
+    )
 
 
 def test_measured_h200_peaks_are_predicted_within_ten_percent():
     """Peaks measured by bench/memory.py on an H200 (bench/results/memory-NVIDIA-H200-*.json)."""
-    for layers, micro, accum, mode, measured in [(8, 4, 1, "none", 79.11), (12, 4, 2, "none", 132.09),
-                                                 (12, 4, 2, "selective", 110.99), (16, 4, 1, "full", 117.93)]:
+    for layers, micro, accum, mode, measured in [
+        (8, 4, 1, "none", 79.11),
+        (12, 4, 2, "none", 132.09),
+        (12, 4, 2, "selective", 110.99),
+        (16, 4, 1, "full", 117.93),
+    ]:
         plan = make_plan(olmoe(layers, micro, accum, mode), "h200", 1, knobs=False)
         allocated = plan.peak_gib - plan.memory_gib["CUDA workspace allowance"]
         assert allocated == pytest.approx(measured, rel=0.1), (layers, micro, accum, mode)

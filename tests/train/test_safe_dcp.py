@@ -13,8 +13,7 @@ from tests.helpers import Planted, reseal
 
 
 def save(root, step=1):
-    return CheckpointManager(root).save(step, {"w": torch.arange(6.0), "n": torch.tensor(3)}, {"note": "x"},
-                                        rng_state(torch.device("cpu")))
+    return CheckpointManager(root).save(step, {"w": torch.arange(6.0), "n": torch.tensor(3)}, {"note": "x"}, rng_state(torch.device("cpu")))
 
 
 def target():
@@ -145,8 +144,7 @@ def _storage_outside(md, planted):
     md.storage_data[key].relative_path = "../../elsewhere.distcp"
 
 
-@pytest.mark.parametrize("build", [_bytes_entry, _in_tensor_properties, _in_chunk, _in_index, _in_storage_meta,
-                                   _in_planner_data, _storage_outside])
+@pytest.mark.parametrize("build", [_bytes_entry, _in_tensor_properties, _in_chunk, _in_index, _in_storage_meta, _in_planner_data, _storage_outside])
 def test_payloads_through_every_metadata_class_are_refused(tmp_path, build):
     path = save(tmp_path / "ck")
     marker = tmp_path / "EXECUTED"
@@ -212,12 +210,15 @@ def _edit_meta(path, **changes):
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"files": None}, "does not match its meta_sha256"),
-    ({"step": 18}, "does not match its meta_sha256"),
-    ({"note": "edited"}, "does not match its meta_sha256"),
-    ({"meta_sha256": None}, "has no meta_sha256"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"files": None}, "does not match its meta_sha256"),
+        ({"step": 18}, "does not match its meta_sha256"),
+        ({"note": "edited"}, "does not match its meta_sha256"),
+        ({"meta_sha256": None}, "has no meta_sha256"),
+    ],
+)
 def test_meta_json_is_covered_by_its_checksum(tmp_path, changes, message):
     path = save(tmp_path)
     _edit_meta(path, **changes)

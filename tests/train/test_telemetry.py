@@ -80,9 +80,7 @@ def test_ep2_per_rank_rows_and_load_match_single_process():
     for key, value in want.items():  # every figure of the load equals the single-process one
         if key.startswith("expert_load"):
             assert got[key] == pytest.approx(value, abs=1e-12), key
-    assert "ep_rows_max_over_mean" not in want and got["ep_rows_max_over_mean"] == max(
-        got[f"ep_rows_max_over_mean/layer_{i}"] for i in range(LAYERS)
-    )
+    assert "ep_rows_max_over_mean" not in want and got["ep_rows_max_over_mean"] == max(got[f"ep_rows_max_over_mean/layer_{i}"] for i in range(LAYERS))
 
 
 def trainer_rank(rank, world, corpus, ckpt):
@@ -91,8 +89,13 @@ def trainer_rank(rank, world, corpus, ckpt):
     from moe.train.trainer import Trainer
     from tests.helpers import tiny_config
 
-    cfg = tiny_config(Path(corpus), Path(ckpt), model={"n_layers": 4}, parallel={"pp": 2, "ep": 2},
-                      train={"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 2, "log_every": 1})
+    cfg = tiny_config(
+        Path(corpus),
+        Path(ckpt),
+        model={"n_layers": 4},
+        parallel={"pp": 2, "ep": 2},
+        train={"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 2, "log_every": 1},
+    )
     return Trainer(cfg).fit().last_metrics
 
 

@@ -15,8 +15,18 @@ def test_short_run_learns(tmp_path, corpus):
     last = sum(summary.losses[s] for s in range(36, 41)) / 5
     assert last < first - 0.8, (first, last)
     m = summary.last_metrics
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s_per_device", "tflops_per_device", "lb_loss", "z_loss",
-                "expert_load_max_over_mean", "expert_load_max_over_mean/layer_0", "peak_rss_gb"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s_per_device",
+        "tflops_per_device",
+        "lb_loss",
+        "z_loss",
+        "expert_load_max_over_mean",
+        "expert_load_max_over_mean/layer_0",
+        "peak_rss_gb",
+    ):
         assert key in m, key
     assert m["expert_load_max_over_mean"] >= 1.0
 

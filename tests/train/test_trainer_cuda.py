@@ -10,8 +10,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def test_bf16_training_step_makes_no_host_sync_and_learns(tmp_path, corpus):
-    cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 30, "log_every": 30, "device": "cuda"},
-                      optim={"lr": 3e-3}, model={"d_model": 128, "n_heads": 4, "moe": {"expert_hidden": 64}})
+    cfg = tiny_config(
+        corpus,
+        tmp_path / "ck",
+        train={"max_steps": 30, "log_every": 30, "device": "cuda"},
+        optim={"lr": 3e-3},
+        model={"d_model": 128, "n_heads": 4, "moe": {"expert_hidden": 64}},
+    )
     trainer = Trainer(cfg)
     assert trainer.recipe.name == "bf16"
     trainer.train_step()  # warm-up: lazy CUDA init and allocator may sync

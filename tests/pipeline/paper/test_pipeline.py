@@ -26,8 +26,11 @@ def sh(*cmd, cwd, env):
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    dest = copy_checkout(tmp_path_factory.mktemp("paper"), skip_prefixes=("bench/paper/results/", "bench/paper/plots/"),
-                         skip_files=("bench/paper/dvc.lock", "bench/paper/REPORT.md"))
+    dest = copy_checkout(
+        tmp_path_factory.mktemp("paper"),
+        skip_prefixes=("bench/paper/results/", "bench/paper/plots/"),
+        skip_files=("bench/paper/dvc.lock", "bench/paper/REPORT.md"),
+    )
     params_path = dest / "bench/paper/params.yaml"
     params = yaml.safe_load(params_path.read_text())
     params["paper"].update({"steps": 2, "experts": [8, 16], "gerrymander_steps": 40})
@@ -35,9 +38,15 @@ def clone(tmp_path_factory):
     params["slurm"].update({"nodes": 2, "tasks_per_node": 1, "time_min": 20, "folder": str(dest / "slurm-logs")})
     params["tokenize"].update({"max_bytes": 150_000, "vocab_size": 300})
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(dest), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(dest),
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     for cmd in (("git", "init", "-q"), ("git", "add", "-A"), ("git", "commit", "-qm", "clone")):
         sh(*cmd, cwd=dest, env=env)
@@ -48,8 +57,9 @@ def test_paper_pipeline_on_slurm_then_noop(slurm_cluster, clone):  # noqa: F811
     dest, env = clone
     first = sh("moe", "paper", "repro", cwd=dest, env=env)
     ran = [line.split("'")[1].split(":")[-1] for line in first.stdout.splitlines() if line.startswith("Running stage")]
-    assert set(ran) == {"tokenize", "claim@resident", "claim@experts", "claim@fp8", "claim@recompute", "claim@ep", "gerrymander",
-                        "report"}, first.stdout
+    assert set(ran) == {"tokenize", "claim@resident", "claim@experts", "claim@fp8", "claim@recompute", "claim@ep", "gerrymander", "report"}, (
+        first.stdout
+    )
     out = dest / "bench/paper"
     for stage in CLAIM_STAGES:
         r = json.loads((out / f"results/{stage}.json").read_text())

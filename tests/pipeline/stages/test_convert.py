@@ -54,13 +54,15 @@ def test_continue_training_from_a_converted_hf_model(in_trained, monkeypatch):
 
     convert_to_hf("runs/train/checkpoints", "hf_c", load_tokens_tokenizer("data/tokens"))
     model_cfg = convert_from_hf("hf_c", "init_ckpt")
-    cfg = ExperimentConfig.load({
-        "model": model_cfg.to_dict(),
-        "data": {"paths": ["data/tokens/train"], "seq_len": 32},
-        "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 1},
-        "schedule": {"warmup_steps": 0},
-        "checkpoint": {"dir": "cont", "init_from": "init_ckpt"},
-    })
+    cfg = ExperimentConfig.load(
+        {
+            "model": model_cfg.to_dict(),
+            "data": {"paths": ["data/tokens/train"], "seq_len": 32},
+            "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 1},
+            "schedule": {"warmup_steps": 0},
+            "checkpoint": {"dir": "cont", "init_from": "init_ckpt"},
+        }
+    )
     trainer = Trainer(cfg)
     trainer.maybe_resume()
     _, weights, _ = load_checkpoint_weights("runs/train/checkpoints")
@@ -95,9 +97,20 @@ def test_non_olmoe_or_broken_hf_dirs_are_refused(tmp_path):
         convert_from_hf(tmp_path, tmp_path / "out")
     e = tmp_path / "olmoe"
     e.mkdir()
-    (e / "config.json").write_text(json.dumps({
-        "model_type": "olmoe", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_experts": 2, "num_experts_per_tok": 1, "intermediate_size": 8}))
+    (e / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "olmoe",
+                "vocab_size": 64,
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_experts": 2,
+                "num_experts_per_tok": 1,
+                "intermediate_size": 8,
+            }
+        )
+    )
     save_file({"model.embed_tokens.weight": torch.zeros(64, 16)}, str(e / "model.safetensors"))
     with pytest.raises(ConversionError, match="is missing"):
         convert_from_hf(e, tmp_path / "out2")
@@ -106,10 +119,21 @@ def test_non_olmoe_or_broken_hf_dirs_are_refused(tmp_path):
 
 # ----------------------------------------------------------- the HF directory validator
 
+
 def transformers_dir(path: Path, dtype=torch.float32, **over) -> Path:
     """An OLMoE directory written by transformers itself (its own names, layout and config.json)."""
-    config = transformers.OlmoeConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
-                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=0, **over)
+    config = transformers.OlmoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        eos_token_id=0,
+        **over,
+    )
     transformers.OlmoeForCausalLM(config).to(dtype).save_pretrained(path)
     return path
 
@@ -132,11 +156,13 @@ def test_transformers_own_directories_pass_and_convert(tmp_path, dtype):
 
 @pytest.mark.parametrize(
     "change, words",
-    [(lambda s: s["model.norm.weight"].fill_(float("inf")), "tensor model.norm.weight holds NaN or infinite values"),
-     (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].double()}), "tensor model.norm.weight is float64"),
-     (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.int64)}), "tensor model.norm.weight is int64"),
-     (lambda s: s.pop("model.layers.1.post_attention_layernorm.weight"), "tensor model.layers.1.post_attention_layernorm.weight is missing"),
-     (lambda s: s.update({"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(8, 16)}), "expert 9 does not exist")],
+    [
+        (lambda s: s["model.norm.weight"].fill_(float("inf")), "tensor model.norm.weight holds NaN or infinite values"),
+        (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].double()}), "tensor model.norm.weight is float64"),
+        (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.int64)}), "tensor model.norm.weight is int64"),
+        (lambda s: s.pop("model.layers.1.post_attention_layernorm.weight"), "tensor model.layers.1.post_attention_layernorm.weight is missing"),
+        (lambda s: s.update({"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(8, 16)}), "expert 9 does not exist"),
+    ],
 )
 def test_hostile_weights_are_refused_by_tensor_name(tmp_path, change, words):
     d = transformers_dir(tmp_path / "hf")

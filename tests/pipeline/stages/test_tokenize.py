@@ -85,7 +85,7 @@ def test_user_tokenizer_file_or_directory(workspace):
     (tok_dir / "tokenizer.json").write_text(Path("first/tokenizer.json").read_text())
     m = run_tokenize(cfg(output="second", tokenizer=str(tok_dir)))
     assert m["tokenizer"]["sha256"] == json.loads(Path("first/manifest.json").read_text())["tokenizer"]["sha256"]
-    assert (Path("first/train/part-00000.npy").read_bytes() == Path("second/train/part-00000.npy").read_bytes())
+    assert Path("first/train/part-00000.npy").read_bytes() == Path("second/train/part-00000.npy").read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def moe(*args, env=None):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "MOE_PIPELINE_KEY": "k-mlflow", "DVC_EXP_NAME": "bushy-oats", **(env or {})})
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "MOE_PIPELINE_KEY": "k-mlflow", "DVC_EXP_NAME": "bushy-oats", **(env or {})},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 

@@ -21,8 +21,18 @@ def test_mlflow_store_holds_every_param_and_the_metrics(in_trained):
     flat = cfg.flatten()
     assert set(flat) <= set(run.data.params)
     assert run.data.params["model.moe.num_experts"] == "4"
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s_per_device", "tflops_per_device", "lb_loss", "z_loss",
-                "expert_load_max_over_mean", "expert_load_max_over_mean/layer_0", "final/final_loss"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s_per_device",
+        "tflops_per_device",
+        "lb_loss",
+        "z_loss",
+        "expert_load_max_over_mean",
+        "expert_load_max_over_mean/layer_0",
+        "final/final_loss",
+    ):
         assert key in run.data.metrics, key
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 8
     for tag in ("git.commit", "torch", "host", "mlflow.parentRunId", "moe.pipeline_key"):
