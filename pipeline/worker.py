@@ -57,7 +57,12 @@ def run(job: TrainJob, stop=None) -> dict:
         sinks.append(sink)
         if int(os.environ.get("RANK", "0")) == 0:
             sink.set_tags(inventory_tags())  # what this job actually ran in (its image)
-    trainer = Trainer(cfg, sinks=sinks)
+    callbacks = []
+    if cfg.train.eval_every and job.eval_inputs:
+        from pipeline.eval.inloop import build_eval_callback
+
+        callbacks.append(build_eval_callback(cfg, job.eval_inputs))
+    trainer = Trainer(cfg, sinks=sinks, callbacks=callbacks)
     summary = dataclasses.asdict(trainer.fit(stop=stop))
     if summary["steps"] == summary["start_step"] and not summary["preempted"]:
         summary = finished_summary(job, summary)

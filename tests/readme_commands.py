@@ -12,7 +12,9 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = {
     "moe submit --dry-run --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128",
     ".venv/bin/moe params --set model.preset=olmoe-1b-7b",
+    ".venv/bin/moe params --set recipe=olmoe-1b-7b --set train.max_steps=20000",
     ".venv/bin/moe --version",
+    ".venv/bin/moe tasks",
     "moe plan --gpu h100",
     "moe plan --gpu h200 --gpus 8 --set parallel.ep=8 --set train.global_batch_size=64 --json",
 }
@@ -33,15 +35,20 @@ GPU = {
     "python -m bench.ep --nproc 1 --parallel ep=1",
     "python -m bench.ep --nproc 2 --parallel ep=1,shard_optimizer=true,overlap_grad_reduce=true",
     "python -m bench.layer --peers ours,gemm,sonic",
+    "python -m bench.eval --requests core.json.gz --layers 16",
+    "python -m bench.hf_parity --data data/tokens --layers 4 --steps 300",
 }
 # Run in order after `moe repro` in a clone: tests/pipeline/test_dvc_e2e.py::test_readme_commands_in_a_trained_workspace.
 WORKSPACE = [
     ".venv/bin/dvc metrics show",
     ".venv/bin/dvc plots show",
-    ".venv/bin/dvc exp run -S train.max_steps=30",
+    ".venv/bin/dvc exp run -S ++optim.lr=0.002",
     ".venv/bin/dvc exp run -S +model.d_model=128",
+    ".venv/bin/moe evaluate",
+    ".venv/bin/moe evaluate --checkpoint runs/train/checkpoints/step_00000100 --checkpoint runs/train/checkpoints/step_00000150",
 ]
 ELSEWHERE = {
+    "bench/h200/issue28.sh parity": "the H200 runs of issue 28 (its results are in bench/results/issue28/); its parts run on the CPU in tests/bench",
     "make repro": "the whole pipeline in a fresh venv: CI (.ci/run); its `moe repro` runs in tests/pipeline/test_dvc_e2e.py",
     "make test": "this suite",
     "moe paper repro": "the paper pipeline at CPU scale on the local Slurm cluster: tests/pipeline/paper/test_pipeline.py",
@@ -58,7 +65,7 @@ ELSEWHERE = {
     "make container BASE_IMAGE=debian:bookworm LOCK=requirements/cpu.lock": "a container builder (tests/containers/test_image.py)",
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
-    "PATH=$PWD/.venv/bin:$PATH dvc exp run --queue -S optim.lr=0.001": (
+    "PATH=$PWD/.venv/bin:$PATH dvc exp run --queue -S ++optim.lr=0.001": (
         "DVC's queue: tests/pipeline/test_dvc_workspaces.py::test_queued_experiment_logs_to_the_project_store"
     ),
     "PATH=$PWD/.venv/bin:$PATH dvc exp run --run-all": "as above",

@@ -11,10 +11,19 @@ TINY_PARAMS = {
     "optim": {"lr": 0.003},
     "schedule": {"warmup_steps": 2},
     "data": {"seq_len": 32},
-    "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 8, "log_every": 4},
+    "train": {
+        "global_batch_size": 4,
+        "micro_batch_size": 2,
+        "max_steps": 8,
+        "log_every": 4,
+        "eval_every": 4,
+        "eval_tasks": ["arc_easy"],
+        "eval_limit": 4,
+        "eval_val_batches": 2,
+    },
     "checkpoint": {"dir": "runs/train/checkpoints", "every": 4},
     "executor": {"run_dir": "runs/train"},
-    "evaluate": {"batch_size": 2, "max_batches": 2, "generate_tokens": 6},
+    "evaluate": {"batch_size": 2, "max_batches": 2, "generate_tokens": 6, "tasks": ["arc_easy", "winogrande", "mmlu_stem_mc_5shot"], "limit": 8},
 }
 
 

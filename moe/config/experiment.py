@@ -6,8 +6,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from moe.config.base import Config, ConfigError, apply_overrides, require
+from moe.config.base import Config, ConfigError, _join, apply_overrides, deep_merge, require
 from moe.config.model import ModelConfig
+from moe.config.recipes import recipe
 from moe.config.training import (
     CheckpointConfig,
     DataConfig,
@@ -21,6 +22,9 @@ from moe.config.training import (
 
 @dataclasses.dataclass
 class ExperimentConfig(Config):
+    # A training recipe (moe.config.recipes: tiny, olmoe-1b-7b, paper-8l): the model preset,
+    # optimizer, schedule, batch, sequence length and loss weights; explicit keys win.
+    recipe: str | None = None
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
@@ -34,6 +38,13 @@ class ExperimentConfig(Config):
     def load(cls, data: Mapping[str, Any], overrides: Iterable[str] = ()) -> ExperimentConfig:
         """Build from params.yaml sections plus ``a.b=c`` overrides, and validate."""
         return cls.from_dict(apply_overrides(data, overrides)).validate()
+
+    @classmethod
+    def _expand(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        name = data.get("recipe")
+        if name is None:
+            return data
+        return deep_merge(recipe(name, _join(prefix, "recipe")), data)
 
     def _check(self, p: str) -> None:
         m, moe, par, tr = self.model, self.model.moe, self.parallel, self.train
@@ -65,6 +76,8 @@ class ExperimentConfig(Config):
                 "parallel.grad_reduce_dtype",
                 "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
             )
+        if tr.eval_every and par.pp > 1:
+            raise ConfigError("train.eval_every: in-loop evaluation runs with parallel.pp=1 (evaluate pipeline runs with `moe evaluate`)")
         if par.pp > 1:
             require(not m.tie_embeddings, "model.tie_embeddings", "tied embeddings cannot be split over pipeline stages (parallel.pp > 1)")
         require(

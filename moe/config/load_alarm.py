@@ -12,7 +12,9 @@ class LoadAlarmConfig(Config):
     """Per MoE layer, over the last ``window`` log points: the balance loss falls (or stays
     within ``lb_near_one`` of 1) while the measured max/mean tokens per expert rises by at
     least ``min_rise`` along a consistent trend (correlation with the step >= ``min_corr``)
-    at ``confirm`` consecutive log points; or max/mean exceeds ``ceiling``. The defaults stay quiet on the default params.yaml run
+    at ``confirm`` consecutive log points; or max/mean exceeds ``ceiling`` at ``confirm``
+    consecutive log points. A layer warns once per episode (again only after ``window`` quiet
+    log points). The defaults stay quiet on the default params.yaml run
     (whose interval max/mean wanders 1.1-1.9 without a trend) and fire on a sustained drift."""
 
     enabled: bool = True
@@ -27,8 +29,12 @@ class LoadAlarmConfig(Config):
     confirm: int = 3
     # The balance loss counts as "near 1" (hiding the imbalance) while it stays below 1 + this.
     lb_near_one: float = 0.05
-    # Fire at once when the busiest expert carries more than this many times the average.
+    # Fire when the busiest expert carries more than this many times the average (at
+    # ``confirm`` log points in a row).
     ceiling: float = 2.5
+    # Watch the log points of the learning-rate warm-up too (schedule.warmup_steps): the load
+    # moves fast there on every healthy run, so by default the alarm starts after it.
+    during_warmup: bool = False
 
     def _check(self, p: str) -> None:
         k = lambda name: f"{p}.{name}" if p else name  # noqa: E731

@@ -112,6 +112,36 @@ class ModelConfig(Config):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def architecture(self) -> dict[str, Any]:
+        """What the weights' shapes and the forward pass depend on: two configs with equal
+        architectures load each other's weights and compute the same function. Not in it:
+        the preset bookkeeping, max_seq_len (RoPE has no learned positions), init_std and the
+        training losses' weights."""
+        m = self.moe
+        dense = sorted(self.dense_layers)
+        return {
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.kv_heads,
+            "rope_theta": self.rope_theta,
+            "norm_eps": self.norm_eps,
+            "qk_norm": self.qk_norm,
+            "tie_embeddings": self.tie_embeddings,
+            "dense_layers": dense,
+            "dense_hidden": self.dense_hidden if dense else None,
+            "moe.num_experts": m.num_experts,
+            "moe.top_k": m.top_k,
+            "moe.expert_hidden": m.expert_hidden,
+            "moe.score_func": m.score_func,
+            "moe.normalize_top_k": m.normalize_top_k,
+            "moe.routing": m.routing,
+            "moe.num_shared_experts": m.num_shared_experts,
+            "moe.shared_hidden_total": m.shared_hidden_total,
+            "moe.routing_bias": m.bias_update_rate > 0,
+        }
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads

@@ -7,6 +7,7 @@ from typing import Literal
 
 from moe.config.base import Config, require
 from moe.config.load_alarm import LoadAlarmConfig
+from moe.config.router_health import RouterHealthConfig
 
 
 def _k(p: str, name: str) -> str:
@@ -83,6 +84,9 @@ class TrainConfig(Config):
     peak_tflops: float | None = None
     # The token-gerrymandering alarm over the logged expert load (moe.train.load_alarm).
     load_alarm: LoadAlarmConfig = dataclasses.field(default_factory=LoadAlarmConfig)
+    # Router collapse (balance loss near its maximum, router z-loss growing): one line naming
+    # the likely cause and the knob (moe.train.router_health).
+    router_health: RouterHealthConfig = dataclasses.field(default_factory=RouterHealthConfig)
     # Activation recompute per block (moe.parallel.recompute): none | matmuls | selective | full.
     recompute: Literal["none", "matmuls", "selective", "full"] = "none"
     # Bitwise-identical reruns on CUDA at some cost in step time (moe.train.determinism).
@@ -90,9 +94,32 @@ class TrainConfig(Config):
     # Tokens per chunk of the fused lm_head + cross-entropy (moe.nn.chunked_ce), which never
     # materialises the whole batch's logits; 0: the unfused head and loss.
     loss_chunk_tokens: int = 0
+    # Olmo-core's output-logit z-loss: this weight times mean(logsumexp(logits)^2) joins the
+    # gradient (1e-5 in its OLMoE-1B-7B script; the logged loss stays the cross-entropy).
+    logit_z_loss_weight: float = 0.0
+    # In-loop evaluation every this many steps (0: none): validation loss and eval_tasks
+    # (task names of pipeline/eval: a suite like "core", or labels like "arc_easy",
+    # "mmlu_stem_mc_5shot"), each on its first eval_limit documents (null: all of them),
+    # sharded over the data-parallel ranks (moe.eval.callback).
+    eval_every: int = 0
+    eval_tasks: list[str] = dataclasses.field(default_factory=list)
+    eval_limit: int | None = 100
+    eval_val_batches: int = 8  # validation micro-batches for eval/val_loss (0: none)
+    eval_batch_tokens: int = 16384  # padded tokens per scoring batch
 
     def _check(self, p: str) -> None:
         require(self.loss_chunk_tokens >= 0, _k(p, "loss_chunk_tokens"), f"must be >= 0 (0: off), got {self.loss_chunk_tokens}")
+        require(self.eval_every >= 0, _k(p, "eval_every"), f"must be >= 0 (0: no in-loop evaluation), got {self.eval_every}")
+        require(
+            self.eval_every <= self.max_steps,
+            _k(p, "eval_every"),
+            f"{self.eval_every} is larger than train.max_steps={self.max_steps}: it would never run",
+        )
+        if self.eval_limit is not None:
+            require(self.eval_limit >= 1, _k(p, "eval_limit"), f"must be >= 1 (or null: every document), got {self.eval_limit}")
+        require(self.logit_z_loss_weight >= 0, _k(p, "logit_z_loss_weight"), f"must be >= 0, got {self.logit_z_loss_weight}")
+        require(self.eval_val_batches >= 0, _k(p, "eval_val_batches"), "must be >= 0")
+        require(self.eval_batch_tokens >= 1, _k(p, "eval_batch_tokens"), "must be >= 1")
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
             require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
         require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")

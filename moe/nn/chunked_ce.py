@@ -21,7 +21,7 @@ IGNORE_INDEX = -100  # as F.cross_entropy
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk: int, z_weight: float) -> torch.Tensor:
         n = hidden.shape[0]
         valid = target != IGNORE_INDEX
         safe = torch.where(valid, target, torch.zeros_like(target))
@@ -34,13 +34,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum() / count
         ctx.save_for_backward(hidden, weight, safe, valid, lse, count)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.z_weight = chunk, z_weight
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, safe, valid, lse, count = ctx.saved_tensors
-        chunk = ctx.chunk
+        chunk, z_weight = ctx.chunk, ctx.z_weight
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -49,6 +49,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[s : s + chunk]
             g = (h @ weight.t()).float()  # a fresh chunk of logits: updated in place below
             g.sub_(lse[s : s + chunk, None]).exp_()  # softmax
+            if z_weight:  # d(w * lse^2) / d logits = 2 w lse softmax
+                g.mul_(1.0 + 2.0 * z_weight * lse[s : s + chunk, None])
             g.scatter_add_(1, safe[s : s + chunk, None], torch.full_like(g[:, :1], -1.0))
             g = g.mul_(scale * valid[s : s + chunk, None]).to(hidden.dtype)
             if need_h:
@@ -57,11 +59,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += (g.t() @ h).float()
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``target`` (``IGNORE_INDEX`` skipped).
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, chunk_tokens: int, z_weight: float = 0.0
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``target`` (``IGNORE_INDEX`` skipped);
+    ``z_weight``: the gradient also carries ``z_weight * mean(logsumexp^2)`` (the value does not).
 
     hidden: [..., d]; weight: [vocab, d]; target: [...] class ids. Under autocast the inputs are
     cast to the autocast dtype first (the cast is differentiable), as ``F.linear`` would."""
@@ -75,7 +80,7 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, chunk_tokens)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, chunk_tokens, z_weight)
 
 
 def unfused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

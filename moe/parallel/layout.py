@@ -63,11 +63,11 @@ class Layout(Protocol):
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
-def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0) -> torch.Tensor:
+def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0, z_weight: float = 0.0) -> torch.Tensor:
     with autocast():
         if chunk:  # the model up to its final norm, then the fused, chunked head + loss
-            return lm_loss(run_stack(model, batch[:, :-1], head=False), batch[:, 1:], model.lm_head.weight, chunk)
-        return lm_loss(model(batch[:, :-1]), batch[:, 1:])
+            return lm_loss(run_stack(model, batch[:, :-1], head=False), batch[:, 1:], model.lm_head.weight, chunk, z_weight)
+        return lm_loss(model(batch[:, :-1]), batch[:, 1:], z_weight=z_weight)
 
 
 def accumulate(
@@ -77,10 +77,12 @@ def accumulate(
     device: torch.device,
     chunk: int = 0,
     before_last: Callable[[], None] | None = None,
+    z_weight: float = 0.0,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch (gradients accumulate); the mean loss.
     ``chunk``: tokens per chunk of the fused head + loss (0: unfused); ``before_last`` runs
-    before the last micro-batch (e.g. to arm overlapped gradient reduction)."""
+    before the last micro-batch (e.g. to arm overlapped gradient reduction); ``z_weight``:
+    the output-logit z-loss (in the gradient, not the returned loss)."""
     n = len(micro)
     model.set_aux_loss_scale(1.0 / n)
     total = torch.zeros((), device=device)
@@ -89,7 +91,7 @@ def accumulate(
             batch = batch.pin_memory()
         if before_last is not None and i == n - 1:
             before_last()
-        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk)
+        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk, z_weight)
         (loss / n).backward()
         total += loss.detach() / n
     return total
@@ -116,6 +118,7 @@ class ParallelLayout:
         self.runner: PipelineRunner | None = None
         self.sync: GradSync | None = None
         self.chunk = cfg.train.loss_chunk_tokens
+        self.z_weight = cfg.train.logit_z_loss_weight
 
     def parallelize(self, model: Transformer) -> Transformer:
         par = self.cfg.parallel
@@ -123,7 +126,14 @@ class ParallelLayout:
         if self.resolved.pp > 1:
             model, views = prune_for_stages(model, self.mesh, self.virtual, head=not self.chunk)
             self.runner = PipelineRunner(
-                views, self.mesh, self.cfg.parallel.pp_schedule, self.resolved.grad_accum, self.env.device, self.virtual, self.chunk
+                views,
+                self.mesh,
+                self.cfg.parallel.pp_schedule,
+                self.resolved.grad_accum,
+                self.env.device,
+                self.virtual,
+                self.chunk,
+                self.z_weight,
             )
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
@@ -145,7 +155,7 @@ class ParallelLayout:
             with autocast():
                 return self.runner.step(batch, device)
         arm = self.sync.arm if isinstance(self.sync, OverlappedGradSync) else None
-        return accumulate(model, micro, autocast, device, self.chunk, arm)
+        return accumulate(model, micro, autocast, device, self.chunk, arm, self.z_weight)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for p in opt.params:  # every rank must bring the same tensors to the collectives
@@ -204,7 +214,7 @@ class FsdpLayout:
         return MasterWeightAdamW(model, cfg, master_weights=False)
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
-        return accumulate(model, micro, autocast, self.env.device)
+        return accumulate(model, micro, autocast, self.env.device, z_weight=self.cfg.train.logit_z_loss_weight)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = [p.grad_holder for p in opt.params if p.grad is not None]

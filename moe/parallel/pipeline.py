@@ -65,13 +65,21 @@ class PipelineRunner:
     """Runs one optimizer step's micro-batches through the pipeline schedule."""
 
     def __init__(
-        self, views: list[StageView], mesh: Mesh, schedule: str, n_microbatches: int, device: torch.device, virtual: int, chunk: int = 0
+        self,
+        views: list[StageView],
+        mesh: Mesh,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+        virtual: int,
+        chunk: int = 0,
+        z_weight: float = 0.0,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches
         # chunk > 0: the last stage outputs normed hidden states and the loss applies lm_head
-        self.chunk = chunk
+        self.chunk, self.z_weight = chunk, z_weight
         self.head_weight = views[-1].lm_head.weight if chunk and views[-1].lm_head is not None else None
         n_stages = mesh.pp * virtual
         self.indices = stage_indices(mesh, virtual)
@@ -85,7 +93,7 @@ class PipelineRunner:
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # with a chunk, "logits" are the last stage's normed hidden states
-        return lm_loss(logits, target, self.head_weight, self.chunk) / self.n_microbatches
+        return lm_loss(logits, target, self.head_weight, self.chunk, self.z_weight) / self.n_microbatches
 
     def step(self, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
         """batch: [n_microbatches * micro, seq + 1] tokens -> sum of the scaled micro losses

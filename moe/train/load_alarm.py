@@ -74,6 +74,8 @@ class LoadAlarm:
         self.active: dict[str, AlarmEvent] = {}
         self.fired: dict[str, AlarmEvent] = {}  # each layer's first alarm
         self.streak: dict[str, int] = {}  # consecutive log points the trend condition held
+        self.over: dict[str, int] = {}  # consecutive log points over the ceiling
+        self.quiet: dict[str, int] = {}  # consecutive log points out of the alarm state
 
     def update(self, step: int, metrics: dict[str, float]) -> list[AlarmEvent]:
         new = []
@@ -83,10 +85,14 @@ class LoadAlarm:
             event = self._check(layer, hist)
             if event is None:
                 self.active.pop(layer, None)
+                self.quiet[layer] = self.quiet.get(layer, 0) + 1
                 continue
-            if layer not in self.active:
+            # a layer that left the alarm state warns again only after a window of quiet log
+            # points: a load hovering at the ceiling is one event, not one per crossing
+            if layer not in self.active and (layer not in self.fired or self.quiet.get(layer, 0) >= self.cfg.window):
                 new.append(event)
                 self.fired.setdefault(layer, event)
+            self.quiet[layer] = 0
             self.active[layer] = event
         return new
 
@@ -107,7 +113,8 @@ class LoadAlarm:
         lbs = [v for _, v, _ in hist]
         loads = [v for _, _, v in hist]
         lb, load = fit_trend(steps, lbs), fit_trend(steps, loads)
-        if loads[-1] > cfg.ceiling:
+        self.over[layer] = self.over.get(layer, 0) + 1 if loads[-1] > cfg.ceiling else 0
+        if self.over[layer] >= cfg.confirm:  # sustained, not one noisy interval
             return AlarmEvent(layer, steps[-1], "ceiling", steps[0], lb, load, loads[-1])
         if len(hist) < cfg.window:
             return None

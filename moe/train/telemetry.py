@@ -113,6 +113,7 @@ class MoETelemetry:
             for e, value in enumerate(layer["load"]):
                 out[f"{PER_EXPERT_PREFIX}layer_{name}/expert_{e}"] = value
             out[f"lb_loss/layer_{name}"] = layer["lb"]
+            out[f"z_loss/layer_{name}"] = layer["z"]
             lbs.append(layer["lb"])
             zs.append(layer["z"])
             if layer["ep_rows"] is not None:

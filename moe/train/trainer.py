@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe.config import ExperimentConfig
+from moe.config import ConfigError, ExperimentConfig, ModelConfig
 from moe.data import BatchLoader, TokenDataset
 from moe.errors import NonFiniteLossError, TokenDataError
 from moe.model import Transformer
@@ -31,11 +31,12 @@ from moe.parallel.recompute import apply_recompute
 from moe.precision import resolve_recipe
 from moe.train import determinism
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
+from moe.train.callbacks import Callback, LoadAlarmCallback, RouterHealthCallback
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
-from moe.train.load_alarm import TAG as LOAD_ALARM_TAG
 from moe.train.load_alarm import LoadAlarm
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
+from moe.train.router_health import RouterHealth
 from moe.train.sinks import MetricsSink
 from moe.train.state import load_targets, save_entries
 from moe.train.telemetry import MoETelemetry
@@ -65,6 +66,7 @@ class Trainer:
         env: DistEnv | None = None,
         sinks: Sequence[MetricsSink] = (),
         dataset: TokenDataset | None = None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
         self.cfg = cfg
         # First: the mode's environment must be in place before CUDA and NCCL start.
@@ -105,7 +107,14 @@ class Trainer:
         )
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
-        self.load_alarm = LoadAlarm(cfg.train.load_alarm) if cfg.train.load_alarm.enabled else None
+        self.callbacks: list[Callback] = list(callbacks)
+        if cfg.train.load_alarm.enabled:
+            self.callbacks.append(LoadAlarmCallback(LoadAlarm(cfg.train.load_alarm)))
+        if cfg.train.router_health.enabled:
+            moe_cfg = cfg.model.moe
+            self.callbacks.append(RouterHealthCallback(RouterHealth(cfg.train.router_health, moe_cfg.num_experts, moe_cfg.top_k)))
+        self._extra: dict[str, float] = {}  # callback metrics of the current step (logged with it)
+        self._callback_s = 0.0  # time callbacks took since the last log point (not training time)
 
         counts = param_counts(cfg.model)
         self.params_total, self.params_active = counts.total, counts.active
@@ -123,7 +132,7 @@ class Trainer:
         self._lr = cfg.optim.lr
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint: Path | None = None
-        self._tag(self.determinism.tags())
+        self.tag(self.determinism.tags())
 
     # ----------------------------------------------------------------- state
 
@@ -147,11 +156,11 @@ class Trainer:
 
         self.layout.settle()  # no weight broadcast still in flight may land over what is loaded
         meta = read_meta(path)
-        _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
+        _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model, path)
         mismatch = determinism.resume_mismatch(meta.get("determinism"), self.determinism, path)
         if mismatch:
             log.warning(mismatch)
-            self._tag({"determinism.resume_mismatch": mismatch})
+            self.tag({"determinism.resume_mismatch": mismatch})
         targets, copies = load_targets(self.model, self.opt)
         meta, rng = CheckpointManager.load(path, targets)
         self._finish_load(copies)
@@ -175,7 +184,7 @@ class Trainer:
         from moe.train.checkpoint import read_meta
 
         self.layout.settle()
-        _check_same_model(read_meta(path).get("config", {}).get("model", {}), self.cfg.model.to_dict(), path)
+        _check_same_model(read_meta(path).get("config", {}).get("model", {}), self.cfg.model, path)
         targets, copies = load_targets(self.model, self.opt, with_optim=False)
         CheckpointManager.load(path, targets)
         self._finish_load(copies)
@@ -237,11 +246,12 @@ class Trainer:
             self.step += 1
             steps_since += 1
             last = self.step == end
-            if self.step % self.cfg.train.log_every == 0 or last:
+            self._run_callbacks()
+            if self.step % self.cfg.train.log_every == 0 or last or self._extra:
                 self._sync()
-                elapsed = time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0 - self._callback_s
                 self._log(elapsed, steps_since)
-                t0, steps_since = time.perf_counter(), 0
+                t0, steps_since, self._callback_s = time.perf_counter(), 0, 0.0
             if stop is not None and not last and stop.agreed():
                 log.warning("stop requested (signal %s) at step %d: checkpointing", stop.signum, self.step)
                 self._sync()
@@ -279,8 +289,21 @@ class Trainer:
             )
         return summary
 
+    def _run_callbacks(self) -> None:
+        """Side jobs after a step; the time of those that work (in-loop evaluation) is kept out
+        of the throughput: the device finishes the step first, then the callback is timed."""
+        due = [cb for cb in self.callbacks if cb.due(self.step)]
+        if not due:
+            return
+        self._sync()
+        start = time.perf_counter()
+        for cb in due:
+            self._extra.update(cb.after_step(self, self.step) or {})
+        self._sync()
+        self._callback_s += time.perf_counter() - start
+
     # --------------------------------------------------------------- logging
-    def _tag(self, tags: dict[str, str]) -> None:
+    def tag(self, tags: dict[str, str]) -> None:
         """Run-level tags for the sinks that keep them (MLflow)."""
         for sink in self.sinks:
             if hasattr(sink, "set_tags"):
@@ -326,29 +349,27 @@ class Trainer:
         else:
             metrics["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(self.telemetry.reduce())
+        metrics.update(self._extra)
+        self._extra = {}
         last_step = steps_and_losses[-1][0]
-        if self.load_alarm is not None:
-            self._check_load(last_step, metrics)
+        for cb in self.callbacks:
+            cb.on_log(self, last_step, metrics)
         self.last_metrics = metrics
         for sink in self.sinks:
             for (s, _), v in zip(steps_and_losses[:-1], values[:-1], strict=True):
                 sink.log(s, {"loss": v})
             sink.log(last_step, metrics)
 
-    def _check_load(self, step: int, metrics: dict[str, float]) -> None:
-        """The token-gerrymandering alarm: a warning line and an MLflow tag per layer entering it."""
-        for event in self.load_alarm.update(step, metrics):
-            if self.env.is_main:
-                log.warning("%s", event.message())
-            tags = {LOAD_ALARM_TAG: "fired", f"{LOAD_ALARM_TAG}.layer_{event.layer}": event.message()}
-            for sink in self.sinks:
-                if hasattr(sink, "set_tags"):
-                    sink.set_tags(tags)
-        metrics.update(self.load_alarm.metrics())
 
-
-def _check_same_model(saved: dict[str, Any], current: dict[str, Any], path: Any) -> None:
-    diffs = [k for k in sorted(set(saved) | set(current)) if k != "preset" and saved.get(k) != current.get(k)]
+def _check_same_model(saved: dict[str, Any], current: ModelConfig, path: Any) -> None:
+    """The architecture only (shapes and what the forward computes), never bookkeeping or the
+    training losses' weights: continuing a model with other loss weights is a training choice."""
+    try:
+        there = ModelConfig.from_dict(saved).validate().architecture()
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: its model config is not one this version reads ({exc})") from None
+    here = current.architecture()
+    diffs = [k for k in here if there.get(k) != here[k]]
     if diffs:
         k = diffs[0]
-        raise CheckpointError(f"{path}: written for a different model (model.{k}={saved.get(k)!r} there, {current.get(k)!r} here)")
+        raise CheckpointError(f"{path}: written for a different model (model.{k}={there.get(k)!r} there, {here[k]!r} here)")

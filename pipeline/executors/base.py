@@ -22,6 +22,8 @@ class TrainJob:
     mlflow_finalize: bool = False
     # Slurm: requeues after a stop signal before the job gives up (None: no limit).
     max_requeues: int | None = None
+    # In-loop evaluation's inputs (pipeline.eval.inloop.eval_inputs), when train.eval_every > 0.
+    eval_inputs: dict[str, Any] | None = None
 
     @property
     def spec_path(self) -> Path:

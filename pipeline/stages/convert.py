@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from moe.train.checkpoint import CheckpointManager, read_meta, resolve_checkpoin
 from moe.train.state import split_experts
 from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
-from pipeline.outputs import check_own_output, replace_own_output, seal_output
+from pipeline.hub import source_model_id
+from pipeline.outputs import check_own_output, replace_own_output, seal_output, write_atomic
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
@@ -106,7 +108,10 @@ def convert_to_hf(
     dtype: str = "float32",
     max_shard_bytes: int = 2_000_000_000,
     tokenizer_file: str | Path | None = None,
+    card: Callable[[ModelConfig, dict[str, Any]], str] | None = None,
 ) -> dict[str, Any]:
+    """Our checkpoint -> a Hugging Face OLMoE directory at ``out``; ``card(model config, meta)``
+    gives its README.md (the model card)."""
     out = Path(out)
     check_own_output(out, MARKER, "convert.output (--out)")  # before any work
     if tokenizer:
@@ -124,6 +129,8 @@ def convert_to_hf(
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer:
             write_hf_tokenizer_files(tokenizer, tmp, cfg.max_seq_len)
+        if card is not None:
+            write_atomic(tmp / "README.md", card(cfg, meta))
         provenance = {
             "checkpoint": str(resolve_checkpoint(checkpoint)),
             "step": meta.get("step"),
@@ -319,7 +326,7 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
     extra = set(ours) - set(expected)
     if extra:
         raise ConversionError(f"{hf_dir}: unexpected tensor {sorted(extra)[0]}")
-    meta = {"config": ExperimentConfig(model=cfg).to_dict(), "source": str(hf_dir), "weights_only": True}
+    meta = {"config": ExperimentConfig(model=cfg).to_dict(), "source": str(hf_dir), "source_model": source_model_id(hf_dir), "weights_only": True}
     experts = expert_names(cfg)
     entries: dict[str, torch.Tensor] = {}
     for name, t in ours.items():

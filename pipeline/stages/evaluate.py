@@ -1,6 +1,8 @@
-"""Evaluate stage: validation loss and perplexity from our model and from the converted
-checkpoint loaded through transformers (they must agree), evaluation speed, and a greedy
-generation sample from both."""
+"""Evaluate stage: validation loss and perplexity, and the downstream tasks OLMo judges models
+by (evaluate.tasks, pipeline/eval), from our model and from the converted checkpoint loaded
+through transformers: they must agree, per task too. Evaluation speed, a greedy sample from
+both. With checkpoints named (`moe evaluate --checkpoint A --checkpoint B`), our model alone at
+each of them: a curve over training, without a conversion."""
 
 from __future__ import annotations
 
@@ -17,14 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from moe.data import TokenDataset
+from moe.eval.metrics import RANKED
+from moe.eval.suite import evaluate_suite, headline
 from moe.model import Transformer
 from moe.parallel.env import pick_device
+from moe.train.checkpoint import read_meta, resolve_checkpoint
 from moe.train.sinks import read_metric_rows
 from moe.train.weights import load_model
 from pipeline.errors import PipelineError
+from pipeline.eval.requests import prepare_tasks
+from pipeline.eval.tasks import TASKS
 from pipeline.outputs import check_output_file, json_keys_within, sha256_file, write_output_file
 from pipeline.params import PipelineConfig
-from pipeline.plots import validation_figure
+from pipeline.plots import checkpoint_curve_figure, downstream_figure, validation_figure
 from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tokenizer import load_tokenizer
@@ -147,6 +154,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     check_checkpoint_tokenizer(checkpoint, tok_info, tok_file)  # the data is that tokenizer's (TokenDataset checks)
 
     ours = load_model(checkpoint, device)
+    tasks = prepare_tasks(
+        cfg.evaluate.tasks, tok_info, limit=cfg.evaluate.limit, data_dir=cfg.evaluate.data_dir, key="evaluate.tasks", max_len=ours.cfg.max_seq_len
+    )  # every check before a model runs
     hf = load_hf_model(hf_dir, device)
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)
@@ -164,6 +174,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
             f"our validation loss {loss:.6f} and transformers' {hf_loss:.6f} differ by {rel:.2e} "
             f"(> evaluate.max_rel_diff={cfg.evaluate.max_rel_diff}): the conversion is wrong"
         )
+
+    pad = tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id
+    downstream = compare_downstream(ours, hf, tasks, cfg, device, pad)
 
     tok = tok_info.build()
     prompt = tok.encode(cfg.evaluate.prompt, add_special_tokens=False).ids or [tok_info.eos_id]
@@ -199,12 +212,119 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "generate_tokens": new_tokens,
         "generation_capped": float(capped),
     }
+    metrics["format"] = "moe-eval/1"
+    metrics["step"] = int(read_meta(checkpoint)["step"])
+    metrics["tasks"] = downstream
+    metrics["suite"] = suite_summary(downstream)
     metrics["sample_sha256"] = hashlib.sha256((sample + "\n").encode()).hexdigest()
     write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)
     write_output_file(out, json.dumps(metrics, indent=2) + "\n", "evaluate.output", recognise_metrics)
     train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
+    downstream_figure(downstream)
     if tracker:
-        tracker.log_metrics(metrics)
+        tracker.log_metrics(flat_metrics(metrics))
         tracker.log_artifact(sample_path)
+        tracker.log_artifact(out)
     return {**metrics, "sample": sample}
+
+
+# ------------------------------------------------------------------ downstream tasks
+
+
+def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.device, pad: int) -> dict[str, dict[str, Any]]:
+    """Every task on both models; per task, ours must agree with transformers' within
+    evaluate.max_rel_diff (the mean gold log-likelihood per byte, bpb)."""
+    max_len = ours.cfg.max_seq_len
+    mine, _ = evaluate_suite(lambda x: ours(x), tasks, max_len=max_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad)
+    theirs, _ = evaluate_suite(lambda x: hf(x).logits, tasks, max_len=max_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad)
+    out: dict[str, dict[str, Any]] = {}
+    for t in tasks:
+        m, h = mine[t.name], theirs[t.name]
+        rel = abs(m["bpb_v2"] - h["bpb_v2"]) / max(abs(h["bpb_v2"]), 1e-12)
+        if not rel <= cfg.evaluate.max_rel_diff:
+            raise PipelineError(
+                f"task {t.name}: our bpb {m['bpb_v2']:.6f} and transformers' {h['bpb_v2']:.6f} differ by "
+                f"{rel:.2e} (> evaluate.max_rel_diff={cfg.evaluate.max_rel_diff}): the conversion is wrong"
+            )
+        out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": headline(h, t.metric), "hf_rel_diff": rel}
+    return out
+
+
+def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Means over the tasks of the primary metric (where it is an accuracy), of chance, and of bpb."""
+    ranked = [r for r in downstream.values() if r["primary"] in RANKED]
+    out = {
+        "tasks": float(len(downstream)),
+        "docs": float(sum(r["docs"] for r in downstream.values())),
+        "seconds": float(sum(r["seconds"] for r in downstream.values())),
+    }
+    if ranked:
+        out["primary_mean"] = sum(r[f"{r['primary']}_v2"] for r in ranked) / len(ranked)
+        out["chance_mean"] = sum(r["chance"] for r in ranked) / len(ranked)
+    if downstream:
+        out["bpb_mean"] = sum(r["bpb_v2"] for r in downstream.values()) / len(downstream)
+    return out
+
+
+def flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """eval.json as MLflow metrics: task/<name>/<metric>, suite/<figure>, the rest as they are."""
+    flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for name, r in metrics.get("tasks", {}).items():
+        for k, v in r.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                flat[f"task/{name}/{k}"] = v
+        for k, v in r.get("hf", {}).items():
+            flat[f"task/{name}/hf_{k}"] = v
+    flat.update({f"suite/{k}": v for k, v in metrics.get("suite", {}).items()})
+    return flat
+
+
+def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=None) -> dict[str, Any]:
+    """Our model at each checkpoint (no conversion needed): validation loss and the tasks, by step."""
+    device = pick_device(cfg.evaluate.device, key="evaluate.device")
+    out = Path(cfg.evaluate.output)
+    curve_path = out.with_name(out.stem + "_checkpoints.json")
+    check_output_file(curve_path, "evaluate.output (its _checkpoints.json)", recognise_curve)
+    tok_file = Path(cfg.tokenize.output) / "tokenizer.json"
+    tok_info = load_tokenizer(tok_file)
+    for c in checkpoints:
+        check_checkpoint_tokenizer(c, tok_info, tok_file)
+    by_step = {int(read_meta(c)["step"]): str(resolve_checkpoint(c)) for c in checkpoints}
+    if len(by_step) < len(checkpoints):
+        raise PipelineError("--checkpoint: two of the checkpoints are at the same step; name each step once")
+    checkpoints = [by_step[s] for s in sorted(by_step)]  # MLflow's history in step order
+    first = read_meta(checkpoints[0])["config"]["model"]["max_seq_len"]
+    tasks = prepare_tasks(cfg.evaluate.tasks, tok_info, limit=cfg.evaluate.limit, data_dir=cfg.evaluate.data_dir, key="evaluate.tasks", max_len=first)
+    pad = tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id
+    points = []
+    for c in checkpoints:
+        model = load_model(c, device)
+        seq_len = min(cfg.data.seq_len, model.cfg.max_seq_len)
+        val = TokenDataset([str(Path(cfg.tokenize.output) / "val")], seq_len, tokenizer_hash=tok_info.sha256)
+        n = len(val) if cfg.evaluate.max_batches is None else min(len(val), cfg.evaluate.batch_size * cfg.evaluate.max_batches)
+        index = np.arange(n)
+        batches = [val.batch(index[i : i + cfg.evaluate.batch_size]).to(device) for i in range(0, n, cfg.evaluate.batch_size)]
+        loss, _, _ = mean_loss(model, batches)
+        results, _ = evaluate_suite(
+            lambda x, m=model: m(x), tasks, max_len=model.cfg.max_seq_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad
+        )
+        step = int(read_meta(c)["step"])
+        point = {
+            "step": step,
+            "checkpoint": str(resolve_checkpoint(c)),
+            "val_loss": loss,
+            "tasks": {t.name: headline(results[t.name], t.metric) for t in tasks},
+        }
+        points.append(point)
+        if tracker:
+            tracker.log_metrics({"val_loss": loss, **{f"task/{n}/{k}": v for n, r in point["tasks"].items() for k, v in r.items()}}, step=step)
+    payload = {"format": "moe-eval-checkpoints/1", "points": points}
+    write_output_file(curve_path, json.dumps(payload, indent=2) + "\n", "evaluate.output (its _checkpoints.json)", recognise_curve)
+    checkpoint_curve_figure(points)
+    return payload
+
+
+def recognise_curve(path: Path) -> bool:
+    data = json.loads(path.read_text())
+    return isinstance(data, dict) and data.get("format") == "moe-eval-checkpoints/1" and set(data) == {"format", "points"}

@@ -21,7 +21,7 @@ from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.outputs import csv_header, json_keys_within, write_output_file
 from pipeline.params import PipelineConfig
-from pipeline.plots import TRAIN_DIR, train_figures
+from pipeline.plots import TRAIN_DIR, eval_curve, train_figures
 from pipeline.redact import has_password, redact
 from pipeline.resume import prepare_checkpoints
 from pipeline.run_dirs import check_run_dirs
@@ -63,6 +63,10 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentCon
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"{key}: {value} is not a directory ({p} is a file)")
     check_run_dirs(cfg.executor.run_dir, cfg.checkpoint.dir)  # read only: before the lock creates anything
+    if exp.train.eval_every and resolve_data:
+        from pipeline.eval.inloop import eval_inputs, prepare_in_loop
+
+        prepare_in_loop(exp, eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir))  # every task check, before any work
     if cfg.executor.kind == "local":
         import torch
 
@@ -95,7 +99,16 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> Tr
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_flush_every=cfg.mlflow.flush_every,
         max_requeues=cfg.slurm.max_requeues,
+        eval_inputs=_eval_inputs(cfg, exp),
     )
+
+
+def _eval_inputs(cfg: PipelineConfig, exp: ExperimentConfig) -> dict[str, Any] | None:
+    if not exp.train.eval_every:
+        return None
+    from pipeline.eval.inloop import eval_inputs
+
+    return eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir)
 
 
 def prepare_run(job: TrainJob) -> str:
@@ -111,7 +124,8 @@ def prepare_run(job: TrainJob) -> str:
 def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
     job = make_job(cfg, tracker)
     check_local_memory(cfg, ExperimentConfig.from_dict(job.config))
-    lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (train stage)")
+    holder = "local executor" if cfg.executor.kind == "local" else "preparing the Slurm job"
+    lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} ({holder})")
     try:
         start = prepare_run(job)
         if tracker:
@@ -153,12 +167,18 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     heatmap = Path(job.run_dir) / "expert_load.png"
     expert_load.write_png(heatmap, table)
     train_figures(rows)  # PNGs: `dvc plots show` renders them offline
+    eval_curve(rows)  # the in-loop evaluation, when train.eval_every ran it
     expert_load.write_png(TRAIN_DIR / "expert_load_by_expert.png", table)
     if tracker:
         tracker.log_metrics({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
         tracker.log_artifact(job.metrics_path)
         tracker.log_artifact(heatmap)
-        tracker.set_tags({"moe.load_alarm": "fired" if metrics["load_alarm"] else "quiet"})
+        tracker.set_tags(
+            {
+                "moe.load_alarm": "fired" if metrics["load_alarm"] else "quiet",
+                "moe.router_health": "collapse" if metrics["router_collapse"] else "healthy",
+            }
+        )
     return metrics
 
 
@@ -184,8 +204,13 @@ def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[s
         "expert_load_cv": last.get("expert_load_cv"),
         "expert_load_entropy": last.get("expert_load_entropy"),
         **load_alarm_metrics(rows),
+        **router_collapse_metrics(rows),
         "skipped_steps": last.get("skipped_steps", 0),
     }
+    evaluated = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if evaluated:  # the last in-loop evaluation (train.eval_every)
+        e = evaluated[-1]
+        out["eval"] = {"step": e["step"], **{k[len("eval/") :]: v for k, v in e.items() if k.startswith("eval/")}}
     if any("mfu" in r for r in steady):
         out["mfu"] = mean("mfu")
     return out
@@ -201,6 +226,13 @@ def load_alarm_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if hit and first is None:
             first = r["step"]
     return {"load_alarm": len(layers), "load_alarm_first_step": first}
+
+
+def router_collapse_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``router_collapse``: 1 if the router collapsed at any log point (train.router_health);
+    ``router_collapse_first_step``: the first such step (null: never)."""
+    first = next((r["step"] for r in rows if r.get("router_collapse")), None)
+    return {"router_collapse": int(first is not None), "router_collapse_first_step": first}
 
 
 TRAIN_METRIC_KEYS = {
@@ -222,8 +254,9 @@ TRAIN_METRIC_KEYS = {
     "load_alarm_first_step",
     "skipped_steps",
     "mfu",
-    "router_health",
-    "router_health_first_step",
+    "router_collapse",
+    "router_collapse_first_step",
+    "eval",
 }
 LOSS_COLUMNS = ["step", "loss"]
 THROUGHPUT_COLUMNS = ["step", "tokens_per_s_per_device", "tflops_per_device"]

@@ -112,7 +112,9 @@ def test_plan_prints_the_table_and_json(workspace):
 def test_plan_errors(workspace):
     assert moe("plan", "--help").returncode == 0
     assert_one_error_line(moe("plan", "--gpu", "a100"), 2, "--gpu: unknown GPU 'a100'; known: h100, h200, b200, b300")
-    assert_one_error_line(moe("plan", "--gpus", "3", "--set", "parallel.pp=2"), 2, "parallel.pp: world size 3 is not divisible by pp=2")
+    assert_one_error_line(
+        moe("plan", "--gpus", "3", "--set", "parallel.pp=2", "--set", "train.eval_every=0"), 2, "parallel.pp: world size 3 is not divisible by pp=2"
+    )
     assert_one_error_line(moe("plan", "--set", "train.recompute=most"), 2, "train.recompute")
     assert_one_error_line(moe("plan", "--params", "nope.yaml"), 2, "nope.yaml: params file not found")
 

@@ -20,11 +20,14 @@ def clone(tmp_path_factory):
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 400_000, "vocab_size": 384})
     params["model"]["vocab_size"] = 384
-    params["train"].update({"max_steps": 20, "log_every": 5, "global_batch_size": 4, "micro_batch_size": 4})
+    # 150 steps and checkpoints every 50 as params.yaml has them: the README's `moe evaluate --checkpoint` names steps 100 and 150
+    params["train"].update({"max_steps": 150, "log_every": 10, "global_batch_size": 4, "micro_batch_size": 4})
     params["data"]["seq_len"] = 64
     params["evaluate"]["max_batches"] = 4
-    params["checkpoint"]["every"] = 10
-    params["schedule"]["warmup_steps"] = 5
+    params["train"].update({"eval_every": 50, "eval_tasks": ["arc_easy", "piqa"], "eval_limit": 8})
+    params["evaluate"].update({"tasks": ["arc_easy", "piqa"], "limit": 16})
+    params["checkpoint"]["every"] = 50
+    params.setdefault("schedule", {})["warmup_steps"] = 5
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {
         **os.environ,
@@ -52,6 +55,9 @@ def test_repro_end_to_end_then_incremental(clone):
     assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate"], first.stdout
     ev = json.loads((dest / "metrics/eval.json").read_text())
     assert ev["hf_rel_diff"] < 1e-4 and ev["generation_matches_hf"] == 1.0
+    assert set(ev["tasks"]) == {"arc_easy", "piqa"} and all(t["hf_rel_diff"] < 1e-4 for t in ev["tasks"].values())
+    curve = (dest / "plots/eval_curve.csv").read_text().splitlines()
+    assert len(curve) == 4 and "arc_easy/bpb" in curve[0], curve  # steps 50, 100, 150
     assert (dest / "runs/hf/config.json").is_file()
 
     again = sh("dvc", "repro", cwd=dest, env=env)
@@ -65,6 +71,8 @@ def test_repro_end_to_end_then_incremental(clone):
         "plots/train/throughput_mfu.png",
         "plots/train/expert_load.png",
         "plots/eval/val_loss.png",
+        "plots/eval/downstream.png",
+        "plots/train/eval_curve.png",
     ):
         assert png in plots.stdout, png
     sh("dvc", "plots", "show", "-o", "plots_html", cwd=dest, env=env)
@@ -72,7 +80,7 @@ def test_repro_end_to_end_then_incremental(clone):
     assert "<img" in html and "<script src=" not in html  # renders offline: no vega from a CDN
 
     params = yaml.safe_load((dest / "params.yaml").read_text())
-    params["model"]["moe"]["top_k"] = 1
+    params["model"].setdefault("moe", {})["top_k"] = 1
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     changed = sh("dvc", "repro", cwd=dest, env=env)
     assert ran_stages(changed.stdout) == ["train", "convert", "evaluate"], changed.stdout

@@ -32,8 +32,10 @@ def project(tmp_path_factory):
     params["train"].update({"max_steps": 16, "log_every": 4, "global_batch_size": 4, "micro_batch_size": 4})
     params["data"]["seq_len"] = 64
     params["checkpoint"]["every"] = 4
-    params["schedule"]["warmup_steps"] = 2
+    params.setdefault("schedule", {})["warmup_steps"] = 2
     params["evaluate"].update({"max_batches": 2, "generate_tokens": 4})
+    params["train"].update({"eval_every": 8, "eval_tasks": ["arc_easy", "piqa"], "eval_limit": 8})
+    params["evaluate"].update({"tasks": ["arc_easy", "piqa"], "limit": 16})
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MOE_PIPELINE_KEY", "PYTHONPATH", "VIRTUAL_ENV")}
     env.update({"PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
@@ -88,7 +90,7 @@ def test_interrupted_repro_resumes_and_a_changed_config_does_not(project):
     assert summary["steps"] == 16
 
     params = yaml.safe_load((dest / "params.yaml").read_text())
-    params["optim"]["lr"] = 0.002
+    params.setdefault("optim", {})["lr"] = 0.002
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     dvc(project, "repro", "train")
     assert train_runs(dest)[-1].data.tags["train.start"] == "restart"
@@ -105,13 +107,13 @@ def test_exp_run_with_venv_dvc_and_temp_log_to_the_project_store(project):
     sh("git", "commit", "-qm", "baseline", cwd=dest, env=env)
     before = len(train_runs(dest))
 
-    r = dvc(project, "exp", "run", "-S", "train.max_steps=30")  # the README's command, `moe` not on PATH
+    r = dvc(project, "exp", "run", "-S", "++optim.lr=0.002")  # the README's command, `moe` not on PATH
     assert "Ran experiment" in r.stdout + r.stderr
     dvc(project, "exp", "run", "--temp", "-S", "train.max_steps=8")
 
     runs = train_runs(dest)
-    steps = sorted(r.data.params["train.max_steps"] for r in runs[before:])
-    assert steps == ["30", "8"], steps
+    made = sorted((r.data.params["optim.lr"], r.data.params["train.max_steps"]) for r in runs[before:])
+    assert made[0][0] == "0.002" and made[1][1] == "8", made
     assert not list((dest / ".dvc/tmp").rglob("mlflow.db"))  # nothing went to a throwaway store
     names = [r.data.tags.get("mlflow.runName", "") for r in runs[before:]]
     assert all(n.startswith("train (") for n in names), names  # carries the DVC experiment's name
@@ -123,7 +125,7 @@ def test_queued_experiment_logs_to_the_project_store(project):
     MLflow runs land in the project's store under the experiment's name."""
     dest, env = project
     env = {**env, "PATH": f"{dest / '.venv/bin'}:{env['PATH']}"}
-    sh("dvc", "exp", "run", "--queue", "-S", "optim.lr=0.0021", "-S", "train.max_steps=8", cwd=dest, env=env)
+    sh("dvc", "exp", "run", "--queue", "-S", "++optim.lr=0.0021", "-S", "train.max_steps=8", cwd=dest, env=env)
     sh("dvc", "exp", "run", "--run-all", cwd=dest, env=env)
     status = sh("dvc", "queue", "status", cwd=dest, env=env).stdout
     assert "Success" in status and "Failed" not in status, status

@@ -428,6 +428,8 @@ def _credentials_masked_everywhere(ws):
                 "--set",
                 "train.max_steps=2",
                 "--set",
+                "train.eval_every=2",
+                "--set",
                 f"checkpoint.dir=runs/c{len(outputs)}/ck",
                 "--set",
                 f"executor.run_dir=runs/c{len(outputs)}",

@@ -86,12 +86,23 @@ def test_an_honest_balance_loss_rising_with_the_load_is_not_gerrymandering():
     assert feed(alarm, hist) == []
 
 
-def test_ceiling_fires_at_once_and_clears():
-    alarm = LoadAlarm(LoadAlarmConfig(ceiling=2.0))
-    (e,) = feed(alarm, [point(10, **{"0": (1.0, 2.6)})])
+def test_a_sustained_ceiling_fires_once_and_clears():
+    alarm = LoadAlarm(LoadAlarmConfig(ceiling=2.0, confirm=3, window=4))
+    assert feed(alarm, [point(10, **{"0": (1.0, 2.6)}), point(20, **{"0": (1.0, 2.7)})]) == []  # not yet sustained
+    (e,) = feed(alarm, [point(30, **{"0": (1.0, 2.6)})])
     assert e.reason == "ceiling" and "over the ceiling" in e.message()
-    assert feed(alarm, [point(20, **{"0": (1.0, 1.2)})]) == []
+    assert feed(alarm, [point(40, **{"0": (1.0, 1.2)})]) == []
     assert alarm.metrics()["load_alarm"] == 0.0 and "0" in alarm.fired
+
+
+def test_a_load_hovering_at_the_ceiling_is_one_event():
+    """Per-step telemetry of a small batch crosses the ceiling on and off: one warning, again
+    only after a window of quiet log points."""
+    alarm = LoadAlarm(LoadAlarmConfig(ceiling=2.0, confirm=1, window=4))
+    hovering = [point(s, **{"0": (1.0, 2.6 if s % 2 else 1.5)}) for s in range(1, 12)]
+    assert len(feed(alarm, hovering)) == 1
+    quiet = [point(s, **{"0": (1.0, 1.2)}) for s in range(12, 16)]
+    assert feed(alarm, quiet) == [] and len(feed(alarm, [point(16, **{"0": (1.0, 2.6)})])) == 1
 
 
 def test_fit_trend():
@@ -125,7 +136,7 @@ class _TagSink:
 
 def test_trainer_warns_tags_and_logs_the_alarm(tmp_path, corpus, caplog):
     """A ceiling every real load exceeds: one warning per layer, the tag, the metrics."""
-    cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 3, "load_alarm": {"ceiling": 1.0001}})
+    cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 6, "load_alarm": {"ceiling": 1.0001}})
     sink = _TagSink()
     with caplog.at_level(logging.WARNING, logger="moe.train"):
         Trainer(cfg, sinks=[sink]).fit()

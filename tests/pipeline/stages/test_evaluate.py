@@ -26,7 +26,75 @@ def test_evaluation_agrees_with_transformers(in_trained):
     assert whole["val_tokens"] > m["val_tokens"]
 
 
+def test_downstream_tasks_in_eval_json_with_transformers_beside(in_trained):
+    """Issue 27: per task, OLMo's metrics for ours, transformers' headline beside (they agree), the
+    documents counted (of the task's total), chance next to accuracy; the figure; MLflow's flat keys."""
+    from pipeline.stages.convert import convert_to_hf, load_tokens_tokenizer
+    from pipeline.stages.evaluate import flat_metrics, run_evaluate
+
+    if not Path("hf_eval").is_dir():
+        convert_to_hf("runs/train/checkpoints", "hf_eval", load_tokens_tokenizer("data/tokens"))
+    m = run_evaluate(load(["convert.output=hf_eval", "evaluate.output=metrics/eval_d.json"]))
+    written = json.loads(Path("metrics/eval_d.json").read_text())
+    assert written["format"] == "moe-eval/1" and set(written["tasks"]) == {"arc_easy", "winogrande", "mmlu_stem_mc_5shot"}
+    arc = written["tasks"]["arc_easy"]
+    assert arc["primary"] == "acc" and arc["docs"] == 8 and arc["docs_total"] == 570 and 0.2 < arc["chance"] < 0.3
+    assert arc["hf"]["bpb"] == __import__("pytest").approx(arc["bpb_v2"], rel=1e-4) and arc["hf_rel_diff"] < 1e-4
+    for key in ("acc_v2", "len_norm_v2", "bpb_v2", "ce_loss_v2", "soft_v2"):
+        assert key in arc, key
+    assert written["tasks"]["mmlu_stem_mc_5shot"]["primary"] == "len_norm"
+    assert written["suite"]["tasks"] == 3 and written["suite"]["docs"] == 24
+    assert Path("plots/eval/downstream.png").read_bytes().startswith(b"\x89PNG")
+    flat = flat_metrics(m)
+    assert "task/arc_easy/bpb_v2" in flat and "task/arc_easy/hf_bpb" in flat and "suite/bpb_mean" in flat
+
+
 def test_evaluate_defaults_to_the_whole_split():
     from pipeline.params import EvaluateConfig
 
     assert EvaluateConfig().max_batches is None
+
+
+def test_checkpoints_evaluated_without_conversion_give_a_curve(ws):
+    """`moe evaluate --checkpoint A --checkpoint B`: our model at each step, validation loss and the
+    tasks, in <output>_checkpoints.json (sorted by step), MLflow (one metric per step) and a figure."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers import moe
+
+    r = moe(
+        "evaluate",
+        "--checkpoint",
+        "runs/train/checkpoints/step_00000008",
+        "--checkpoint",
+        "runs/train/checkpoints/step_00000004",
+        "--set",
+        "evaluate.tasks=[arc_easy, piqa]",
+        "--set",
+        "evaluate.limit=6",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = r.stdout + r.stderr
+    assert "step 4: val loss" in said and "step 8: val loss" in said and "piqa bpb" in said
+    curve = json.loads(Path("metrics/eval_checkpoints.json").read_text())
+    assert [p["step"] for p in curve["points"]] == [4, 8]
+    assert set(curve["points"][0]["tasks"]) == {"arc_easy", "piqa"} and "bpb" in curve["points"][0]["tasks"]["piqa"]
+    assert Path("plots/eval/checkpoints.png").read_bytes().startswith(b"\x89PNG")
+    assert not Path("metrics/eval.json").exists()  # the stage's own output is untouched
+    client = MlflowClient("sqlite:///mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("moe").experiment_id], "tags.`moe.stage` = 'evaluate-checkpoints'")[0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "task/piqa/bpb")] == [4, 8]
+
+
+def test_an_unknown_task_is_one_error_before_any_work(ws):
+    from tests.helpers import moe
+
+    for command in (["evaluate"], ["train", "--set", "train.max_steps=12"]):
+        key = "evaluate.tasks" if command == ["evaluate"] else "train.eval_tasks"
+        r = moe(*command, "--no-mlflow", "--set", f"{key}=[arc_easy, helaswag]")
+        assert r.returncode != 0
+        lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and f"error: {key}: unknown task 'helaswag' (did you mean hellaswag" in lines[0], r.stderr
+        assert "known: the suites" in lines[0]
+    assert not Path("metrics/eval.json").exists()
+    assert json.loads(Path("runs/train/metrics.jsonl").read_text().splitlines()[-1])["step"] == 8  # no step trained

@@ -1,0 +1,2 @@
+"""Evaluation: ranked-classification scoring of in-context-learning requests and their metrics
+(torch only; the task data and prompts live in pipeline/eval)."""

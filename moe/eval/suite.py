@@ -1,0 +1,99 @@
+"""A suite of tokenised tasks scored on one model: per task, OLMo's metrics, the number of
+documents, chance level and the time it took; sharded over data-parallel ranks when asked.
+
+Torch only: the evaluate stage and the trainer's in-loop evaluation (moe.eval.callback) share
+it, with the requests built by pipeline.eval from the task data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe.eval.metrics import RANKED, chance, task_metrics
+from moe.eval.requests import TaskRequests
+from moe.eval.scoring import Forward, score_requests
+
+
+def _gather(scores: dict[int, float], group) -> dict[int, float]:
+    """Every rank's scores merged (a collective: eval points only, never the training step)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return scores
+    parts: list[dict[int, float] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, scores, group=group)
+    merged: dict[int, float] = {}
+    for p in parts:
+        merged.update(p or {})
+    return merged
+
+
+def _equal_calls(device: torch.device, group) -> Callable[[int], int] | None:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return None
+
+    def most(n: int) -> int:
+        t = torch.tensor([n], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return most
+
+
+def evaluate_suite(
+    forward: Forward,
+    tasks: Sequence[TaskRequests],
+    *,
+    max_len: int,
+    device: torch.device,
+    batch_tokens: int = 16384,
+    pad_id: int = 0,
+    shard: int = 0,
+    num_shards: int = 1,
+    group=None,
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[int, float]]]:
+    """(task -> metrics, task -> request index -> summed log-likelihood). Metrics hold the
+    primary type's numbers (``primary`` names it) and, for ranked tasks, both acc and len_norm."""
+    results: dict[str, dict[str, float]] = {}
+    all_scores: dict[str, dict[int, float]] = {}
+    for t in tasks:
+        start = time.perf_counter()
+        scores = score_requests(
+            forward,
+            t.requests,
+            max_len=max_len,
+            device=device,
+            batch_tokens=batch_tokens,
+            pad_id=pad_id,
+            shard=shard,
+            num_shards=num_shards,
+            equal_calls=_equal_calls(device, group),
+        )
+        scores = _gather(scores, group)
+        metrics = task_metrics(t.requests, scores, t.metric)
+        if t.metric in RANKED:
+            other = "len_norm" if t.metric == "acc" else "acc"
+            extra = task_metrics(t.requests, scores, other)
+            metrics.update({k: v for k, v in extra.items() if k.startswith(other)})
+            metrics["chance"] = chance(t.requests)
+        metrics["docs_total"] = float(t.docs_total)
+        metrics["requests"] = float(len(t.requests))
+        metrics["seconds"] = time.perf_counter() - start
+        results[t.name] = metrics
+        all_scores[t.name] = scores
+    return results, all_scores
+
+
+def headline(metrics: dict[str, float], metric: str) -> dict[str, float]:
+    """The few numbers a curve or a table shows: the primary metric, accuracy, bpb."""
+    out = {}
+    if metric in RANKED:
+        out[metric] = metrics[f"{metric}_v2"]
+        out["acc"] = metrics["acc_v2"]
+        out["len_norm"] = metrics["len_norm_v2"]
+    out["bpb"] = metrics["bpb_v2"]
+    if "ce_loss_v2" in metrics:
+        out["ce_loss"] = metrics["ce_loss_v2"]
+    return out

