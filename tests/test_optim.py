@@ -24,6 +24,22 @@ def test_bf16_params_get_fp32_masters_and_fp32_gradient_accumulation():
     assert torch.equal(model.weight, master.to(torch.bfloat16))
 
 
+def test_accumulation_adds_each_bf16_gradient_in_fp32_exactly():
+    """The in-kernel bf16 -> fp32 add equals summing grad.float() of each micro-batch, bitwise."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+    opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2), master_weights=True)
+    (master,) = opt.masters
+    expected = torch.zeros(16, 16)
+    for i in range(5):
+        x = torch.randn(4, 16, dtype=torch.bfloat16) * (10.0**i)  # magnitudes where rounding order would show
+        w = model.weight.detach().clone().requires_grad_(True)
+        (x @ w.t()).float().sum().backward()
+        expected += w.grad.float()
+        model(x).float().sum().backward()
+    assert torch.equal(master.grad, expected)
+
+
 def test_fp32_params_are_their_own_masters():
     model = nn.Linear(4, 4)
     opt = MasterWeightAdamW(model, OptimizerConfig(), master_weights=False)
