@@ -26,7 +26,7 @@ repro: setup
 
 # Every test, the slow end-to-end suites included (what CI runs).
 test: setup
-	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider
+	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60
 
 # Without the slow suites (a few minutes).
 test-fast: setup

@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["olmoe", "paper"],
         help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads",
     )
+    p.add_argument(
+        "--expert-grad-accum",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="optim.expert_grad_accum: where the expert weights' gradient accumulates over micro-batches",
+    )
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     "recompute": args.recompute,
                 },
                 "schedule": {"warmup_steps": 1},
+                "optim": {"expert_grad_accum": args.expert_grad_accum},
                 "checkpoint": {"dir": str(Path(tmp) / "ck")},
                 "precision": {"recipe": args.recipe, **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
             }
@@ -179,6 +186,9 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         "fused_norm_rope": not args.eager_norm_rope,
         "width": args.width,
         "layers": args.layers,
+        "experts": args.experts,
+        "routing": args.routing,
+        "expert_grad_accum": args.expert_grad_accum,
         "seq": args.seq,
         "accum": args.accum,
         "loss_chunk": args.loss_chunk,
@@ -203,6 +213,9 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
             "fused_norm_rope",
             "width",
             "layers",
+            "experts",
+            "routing",
+            "expert_grad_accum",
             "accum",
             "tokens_per_step",
             "step_s",

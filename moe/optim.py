@@ -4,6 +4,8 @@ When the model's parameters are bf16, each gets an fp32 master copy; gradients a
 accumulated into the master's fp32 ``.grad`` by a post-accumulate hook (so gradient
 accumulation over micro-batches happens in fp32), and after the step the masters are copied
 back into the bf16 parameters. With fp32 parameters the master *is* the parameter.
+``expert_grad_accum="bf16"`` keeps the expert weights' gradient in bf16 until the step's last
+micro-batch (``last_micro_batch``) or the gradient sync (``fold_deferred``), whichever comes first.
 
 The state is keyed by parameter name, so checkpoints do not depend on the parallel layout.
 """
@@ -17,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe.config import OptimizerConfig, ScheduleConfig
+from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
+from moe.layers.experts import expert_param_layout
 
 
 @dataclasses.dataclass
@@ -57,6 +60,12 @@ class MasterWeightAdamW:
         owns: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         self.params: list[MasterParam] = []
+        # parameters whose bf16 gradient waits for the last micro-batch (expert_grad_accum bf16)
+        self.deferred: list[MasterParam] = []
+        self._fold_now = False
+        if cfg.expert_grad_accum == "bf16" and not master_weights:
+            raise ConfigError("optim.expert_grad_accum: bf16 needs bf16 weights with fp32 masters (precision.recipe bf16 or an fp8 recipe)")
+        deferred_names = set(expert_param_layout(model)) if cfg.expert_grad_accum == "bf16" else set()
         seen: set[int] = set()
         for name, param in model.named_parameters():
             if not param.requires_grad or id(param) in seen:
@@ -71,9 +80,13 @@ class MasterWeightAdamW:
             else:  # only an fp32 gradient accumulator; a stride-0 leaf costs no memory
                 master = None
                 holder = torch.zeros(1, dtype=torch.float32, device=param.device).expand(param.shape).requires_grad_(True)
-            if holder is not param:
+            entry = MasterParam(name, param, master, holder)
+            if holder is not param and name in deferred_names:
+                param.register_post_accumulate_grad_hook(self._fold_if_last(entry))
+                self.deferred.append(entry)
+            elif holder is not param:
                 param.register_post_accumulate_grad_hook(_accumulate_into(holder))
-            self.params.append(MasterParam(name, param, master, holder))
+            self.params.append(entry)
         owned_params = [p for p in self.params if p.owned]
         decay = [p.master for p in owned_params if not _no_decay(p.name, p.master, cfg.decay_embeddings)]
         no_decay = [p.master for p in owned_params if _no_decay(p.name, p.master, cfg.decay_embeddings)]
@@ -99,6 +112,28 @@ class MasterWeightAdamW:
         for p in self.params:
             p.grad_holder.grad = None
             p.param.grad = None
+        self._fold_now = False
+
+    def last_micro_batch(self) -> None:
+        """The next backward is the step's last: deferred bf16 gradients go to their fp32
+        holders as each is produced (so an overlapped gradient reduction finds them there)."""
+        self._fold_now = True
+
+    @torch.no_grad()
+    def fold_deferred(self) -> None:
+        """Every deferred bf16 gradient still waiting goes to its fp32 holder (before the
+        gradient sync; a no-op when the last backward already folded them)."""
+        for p in self.deferred:
+            if p.param.grad is not None:
+                _fold(p)
+        self._fold_now = False
+
+    def _fold_if_last(self, p: MasterParam) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if self._fold_now:  # otherwise autograd adds the next micro-batch's gradient in bf16
+                _fold(p)
+
+        return hook
 
     @torch.no_grad()
     def step(self, found_inf: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None) -> None:
@@ -141,6 +176,15 @@ class MasterWeightAdamW:
         for p in self.params:
             if p.owned and p.param is not p.master:
                 p.param.copy_(p.master)
+
+
+def _fold(p: MasterParam) -> None:
+    """A deferred bf16 gradient (the sum of this step's micro-batches) into the fp32 holder."""
+    if p.grad_holder.grad is None:
+        p.grad_holder.grad = p.param.grad.float()
+    else:
+        p.grad_holder.grad.add_(p.param.grad)
+    p.param.grad = None
 
 
 def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -99,3 +99,58 @@ def test_schedule_warmup_then_cosine_to_floor():
     assert mid == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
     lin = lr_lambda(ScheduleConfig(warmup_steps=0, decay="linear", min_lr_ratio=0.0), max_steps=11)
     assert lin(0) == 1.0 and lin(10) == pytest.approx(0.0) and lin(5) == pytest.approx(0.5)
+
+
+def _tiny_bf16_model():
+    from moe.config import ModelConfig
+    from moe.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_dict({"preset": "tiny", "vocab_size": 64}).validate()).to(torch.bfloat16)
+
+
+def _backward(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (2, 17), generator=g)
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def test_bf16_expert_accumulation_defers_the_fp32_add_to_the_last_micro_batch():
+    """expert_grad_accum bf16: expert gradients sum in bf16 (autograd adds in place) and reach
+    the fp32 holder once; dense gradients still go to fp32 every micro-batch."""
+    model = _tiny_bf16_model()
+    opt = MasterWeightAdamW(model, OptimizerConfig(expert_grad_accum="bf16"), master_weights=True)
+    experts = {p.name: p for p in opt.deferred}
+    assert experts and all(".experts." in name for name in experts)
+    dense = next(p for p in opt.params if p.name not in experts and p.param.ndim == 2)
+    for seed in range(2):
+        _backward(model, seed)
+    for p in experts.values():
+        assert p.param.grad is not None and p.param.grad.dtype == torch.bfloat16 and p.grad is None
+    assert dense.param.grad is None and dense.grad.dtype == torch.float32
+    summed = {n: p.param.grad.clone() for n, p in experts.items()}
+    opt.last_micro_batch()
+    _backward(model, 2)  # folds as each expert gradient is produced
+    reference = _tiny_bf16_model()
+    _backward(reference, 2)
+    ref_grads = dict(reference.named_parameters())
+    for name, p in experts.items():
+        assert p.param.grad is None
+        expected = (summed[name] + ref_grads[name].grad).float()  # the third micro-batch added in bf16
+        assert torch.equal(p.grad, expected), name
+    opt.step()
+    opt.zero_grad()
+    _backward(model, 3)  # without last_micro_batch (the pipeline schedule): fold_deferred does it
+    pending = {n: p.param.grad.float() for n, p in experts.items()}
+    opt.fold_deferred()
+    assert all(torch.equal(experts[n].grad, g) for n, g in pending.items())
+
+
+def test_bf16_expert_accumulation_needs_fp32_masters():
+    from moe.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.expert_grad_accum"):
+        MasterWeightAdamW(nn.Linear(4, 4), OptimizerConfig(expert_grad_accum="bf16"), master_weights=False)
+    with pytest.raises(ConfigError, match="expert_grad_accum"):
+        OptimizerConfig.from_dict({"expert_grad_accum": "fp16"}).validate()

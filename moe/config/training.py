@@ -23,6 +23,13 @@ class OptimizerConfig(Config):
     eps: float = 1e-8
     weight_decay: float = 0.1
     decay_embeddings: bool = False
+    # Where the expert weights' gradient accumulates over micro-batches when the weights are
+    # bf16 with fp32 masters. fp32: every micro-batch's gradient is added into the fp32 master
+    # gradient (12 bytes of traffic per expert parameter per micro-batch). bf16: it accumulates
+    # in the parameter's own bf16 gradient, as Olmo-core 3's experts do, and reaches the fp32
+    # master once per step (8 bytes): this traffic grows with the number of experts at a fixed
+    # number of tokens (issue 29). Dense weights always accumulate in fp32.
+    expert_grad_accum: Literal["fp32", "bf16"] = "fp32"
 
     def _check(self, p: str) -> None:
         require(self.lr > 0, _k(p, "lr"), f"must be > 0, got {self.lr}")
@@ -30,6 +37,7 @@ class OptimizerConfig(Config):
         require(all(0 <= b < 1 for b in self.betas), _k(p, "betas"), f"must lie in [0, 1), got {self.betas}")
         require(self.eps > 0, _k(p, "eps"), "must be > 0")
         require(self.weight_decay >= 0, _k(p, "weight_decay"), "must be >= 0")
+        require(self.expert_grad_accum in ("fp32", "bf16"), _k(p, "expert_grad_accum"), f"must be fp32 or bf16, got {self.expert_grad_accum!r}")
 
 
 @dataclasses.dataclass
@@ -108,6 +116,8 @@ class TrainConfig(Config):
     eval_batch_tokens: int = 16384  # padded tokens per scoring batch
 
     def _check(self, p: str) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):  # first: eval_every is checked against max_steps
+            require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
         require(self.loss_chunk_tokens >= 0, _k(p, "loss_chunk_tokens"), f"must be >= 0 (0: off), got {self.loss_chunk_tokens}")
         require(self.eval_every >= 0, _k(p, "eval_every"), f"must be >= 0 (0: no in-loop evaluation), got {self.eval_every}")
         require(
@@ -120,8 +130,6 @@ class TrainConfig(Config):
         require(self.logit_z_loss_weight >= 0, _k(p, "logit_z_loss_weight"), f"must be >= 0, got {self.logit_z_loss_weight}")
         require(self.eval_val_batches >= 0, _k(p, "eval_val_batches"), "must be >= 0")
         require(self.eval_batch_tokens >= 1, _k(p, "eval_batch_tokens"), "must be >= 1")
-        for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):
-            require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
         require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")
         if self.grad_clip is not None:
             require(self.grad_clip > 0, _k(p, "grad_clip"), "must be > 0 (or null to disable)")

@@ -117,6 +117,7 @@ class ParallelLayout:
         self.virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
         self.runner: PipelineRunner | None = None
         self.sync: GradSync | None = None
+        self.opt: MasterWeightAdamW | None = None
         self.chunk = cfg.train.loss_chunk_tokens
         self.z_weight = cfg.train.logit_z_loss_weight
 
@@ -145,6 +146,7 @@ class ParallelLayout:
         opt = MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
         if isinstance(self.sync, OverlappedGradSync):
             self.sync.attach(opt, model)  # after the optimizer's own hooks: they fill the fp32 gradients
+        self.opt = opt
         return opt
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
@@ -154,10 +156,16 @@ class ParallelLayout:
             batch = torch.cat(micro).to(device, non_blocking=True)
             with autocast():
                 return self.runner.step(batch, device)
-        arm = self.sync.arm if isinstance(self.sync, OverlappedGradSync) else None
-        return accumulate(model, micro, autocast, device, self.chunk, arm, self.z_weight)
+        return accumulate(model, micro, autocast, device, self.chunk, self._before_last, self.z_weight)
+
+    def _before_last(self) -> None:
+        if self.opt is not None:
+            self.opt.last_micro_batch()
+        if isinstance(self.sync, OverlappedGradSync):
+            self.sync.arm()
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        opt.fold_deferred()  # the pipeline schedule runs its micro-batches itself
         for p in opt.params:  # every rank must bring the same tensors to the collectives
             if p.grad is None:
                 p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
