@@ -17,11 +17,12 @@ from tests.parallel.layout_runs import first_step_grads
 pytestmark = pytest.mark.distributed
 
 
-def config(corpus, ckpt, parallel, train, steps=10, recipe="auto"):
+def config(corpus, ckpt, parallel, train, steps=10, recipe="auto", optim=None):
     return tiny_config(
         corpus,
         ckpt,
         precision={"recipe": recipe},
+        optim=optim or {},
         model={"n_layers": 4, "moe": {"lb_loss_weight": 0.01, "lb_loss_scope": "global_batch", "z_loss_weight": 0.001}},
         parallel=parallel,
         train={"global_batch_size": 8, "max_steps": steps, "log_every": 1, **train},
@@ -29,16 +30,17 @@ def config(corpus, ckpt, parallel, train, steps=10, recipe="auto"):
     )
 
 
-def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, recipe="auto"):
+def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, recipe="auto", optim=None):
     if bucket_bytes is not None:  # small buckets: many of them, most reduced during backward
         parallel = {**parallel, "grad_bucket_mb": bucket_bytes / 2**20}
-    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train, recipe=recipe))
+    trainer = Trainer(config(Path(corpus), Path(ckpt), parallel, train, recipe=recipe, optim=optim))
     sync = getattr(trainer.layout, "sync", None)
     overlapped = isinstance(sync, OverlappedGradSync)
     grads = first_step_grads(trainer)
     early = (sync.launched_in_backward, len(sync.buckets)) if overlapped else None
     units = len(sync.units) if overlapped else 0  # forward units whose weight broadcasts overlap (ZeRO-1)
-    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped, "early": early, "units": units}
+    deferred = len(trainer.opt.deferred)  # expert weights on the bf16 accumulation path
+    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped, "early": early, "units": units, "deferred": deferred}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,39 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
         # ZeRO-1: the weight broadcasts go by forward unit (embedding, 4 blocks, norm + head)
         assert r["units"] == (6 if parallel.get("shard_optimizer") else 0), r["units"]
     _assert_same(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{}, {"shard_optimizer": True}], ids=["dp2", "dp2-zero1"])
+def test_bf16_expert_accumulation_is_folded_before_the_overlapped_reduction(tmp_path, corpus, parallel):
+    """optim.expert_grad_accum bf16, two micro-batches per rank: buckets launched inside the last
+    backward find the expert gradients already in their fp32 holders, so overlapped and
+    after-backward reduction give the same gradients and losses."""
+    train, optim = {"micro_batch_size": 2}, {"expert_grad_accum": "bf16"}
+    ref = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "ref"), parallel, train, None, "bf16", optim)
+    got = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "ovl"), {**parallel, "overlap_grad_reduce": True}, train, 64 * 1024, "bf16", optim)
+    assert all(r["overlapped"] for r in got) and all(r["deferred"] == 8 for r in got + ref), [r["deferred"] for r in got]  # 4 layers x 2
+    assert all(r["early"][1] > 2 and r["early"][0] >= 1 for r in got), [r["early"] for r in got]
+    _assert_same(got, ref)
+
+
+@pytest.mark.slow
+def test_bf16_expert_accumulation_under_a_pipeline_schedule_is_folded_at_the_sync(tmp_path, corpus):
+    """pp=2 runs its micro-batches inside the schedule (no last-micro-batch signal): the deferred
+    bf16 sums reach the fp32 holders at the gradient sync, within bf16 rounding of fp32 accumulation."""
+    parallel, train = {"pp": 2}, {"micro_batch_size": 2}
+    fp32 = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "fp32"), parallel, train, None, "bf16")
+    bf16 = run_ranks(train_rank, 2, str(corpus), str(tmp_path / "bf16"), parallel, train, None, "bf16", {"expert_grad_accum": "bf16"})
+    assert all(r["deferred"] > 0 for r in bf16) and all(r["deferred"] == 0 for r in fp32)
+    checked = 0
+    for r, f in zip(bf16, fp32, strict=True):
+        for k, g in f["grads"].items():
+            err = (r["grads"][k] - g).norm() / g.norm().clamp_min(1e-12)
+            assert err <= 2**-7, (k, float(err))
+            checked += ".experts." in k
+        for step in f["losses"]:
+            assert r["losses"][step] == pytest.approx(f["losses"][step], rel=1e-2), step
+    assert checked == 64  # every expert (8 weights x 8 experts, both stages) compared
 
 
 @pytest.mark.slow
