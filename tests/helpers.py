@@ -50,6 +50,22 @@ def make_markov_corpus(directory: Path, *, tokens: int = 40_000, vocab: int = 25
     return path
 
 
+class TagSink:
+    """A trainer sink that keeps the logged rows and the tags (for the alarm and health tests)."""
+
+    def __init__(self):
+        self.rows, self.tags = [], {}
+
+    def log(self, step, metrics):
+        self.rows.append((step, metrics))
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def close(self, summary):
+        pass
+
+
 def tiny_config(data_dir: Path, ckpt_dir: Path, **sections: Any) -> ExperimentConfig:
     base: dict[str, Any] = {
         "model": {"preset": "tiny", "vocab_size": 256},

@@ -119,6 +119,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
 
 
+def unknown_name_error(key: str, what: str, name: str, known: typing.Iterable[str]) -> ConfigError:
+    """``key: unknown <what> 'x' (did you mean 'y'?); known: a, b`` (presets, recipes)."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{key}: unknown {what} {name!r}{hint}; known: {', '.join(known)}")
+
+
 def unknown_key_error(key: str, name: str, known: typing.Iterable[str]) -> ConfigError:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     hint = f" (did you mean {_join(key.rsplit('.', 1)[0] if '.' in key else '', close[0])!r}?)" if close else ""

@@ -12,10 +12,9 @@ padded) and untied embeddings; that is our reconstruction, pinned by tests/confi
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-from moe.config.base import ConfigError
+from moe.config.base import unknown_name_error
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # The embedded default: trains in seconds on a laptop CPU.
@@ -82,9 +81,7 @@ def model_preset(name: str, key: str = "model.preset") -> dict[str, Any]:
     try:
         preset = _PRESETS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, _PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}: unknown preset {name!r}{hint}; known: {', '.join(preset_names())}") from None
+        raise unknown_name_error(key, "preset", name, _PRESETS) from None
     return {**_copy(preset), "preset": name}
 
 

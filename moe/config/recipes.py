@@ -29,10 +29,9 @@ Where each value comes from:
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-from moe.config.base import ConfigError
+from moe.config.base import ConfigError, unknown_name_error
 
 _RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -77,9 +76,7 @@ def recipe(name: str, key: str = "recipe") -> dict[str, Any]:
     try:
         found = _RECIPES[name]
     except KeyError:
-        close = difflib.get_close_matches(name, _RECIPES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{key}: unknown recipe {name!r}{hint}; known: {', '.join(recipe_names())}") from None
+        raise unknown_name_error(key, "recipe", name, _RECIPES) from None
     return _copy({k: v for k, v in found.items() if k != "suits"})
 
 

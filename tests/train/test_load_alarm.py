@@ -12,7 +12,7 @@ from moe.config import ConfigError, ExperimentConfig
 from moe.config.load_alarm import LoadAlarmConfig
 from moe.train.load_alarm import LoadAlarm, fit_trend
 from moe.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import TagSink, tiny_config
 
 DEFAULT_RUN = Path(__file__).parent / "data" / "default_run_load.json"
 
@@ -120,24 +120,10 @@ def test_config_is_validated():
         ExperimentConfig.load({"train": {"load_alarm": {"windw": 5}}})
 
 
-class _TagSink:
-    def __init__(self):
-        self.rows, self.tags = [], {}
-
-    def log(self, step, metrics):
-        self.rows.append((step, metrics))
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
-
-    def close(self, summary):
-        pass
-
-
 def test_trainer_warns_tags_and_logs_the_alarm(tmp_path, corpus, caplog):
     """A ceiling every real load exceeds: one warning per layer, the tag, the metrics."""
     cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 6, "load_alarm": {"ceiling": 1.0001}})
-    sink = _TagSink()
+    sink = TagSink()
     with caplog.at_level(logging.WARNING, logger="moe.train"):
         Trainer(cfg, sinks=[sink]).fit()
     warnings = [r.getMessage() for r in caplog.records if "token gerrymandering alarm" in r.getMessage()]

@@ -10,7 +10,7 @@ from moe.config import ConfigError, ExperimentConfig
 from moe.config.router_health import RouterHealthConfig
 from moe.train.router_health import RouterHealth
 from moe.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import TagSink, tiny_config
 
 
 def _point(**layers):
@@ -51,25 +51,11 @@ def test_config_is_validated():
         ExperimentConfig.load({"train": {"router_health": {"z_growth": 1.0}}})
 
 
-class _TagSink:
-    def __init__(self):
-        self.rows, self.tags = [], {}
-
-    def log(self, step, metrics):
-        self.rows.append((step, metrics))
-
-    def set_tags(self, tags):
-        self.tags.update(tags)
-
-    def close(self, summary):
-        pass
-
-
 def test_a_real_collapse_is_reported_once_tagged_and_logged(tmp_path, corpus, caplog):
     """A threshold every real router passes stands in for a collapsed run (the real one needs an
     OLMoE-width model: the GPU run in the issue's closing note)."""
     cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 4, "router_health": {"lb_fraction": 1e-6}})
-    sink = _TagSink()
+    sink = TagSink()
     with caplog.at_level(logging.WARNING, logger="moe.train"):
         Trainer(cfg, sinks=[sink]).fit()
     lines = [r.getMessage() for r in caplog.records if "router collapse" in r.getMessage()]
@@ -81,7 +67,7 @@ def test_a_real_collapse_is_reported_once_tagged_and_logged(tmp_path, corpus, ca
 
 def test_a_healthy_run_reports_nothing(tmp_path, corpus, caplog):
     cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 6})
-    sink = _TagSink()
+    sink = TagSink()
     with caplog.at_level(logging.WARNING, logger="moe.train"):
         Trainer(cfg, sinks=[sink]).fit()
     assert not [r for r in caplog.records if "router collapse" in r.getMessage()]
@@ -98,7 +84,7 @@ def test_the_load_alarm_does_not_watch_the_warm_up(tmp_path, corpus):
             train={"max_steps": 5, "load_alarm": {"ceiling": 1.0001, "confirm": 1, "during_warmup": during}},
             schedule={"warmup_steps": 3},
         )
-        sink = _TagSink()
+        sink = TagSink()
         Trainer(cfg, sinks=[sink]).fit()
         fired = [s for s, m in sink.rows if m.get("load_alarm")]
         assert fired and fired[0] == first, (during, fired)
