@@ -24,10 +24,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def git_commit() -> str:
     if os.environ.get("MOE_GIT_COMMIT"):
         return os.environ["MOE_GIT_COMMIT"]
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=here).stdout.strip()
+        # a copied working tree (the accelerator machine's) can differ from the commit its git metadata names
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        changed = subprocess.run(status, capture_output=True, text=True, check=True, cwd=here).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{sha}+dirty" if changed.strip() else sha
 
 
 def environment() -> dict[str, Any]:
