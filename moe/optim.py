@@ -21,6 +21,7 @@ from torch import nn
 
 from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
 from moe.layers.experts import expert_param_layout
+from moe.spans import span
 
 
 @dataclasses.dataclass
@@ -180,10 +181,11 @@ class MasterWeightAdamW:
 
 def _fold(p: MasterParam) -> None:
     """A deferred bf16 gradient (the sum of this step's micro-batches) into the fp32 holder."""
-    if p.grad_holder.grad is None:
-        p.grad_holder.grad = p.param.grad.float()
-    else:
-        p.grad_holder.grad.add_(p.param.grad)
+    with span("grad_accumulation"):
+        if p.grad_holder.grad is None:
+            p.grad_holder.grad = p.param.grad.float()
+        else:
+            p.grad_holder.grad.add_(p.param.grad)
     p.param.grad = None
 
 
@@ -195,10 +197,11 @@ def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
     experts at a fixed number of tokens)."""
 
     def hook(param: torch.Tensor) -> None:
-        if master.grad is None:
-            master.grad = param.grad.float()
-        else:
-            master.grad.add_(param.grad)
+        with span("grad_accumulation"):
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
         param.grad = None
 
     return hook

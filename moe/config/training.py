@@ -114,6 +114,10 @@ class TrainConfig(Config):
     eval_limit: int | None = 100
     eval_val_batches: int = 8  # validation micro-batches for eval/val_loss (0: none)
     eval_batch_tokens: int = 16384  # padded tokens per scoring batch
+    # Run this step (counted from 1) under torch.profiler and log where its time went as
+    # profile/<category>_ms (moe.train.step_profile); the step stays out of the throughput.
+    # 0: no profile.
+    profile_step: int = 0
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):  # first: eval_every is checked against max_steps
@@ -128,6 +132,11 @@ class TrainConfig(Config):
         if self.eval_limit is not None:
             require(self.eval_limit >= 1, _k(p, "eval_limit"), f"must be >= 1 (or null: every document), got {self.eval_limit}")
         require(self.logit_z_loss_weight >= 0, _k(p, "logit_z_loss_weight"), f"must be >= 0, got {self.logit_z_loss_weight}")
+        require(
+            0 <= self.profile_step <= self.max_steps,
+            _k(p, "profile_step"),
+            f"must lie in [0, train.max_steps={self.max_steps}] (0: no profile), got {self.profile_step}",
+        )
         require(self.eval_val_batches >= 0, _k(p, "eval_val_batches"), "must be >= 0")
         require(self.eval_batch_tokens >= 1, _k(p, "eval_batch_tokens"), "must be >= 1")
         require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")

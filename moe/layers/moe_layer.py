@@ -14,6 +14,7 @@ from moe.layers.experts import GroupedExperts
 from moe.layers.gemm import build_expert_gemm
 from moe.layers.router import Router
 from moe.nn.mlp import SwiGLU
+from moe.spans import span
 
 
 @dataclasses.dataclass
@@ -43,8 +44,11 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
-        rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
-        out = self.dispatcher.combine(self.experts(rows, rows_per_expert), state)
+        with span("dispatch"):
+            rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
+        y = self.experts(rows, rows_per_expert)
+        with span("dispatch"):
+            out = self.dispatcher.combine(y, state)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.training and torch.is_grad_enabled():

@@ -59,9 +59,11 @@ class MoETelemetry:
         counts = self.counts.clone()
         lb = self.lb / self.forwards.clamp_min(1)
         z = self.z / self.forwards.clamp_min(1)
+        computed = self.rows.clone()  # rows the experts computed, against the slots routed
         rank_rows = None
         if distributed and self.dp_group is not None:
             dist.all_reduce(counts, group=self.dp_group)
+            dist.all_reduce(computed, group=self.dp_group)
             size = dist.get_world_size(self.dp_group)
             dist.all_reduce(lb, group=self.dp_group)
             dist.all_reduce(z, group=self.dp_group)
@@ -71,7 +73,8 @@ class MoETelemetry:
                 dist.all_gather(gathered, self.rows, group=self.dp_group)
                 rank_rows = max_over_mean(torch.stack(gathered))
         n, num_experts = counts.shape
-        parts = [load_stats(counts).flatten(), relative_load(counts).flatten(), lb.double(), z.double()]
+        dropped = 1 - computed.double() / counts.sum(1).clamp_min(1).double()
+        parts = [load_stats(counts).flatten(), relative_load(counts).flatten(), lb.double(), z.double(), dropped]
         if rank_rows is not None:
             parts.append(rank_rows)
         host = torch.cat(parts).tolist()  # the one device-to-host copy
@@ -84,7 +87,8 @@ class MoETelemetry:
                 "load": loads[i * num_experts : (i + 1) * num_experts],
                 "lb": host[i],
                 "z": host[n + i],
-                "ep_rows": host[2 * n + i] if rank_rows is not None else None,
+                "dropped": host[2 * n + i],
+                "ep_rows": host[3 * n + i] if rank_rows is not None else None,
             }
         for t in (self.counts, self.rows, self.lb, self.z, self.forwards):
             t.zero_()
@@ -104,7 +108,7 @@ class MoETelemetry:
             return {}
         out: dict[str, float] = {}
         by_stat: dict[str, list[float]] = {s: [] for s in LOAD_STATS}
-        lbs, zs, ep_rows = [], [], []
+        lbs, zs, ep_rows, dropped = [], [], [], []
         for name in sorted(per_layer, key=int):
             layer = per_layer[name]
             for stat, value in zip(LOAD_STATS, layer["stats"], strict=True):
@@ -114,6 +118,7 @@ class MoETelemetry:
                 out[f"{PER_EXPERT_PREFIX}layer_{name}/expert_{e}"] = value
             out[f"lb_loss/layer_{name}"] = layer["lb"]
             out[f"z_loss/layer_{name}"] = layer["z"]
+            dropped.append(layer["dropped"])
             lbs.append(layer["lb"])
             zs.append(layer["z"])
             if layer["ep_rows"] is not None:
@@ -129,6 +134,8 @@ class MoETelemetry:
                 "expert_load_cv": max(by_stat["cv"]),
                 "expert_load_idle": sum(by_stat["idle"]),
                 "expert_load_entropy": min(by_stat["entropy"]),
+                # Routed slots no expert computed (a capacity bound's drops; 0 when dropless).
+                "tokens_dropped_fraction": max(dropped),
             }
         )
         if ep_rows:

@@ -29,6 +29,7 @@ from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
 from moe.precision import resolve_recipe
+from moe.spans import span
 from moe.train import determinism
 from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.callbacks import Callback, LoadAlarmCallback, RouterHealthCallback
@@ -39,6 +40,7 @@ from moe.train.rng import rng_state, seed_everything, set_rng_state
 from moe.train.router_health import RouterHealth
 from moe.train.sinks import MetricsSink
 from moe.train.state import load_targets, save_entries
+from moe.train.step_profile import StepProfiler
 from moe.train.telemetry import MoETelemetry
 
 log = logging.getLogger("moe.train")
@@ -216,14 +218,16 @@ class Trainer:
         self.model.train()
         local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device))
         step_loss = self.layout.mean_loss(local)
-        norm, grad_scale = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
+        with span("grad_sync"):
+            norm, grad_scale = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
         bad = ~(torch.isfinite(norm) & torch.isfinite(step_loss))
-        self.opt.step(found_inf=bad, grad_scale=grad_scale)
-        self.layout.after_step(self.opt)
-        self._lr = self.sched.get_last_lr()[0]
-        self.sched.step()
-        self.model.update_expert_biases()
-        self.opt.zero_grad()
+        with span("optimizer"):
+            self.opt.step(found_inf=bad, grad_scale=grad_scale)
+            self.layout.after_step(self.opt)
+            self._lr = self.sched.get_last_lr()[0]
+            self.sched.step()
+            self.model.update_expert_biases()
+            self.opt.zero_grad()
         self._skipped += bad.long()
         self._first_bad.copy_(torch.where((self._first_bad < 0) & bad, self.step + 1, self._first_bad))
         self._grad_norm = norm.detach()
@@ -242,9 +246,12 @@ class Trainer:
         self._sync()
         t0, steps_since = time.perf_counter(), 0
         while self.step < end:
-            self.train_step()
+            if self.step + 1 == self.cfg.train.profile_step:
+                self._profiled_step()
+            else:
+                self.train_step()
+                steps_since += 1
             self.step += 1
-            steps_since += 1
             last = self.step == end
             self._run_callbacks()
             if self.step % self.cfg.train.log_every == 0 or last or self._extra:
@@ -289,6 +296,15 @@ class Trainer:
             )
         return summary
 
+    def _profiled_step(self) -> None:
+        """One step under torch.profiler: where its time went joins the step's metrics
+        (``profile/*``); its time, slowed by the profiler, stays out of the throughput."""
+        start = time.perf_counter()
+        profiler = StepProfiler(self.device).start()
+        self.train_step()
+        self._extra.update(profiler.stop())
+        self._callback_s += time.perf_counter() - start
+
     def _run_callbacks(self) -> None:
         """Side jobs after a step; the time of those that work (in-loop evaluation) is kept out
         of the throughput: the device finishes the step first, then the callback is timed."""
@@ -328,20 +344,23 @@ class Trainer:
         for (s, _), v in zip(steps_and_losses, values, strict=True):
             self.losses[s] = v
         self._check_finite()
-        tp = throughput(self.tokens_per_step * steps, elapsed, self.env.world_size, self.flops_per_token, self.peak)
         metrics: dict[str, float] = {
             "loss": values[-1],
             "loss_avg": sum(values) / len(values),
             "lr": self._lr,
             "grad_norm": float(self._grad_norm.item()),
-            "step_time_s": elapsed / steps,
-            "tokens_per_s": tp.tokens_per_s,
-            "tokens_per_s_per_device": tp.tokens_per_s_per_device,
-            "tflops_per_device": tp.tflops_per_device,
             "skipped_steps": float(self._skipped.item()),
         }
-        if tp.mfu is not None:
-            metrics["mfu"] = tp.mfu
+        if steps:  # none when the only step since the last log was the profiled one
+            tp = throughput(self.tokens_per_step * steps, elapsed, self.env.world_size, self.flops_per_token, self.peak)
+            metrics.update(
+                step_time_s=elapsed / steps,
+                tokens_per_s=tp.tokens_per_s,
+                tokens_per_s_per_device=tp.tokens_per_s_per_device,
+                tflops_per_device=tp.tflops_per_device,
+            )
+            if tp.mfu is not None:
+                metrics["mfu"] = tp.mfu
         if self.device.type == "cuda":
             metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             # Between steps: weights, masters, optimizer states (peak minus this ~ activations).

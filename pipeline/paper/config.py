@@ -31,6 +31,18 @@ class PaperConfig(Config):
     micro_batch_size: int | None = None
     # Sequence length (null: the paper's 8192 where it fits, else halved until it does).
     seq_len: int | None = None
+    # Tokens per optimizer step on each GPU, reached by accumulating micro-batches (the paper's
+    # benchmarks step on large batches: Olmo-core's OLMoE-1B-7B script on 1024 x 4096 tokens),
+    # so work that grows with the parameter count (optimizer step, gradient folds) is paid once
+    # per this many tokens, as there. On CPUs: two micro-batches (plumbing, not speed).
+    tokens_per_step: int = 262144
+    # Expert-weight gradients over micro-batches: bf16, folded into fp32 once per step (as
+    # Olmo-core 3.0.0 ships), or fp32 every micro-batch (optim.expert_grad_accum).
+    expert_grad_accum: Literal["fp32", "bf16"] = "bf16"
+    # Stages that add learned-routing rows (labelled) next to the paper's random routing.
+    learned_routing: list[str] = dataclasses.field(default_factory=lambda: ["experts"])
+    # Every variant runs one more step under torch.profiler: where the time goes, per claim.
+    profile: bool = True
     experts: list[int] = dataclasses.field(default_factory=lambda: [8, 32, 64, 128])
     recompute: list[str] = dataclasses.field(default_factory=lambda: ["none", "selective", "full"])
     # FP8 recipe to compare with bf16 (auto: mxfp8 on compute capability >= 10, else fp8_rowwise).
@@ -50,6 +62,10 @@ class PaperConfig(Config):
         require(bool(self.recompute) and self.recompute[0] == "none", f"{p}.recompute", "must start with 'none' (the baseline)")
         require(bool(self.ep_backends), f"{p}.ep_backends", "must name at least one backend")
         require(0.2 <= self.memory_fraction <= 1.0, f"{p}.memory_fraction", "must lie in [0.2, 1]")
+        require(self.tokens_per_step >= 1, f"{p}.tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
+        timed = ("resident", "experts", "fp8", "recompute", "ep")
+        stray = [s for s in self.learned_routing if s not in timed]
+        require(not stray, f"{p}.learned_routing", f"unknown stage {stray[0] if stray else ''!r}; known: {', '.join(timed)}")
         if self.micro_batch_size is not None:
             require(self.micro_batch_size >= 1, f"{p}.micro_batch_size", "must be >= 1")
         if self.seq_len is not None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
+from moe.train.step_profile import PREFIX as PROFILE_PREFIX
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor
 from pipeline.params import PipelineConfig
@@ -47,22 +48,31 @@ def fresh_run_dir(path: Path) -> Path:
 
 
 def measure(
-    base: PipelineConfig, name: str, sections: dict[str, Any], work_dir: Path, steps: int, data_dir: Path | None = None, tracker=None
+    base: PipelineConfig,
+    name: str,
+    sections: dict[str, Any],
+    work_dir: Path,
+    steps: int,
+    data_dir: Path | None = None,
+    tracker=None,
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """Run ``sections`` (model/train/parallel/precision/... overrides) and return its figures."""
+    """Run ``sections`` (model/train/parallel/precision/... overrides) and return its figures;
+    ``profile``: one more step under torch.profiler (moe.train.step_profile), after the timed
+    ones and outside their throughput, for where the time goes."""
     world = base.slurm.nodes * base.slurm.tasks_per_node if base.executor.kind == "slurm" else base.executor.nprocs
     run_dir = fresh_run_dir(work_dir / name)
     model = sections["model"]
     seq = sections["data"]["seq_len"]
     train = sections["train"]
-    total_steps = 2 * steps if "max_steps" not in train else train["max_steps"]
+    total_steps = 2 * steps + int(profile) if "max_steps" not in train else train["max_steps"]
     if data_dir is None:
         per_step = train["global_batch_size"] * (seq + 1)
         data_dir = random_tokens(work_dir / "data", per_step * (total_steps + 2), model["vocab_size"])
     cfg = {
         **sections,
         "data": {"verify_checksums": False, **sections["data"], "paths": [str(data_dir)]},
-        "train": {"log_every": steps, "max_steps": total_steps, **train},
+        "train": {"log_every": steps, "max_steps": total_steps, **({"profile_step": total_steps} if profile else {}), **train},
         "schedule": {"warmup_steps": 1, **sections.get("schedule", {})},
         "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1, "save": False},
     }
@@ -78,6 +88,8 @@ def measure(
         raise JobFailed(f"{name}: the job logged no throughput ({job.metrics_path})", 5)
     last = timed[-1]
     peak = last.get("peak_mem_gb")
+    profiled = next((r for r in rows if PROFILE_PREFIX + "total_ms" in r), None)
+    micro, world_batch = exp.train.micro_batch_size, exp.train.global_batch_size
     out = {
         "name": name,
         "world": world,
@@ -90,8 +102,15 @@ def measure(
         },
         "model": exp.model.to_dict(),
         "seq_len": seq,
-        "micro_batch_size": exp.train.micro_batch_size,
-        "global_batch_size": exp.train.global_batch_size,
+        "micro_batch_size": micro,
+        "global_batch_size": world_batch,
+        "accumulation": world_batch // (micro * layout.dp),
+        "tokens_per_step_per_device": world_batch * seq / world,
+        "routing": exp.model.moe.routing,
+        "dropless": exp.parallel.ep_capacity_factor is None,
+        # measured: routed slots no expert computed (moe.train.telemetry)
+        "tokens_dropped_fraction": last.get("tokens_dropped_fraction"),
+        "expert_grad_accum": exp.optim.expert_grad_accum,
         "precision": exp.precision.recipe,
         "steps_timed": steps if len(timed) > 1 else total_steps,
         "step_time_s": last["step_time_s"],
@@ -105,6 +124,10 @@ def measure(
         "above_rest_gb": (peak - last["mem_at_rest_gb"]) if peak is not None and "mem_at_rest_gb" in last else None,
         "peak_rss_gb": last.get("peak_rss_gb"),
         "final_loss": last["loss"],
+        # ms of the profiled step per category (kernel time on GPUs, own CPU time on CPUs)
+        "profile": {k.removeprefix(PROFILE_PREFIX).removesuffix("_ms"): v for k, v in profiled.items() if k.startswith(PROFILE_PREFIX)}
+        if profiled
+        else None,
         "rows": rows,
     }
     if tracker is not None:

@@ -10,6 +10,22 @@ report prints each step the rule took next to the figure (``Scaled.notes``).
 
 On CPUs the stages run a tiny shape of the same structure (it proves the plumbing, not speed).
 
+The regime (issue 29), chosen by ``pipeline/paper/stages.py`` from ``paper:`` in params.yaml:
+- Tokens per optimizer step: ``paper.tokens_per_step`` per GPU (262,144 by default), reached by
+  accumulating micro-batches of the shape below (the micro-batch is what memory decides; the
+  accumulation costs no memory). The paper does not state its benchmark batch; Olmo-core's
+  OLMoE-1B-7B script steps on 1024 x 4096 tokens, and a step of one 8,192-token sequence per GPU
+  would be dominated by the optimizer over every expert weight, which a real batch amortises.
+- Routing: random, as the paper's system benchmarks; the stages in ``paper.learned_routing``
+  (default: experts) add learned-routing rows, labelled as such.
+- Dropless: no capacity bound anywhere; the dropped fraction is measured every run (routed
+  slots no expert computed, ``moe.train.telemetry``) and printed beside each figure.
+- Expert-weight gradients accumulate in bf16 and fold into fp32 once per step
+  (``paper.expert_grad_accum``, as Olmo-core 3.0.0 ships) where the weights are bf16 over fp32
+  masters; FSDP2's fp32 shards (amp_bf16) and CPU runs accumulate in fp32.
+- Profile: each variant runs one more step under torch.profiler (``paper.profile``), outside
+  the timed steps, so the report splits every claim's gap into measured parts.
+
 Memory prediction: ``moe plan`` (moe/train/plan.py): exact weight, master, gradient and
 optimizer bytes of every rank from the model built on the meta device, calibrated activation
 bytes per token and layer for the recompute mode, and a workspace allowance.

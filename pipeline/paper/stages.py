@@ -39,22 +39,38 @@ class Context:
     def steps(self) -> int:
         return self.params.paper.steps
 
-    def sections(self, shape: Scaled, parallel: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    def accumulation(self, shape: Scaled) -> int:
+        """Micro-batches per optimizer step: ``paper.tokens_per_step`` per GPU where it runs on
+        GPUs (rounded up to whole micro-batches), two on CPUs."""
+        if self.hw.kind != "gpu":
+            return 2
+        return max(1, math.ceil(self.params.paper.tokens_per_step / (shape.micro_batch_size * shape.seq_len)))
+
+    def sections(self, shape: Scaled, parallel: dict[str, Any], accumulate: bool = True, **extra: Any) -> dict[str, Any]:
         micro = shape.micro_batch_size
+        accum = self.accumulation(shape) if accumulate else 1
         train = {
             "micro_batch_size": micro,
-            "global_batch_size": micro * self.hw.count,
+            "global_batch_size": micro * accum * self.hw.count,
             "device": "cuda" if self.hw.kind == "gpu" else "cpu",
             **extra.pop("train", {}),
         }
+        recipe = extra.pop("recipe", "auto")
+        # bf16 accumulation needs bf16 weights over fp32 masters: not FSDP2's fp32 shards
+        # under autocast (amp_bf16), nor CPUs (fp32); those accumulate in fp32.
+        bf16_weights = self.hw.kind == "gpu" and recipe not in ("fp32", "amp_bf16")
         return {
             "model": shape.model,
             "data": {"seq_len": shape.seq_len},
             "train": train,
             "parallel": parallel,
-            "precision": {"recipe": extra.pop("recipe", "auto"), **extra.pop("precision", {})},
+            "precision": {"recipe": recipe, **extra.pop("precision", {})},
+            "optim": {"expert_grad_accum": self.params.paper.expert_grad_accum if bf16_weights else "fp32", **extra.pop("optim", {})},
             **extra,
         }
+
+    def learned(self, stage: str) -> bool:
+        return stage in self.params.paper.learned_routing
 
     def run(self, name: str, sections: dict[str, Any], **kw: Any) -> dict[str, Any]:
         """Measure one variant; a variant this setup cannot run is recorded with the reason.
@@ -80,6 +96,7 @@ class Context:
                     "predicted_peak_gb": predicted,
                     "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gb:.1f} GiB of one GPU",
                 }
+        kw.setdefault("profile", self.params.paper.profile)
         try:
             m = measure(self.params.base, name, sections, self.work, self.steps, tracker=self.tracker, **kw)
         except ConfigError as exc:  # this setup cannot express the variant (e.g. FP8 on a CPU)
@@ -131,12 +148,17 @@ def experts(ctx: Context) -> dict[str, Any]:
         raise ConfigError(f"paper.experts: no count divisible by the {w} expert-parallel ranks")
     # The largest count decides the shape; every count then runs that same shape.
     shape = paper_shape(ctx.hw, counts[-1], p.seq_len, p.micro_batch_size, [layout], p.memory_fraction)
-    variants = []
-    for e in counts:
-        model = {**shape.model, "moe": {**shape.model["moe"], "num_experts": e}}
-        variants.append(ctx.run(f"experts-{e}", ctx.sections(dataclasses.replace(shape, model=model), layout)))
+
+    def variant(e: int, routing: str) -> dict[str, Any]:
+        model = {**shape.model, "moe": {**shape.model["moe"], "num_experts": e, "routing": routing}}
+        name = f"experts-{e}" + ("-learned" if routing == "learned" else "")
+        return ctx.run(name, ctx.sections(dataclasses.replace(shape, model=model), layout))
+
+    variants = [variant(e, "random") for e in counts]
+    # Learned routing (labelled rows): the two ends of the sweep, the router's own imbalance in.
+    learned = [variant(e, "learned") for e in sorted({counts[0], counts[-1]})] if ctx.learned("experts") and len(counts) > 1 else []
     ok = [v for v in variants if _ok(v)]
-    derived = {}
+    derived: dict[str, Any] = {}
     if len(ok) >= 2:
         first, last = ok[0], ok[-1]
         derived = {
@@ -145,7 +167,51 @@ def experts(ctx: Context) -> dict[str, Any]:
             "experts_to": last["model"]["moe"]["num_experts"],
             "tokens_per_s_per_device": {str(v["model"]["moe"]["num_experts"]): v["tokens_per_s_per_device"] for v in ok},
         }
-    return {"shape": shape, "variants": variants, "derived": derived}
+        if len(learned) == 2 and all(_ok(v) for v in learned):
+            derived["drop_learned"] = 1 - first_last_ratio(*learned)
+        if all(v.get("profile") for v in ok):
+            derived["projection"] = project_expert_parallel(ok, counts[0], counts[-1], PAPER_GPUS)
+    return {"shape": shape, "variants": variants + learned, "derived": derived}
+
+
+PAPER_GPUS = 8  # the paper's experts sweep: one 8-GPU node, expert parallelism over all eight
+
+
+def project_expert_parallel(variants: list[dict[str, Any]], e_from: int, e_to: int, gpus: int) -> dict[str, Any]:
+    """What spreading the experts over ``gpus`` GPUs (EP = ``gpus``) would do to the drop.
+
+    The model: with balanced (random) routing each GPU then holds E/G experts and computes
+    the same number of rows as one GPU alone does (its share of every GPU's tokens), so a cost
+    that grows with the experts a GPU holds (optimizer step and gradient folds over their
+    weights, smaller GEMM groups) is the one-GPU cost at E/G experts; everything else is
+    unchanged. Per profile category, a least-squares line in the expert count through our
+    one-GPU measurements gives that cost. Not modelled: the all-to-all the paper pays at both
+    ends of the sweep (it leaves the ratio near where this puts it only if it is small or the
+    same at both ends) and the gaps between kernels."""
+    from moe.spans import CATEGORIES
+
+    xs = [float(v["model"]["moe"]["num_experts"]) for v in variants]
+
+    def line(ys: list[float]) -> tuple[float, float]:
+        b = _slope(xs, ys) or 0.0
+        return sum(ys) / len(ys) - b * sum(xs) / len(xs), b
+
+    fits = {c: line([v["profile"][c] for v in variants]) for c in CATEGORIES}
+
+    def step_ms(experts_per_gpu: float) -> float:
+        return sum(a + b * experts_per_gpu for a, b in fits.values())
+
+    one_from, one_to = step_ms(e_from), step_ms(e_to)
+    ep_from, ep_to = step_ms(e_from / gpus), step_ms(e_to / gpus)
+    return {
+        "gpus": gpus,
+        "model": "per category: ms = a + b * experts held per GPU (least squares over the measured counts); EP=G holds E/G",
+        "per_category_ms_per_expert": {c: b for c, (_, b) in fits.items()},
+        "kernel_ms_one_gpu": {str(e_from): one_from, str(e_to): one_to},
+        "kernel_ms_ep": {str(e_from): ep_from, str(e_to): ep_to},
+        "drop_one_gpu_fit": 1 - one_from / one_to,
+        "drop_projected": 1 - ep_from / ep_to,
+    }
 
 
 def first_last_ratio(first: dict[str, Any], last: dict[str, Any]) -> float:
@@ -262,14 +328,16 @@ def gerrymander(ctx: Context) -> dict[str, Any]:
 
     shape = Scaled(ModelConfig.from_dict(model).to_dict(), seq, micro, [note])
     steps = p.gerrymander_steps
-    sections = ctx.sections(shape, {"ep": 1}, train={"max_steps": steps})
+    sections = ctx.sections(shape, {"ep": 1}, accumulate=False, train={"max_steps": steps})
     sections["schedule"] = {"warmup_steps": max(1, steps // 10)}
-    sections["optim"] = {"lr": 3e-3 if ctx.hw.kind == "cpu" else 4e-4}
+    sections["optim"]["lr"] = 3e-3 if ctx.hw.kind == "cpu" else 4e-4
     from pipeline.paper.measure import measure as _measure
 
     log_every = max(1, steps // 20)
     sections["train"]["log_every"] = log_every
-    v = _measure(base, "gerrymander", sections, ctx.work, log_every, data_dir=Path(base.tokenize.output) / "train", tracker=ctx.tracker)
+    v = _measure(
+        base, "gerrymander", sections, ctx.work, log_every, data_dir=Path(base.tokenize.output) / "train", tracker=ctx.tracker, profile=False
+    )
     v["status"] = "ok"
     rows = [r for r in v["rows"] if "lb_loss" in r]
     derived = load_trends(rows)

@@ -81,6 +81,8 @@ def test_ep2_per_rank_rows_and_load_match_single_process():
         if key.startswith("expert_load"):
             assert got[key] == pytest.approx(value, abs=1e-12), key
     assert "ep_rows_max_over_mean" not in want and got["ep_rows_max_over_mean"] == max(got[f"ep_rows_max_over_mean/layer_{i}"] for i in range(LAYERS))
+    # Dropless both ways: every routed slot was computed by some rank's experts.
+    assert got["tokens_dropped_fraction"] == want["tokens_dropped_fraction"] == 0.0
 
 
 def trainer_rank(rank, world, corpus, ckpt):

@@ -73,10 +73,23 @@ def test_paper_pipeline_on_slurm_then_noop(slurm_cluster, clone):  # noqa: F811
     assert resident["derived"]["speedup"] > 0
     experts = json.loads((out / "results/experts.json").read_text())
     assert set(experts["derived"]["tokens_per_s_per_device"]) == {"8", "16"}
+    # The paper's regime, labelled: random routing plus learned rows, accumulation, measured
+    # drops, and a profile of every variant for the decomposition and the EP projection.
+    assert [(v["name"], v["routing"]) for v in experts["variants"]] == [
+        ("experts-8", "random"),
+        ("experts-16", "random"),
+        ("experts-8-learned", "learned"),
+        ("experts-16-learned", "learned"),
+    ]
+    for v in experts["variants"]:
+        assert v["accumulation"] == 2 and v["tokens_dropped_fraction"] == 0.0 and v["dropless"], v
+        assert v["profile"]["total"] > 0 and v["profile"]["expert_gemm"] > 0 and v["profile"]["optimizer"] > 0, v["profile"]
+    assert "drop_learned" in experts["derived"] and experts["derived"]["projection"]["gpus"] == 8
     report = (out / "REPORT.md").read_text()
     for title in ("Resident experts", "Experts 8 -> 128", "FP8", "Activation recompute", "Expert parallelism", "Token gerrymandering"):
         assert title in report
     assert "52,000 vs 19,400" in report and "2 CPU processes (gloo)" in report
+    assert "Where the time goes" in report and "Projection to the paper's 8 GPUs" in report and "routing learned + random" in report
     assert {p.name for p in (out / "plots").glob("*.png")} >= {"experts.png", "resident.png", "recompute.png", "gerrymander.png"}
     # Every measurement was a Slurm job on the two-node cluster.
     assert list((dest / "slurm-logs").glob("*_0_log.out"))

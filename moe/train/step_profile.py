@@ -1,0 +1,126 @@
+"""Where one training step's time goes: a torch.profiler trace summed into named categories.
+
+The paper stages split each claim's gap into measured parts (issue 29): expert GEMMs, dense
+GEMMs, attention, dispatch (token permutation and combine), FP8 quantisation, gradient
+accumulation over micro-batches, gradient sync (reduction and norm), the optimizer step, and
+the rest. A kernel's category comes, in this order, from its own name (Triton quantisation and
+attention kernels), from the innermost ``moe.<category>`` range around the op that launched it
+(``moe.spans.span``, opened by the library at its seams), then from the innermost aten op or
+autograd node it ran under; anything else is ``other``. On CPUs the same tree is summed over
+each op's own CPU time instead (tests; the numbers there are not GPU numbers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from moe.spans import CATEGORIES
+
+PREFIX = "profile/"
+
+# Substrings of a kernel's own name (lower case).
+_KERNEL_RULES = (("quantize", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
+# Substrings of an enclosing op's name (lower case), innermost op first.
+_OP_RULES = (
+    ("scaled_dot_product", "attention"),
+    ("attention", "attention"),
+    ("grouped_mm", "expert_gemm"),
+    ("accumulategrad", "grad_accumulation"),
+    # the backward nodes of the dispatchers' own autograd functions (forward: the span)
+    ("_gatherrowsbackward", "dispatch"),
+    ("_combinebackward", "dispatch"),
+    ("_alltoallbackward", "dispatch"),
+    ("_exchangebackward", "dispatch"),
+    ("indexselectbackward", "dispatch"),
+    ("optimizer.step", "optimizer"),
+    ("optimizer.zero_grad", "optimizer"),
+    ("_fused_adam", "optimizer"),
+)
+_DENSE_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::_scaled_mm"}
+# Device records that are not kernels (CUPTI's queue-full marker spans seconds of nothing).
+_NOT_KERNELS = ("command buffer full",)
+
+
+def _chain(event: Any) -> Iterator[str]:
+    while event is not None:
+        yield event.name
+        event = event.cpu_parent
+
+
+def _from_chain(names: list[str]) -> str:
+    for name in names:  # the library's own ranges win, innermost first
+        if name.startswith("moe.") and name[4:] in CATEGORIES:
+            return name[4:]
+    for name in names:
+        low = name.lower()
+        if name in _DENSE_GEMMS:
+            return "dense_gemm"
+        for needle, category in _OP_RULES:
+            if needle in low:
+                return category
+    return "other"
+
+
+def _from_kernel(kernel_name: str, chain_category: str) -> str:
+    low = kernel_name.lower()
+    for needle, category in _KERNEL_RULES:
+        if needle in low:
+            return category
+    return chain_category
+
+
+def categorize(events: Any, on_device: bool) -> dict[str, float]:
+    """Milliseconds per category from a profiler's ``events()``: kernel time on a GPU, each
+    op's own CPU time otherwise."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for e in events:
+        if getattr(e, "is_async", False) or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        chain_category = _from_chain(list(_chain(e)))
+        if on_device:
+            for k in e.kernels:
+                if k.name == e.name or k.name.lower().startswith(_NOT_KERNELS):
+                    continue  # the GPU mirror of a range, or a marker
+                out[_from_kernel(k.name, chain_category)] += k.duration / 1e3
+        else:
+            out[chain_category] += e.self_cpu_time_total / 1e3
+    return out
+
+
+class StepProfiler:
+    """Profile what runs between ``start()`` and ``stop()`` (one training step); ``stop()``
+    returns ``profile/<category>_ms``, ``profile/total_ms`` (their sum) and ``profile/wall_ms``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._prof: Any = None
+        self._t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> StepProfiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._sync()
+        self._prof = profile(activities=activities, acc_events=True)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._sync()
+        wall = (time.perf_counter() - self._t0) * 1e3
+        self._prof.__exit__(None, None, None)
+        per = categorize(self._prof.events(), self.device.type == "cuda")
+        self._prof = None
+        metrics = {f"{PREFIX}{c}_ms": v for c, v in per.items()}
+        metrics[f"{PREFIX}total_ms"] = sum(per.values())
+        metrics[f"{PREFIX}wall_ms"] = wall
+        return metrics

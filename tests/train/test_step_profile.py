@@ -1,0 +1,74 @@
+import json
+
+import pytest
+import torch
+
+from moe.config import ConfigError
+from moe.spans import CATEGORIES, span
+from moe.train.sinks import JsonlSink
+from moe.train.step_profile import categorize
+from moe.train.trainer import Trainer
+from tests.helpers import tiny_config
+
+
+def test_a_profiled_step_says_where_its_time_went_and_stays_out_of_the_throughput(tmp_path, corpus):
+    cfg = tiny_config(
+        corpus,
+        tmp_path / "ck",
+        precision={"recipe": "bf16"},
+        train={"max_steps": 5, "log_every": 2, "profile_step": 3},
+        optim={"expert_grad_accum": "bf16"},
+    )
+    summary = Trainer(cfg, sinks=[JsonlSink(tmp_path / "m.jsonl")]).fit()
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "m.jsonl").read_text().splitlines())}
+    profiled = rows[3]
+    parts = {c: profiled[f"profile/{c}_ms"] for c in CATEGORIES}
+    assert sum(parts.values()) == pytest.approx(profiled["profile/total_ms"])
+    assert profiled["profile/wall_ms"] > 0
+    # A step of the tiny model does every kind of work but FP8 and a reduction (one process).
+    for c in ("expert_gemm", "dense_gemm", "attention", "dispatch", "grad_accumulation", "optimizer", "other"):
+        assert parts[c] > 0, (c, parts)
+    assert parts["fp8_quantize"] == 0
+    # The profiled step is not in any interval's throughput: its own row has none, and the
+    # interval it interrupted (steps 3-4) counts only step 4.
+    assert "tokens_per_s" not in profiled
+    assert "tokens_per_s" in rows[4] and "tokens_per_s" in rows[5]
+    assert all("profile/total_ms" not in r for s, r in rows.items() if s != 3)
+    assert summary.steps == 5 and sorted(summary.losses) == [1, 2, 3, 4, 5]
+
+
+def test_the_profile_of_the_last_step_leaves_the_earlier_interval_as_the_throughput(tmp_path, corpus):
+    cfg = tiny_config(corpus, tmp_path / "ck", train={"max_steps": 4, "log_every": 3, "profile_step": 4})
+    Trainer(cfg, sinks=[JsonlSink(tmp_path / "m.jsonl")]).fit()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "tokens_per_s_per_device" in r]
+    assert [r["step"] for r in timed] == [3]
+    assert "profile/expert_gemm_ms" in rows[-1] and rows[-1]["step"] == 4
+
+
+def test_profile_step_outside_the_run_is_refused(tmp_path, corpus):
+    with pytest.raises(ConfigError, match=r"train\.profile_step: must lie in \[0, train\.max_steps=6\]"):
+        tiny_config(corpus, tmp_path / "ck", train={"profile_step": 7})
+
+
+def test_library_ranges_win_over_op_names_innermost_first():
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with span("optimizer"):
+            for _ in range(20):
+                a @ a  # a dense GEMM, but inside the optimizer's range
+            with span("grad_accumulation"):
+                for _ in range(20):
+                    a.add_(1.0)
+        for _ in range(20):
+            a @ a
+    parts = categorize(prof.events(), on_device=False)
+    assert parts["optimizer"] > 0 and parts["grad_accumulation"] > 0 and parts["dense_gemm"] > 0
+    assert parts["expert_gemm"] == parts["attention"] == 0
+
+
+def test_an_unknown_span_is_refused():
+    with pytest.raises(ValueError, match="unknown profile category 'gemm'"):
+        span("gemm")
