@@ -9,7 +9,9 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
-cd "$(dirname "$0")/../paper"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+cd "$root/bench/paper"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(resident experts fp8 recompute ep gerrymander)
 common=(--no-mlflow --set "paper.steps=${STEPS:-2}" --set 'paper.experts=[8,32,128]' --set paper.gerrymander_steps=60
