@@ -38,16 +38,24 @@ def make_data(directory: Path, tokens: int, vocab: int) -> None:
 
 
 def profile_step(trainer: Trainer, rows: int) -> None:
-    """One step under torch.profiler: the most expensive CUDA kernels, and GPU busy vs wall time."""
-    from torch.profiler import ProfilerActivity, profile
+    """One step under torch.profiler (moe.train.step_profile): kernel time per category, the
+    largest kernels with the op that launched each, and GPU busy against wall time."""
+    from moe.train.step_profile import StepProfiler, top_entries
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        (wall,) = timed_train_steps(trainer, 1)
-    events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
-    print(f"profiled step: {wall * 1e3:.1f} ms wall, {busy:.1f} ms of CUDA kernels")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+    profiler = StepProfiler(trainer.device).start()
+    trainer.train_step()
+    trainer.step += 1
+    figures = profiler.stop(keep_events=True)
+    events = profiler.events
+    kernels = sum(e.time_range.elapsed_us() for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / 1e3
+    print(
+        f"profiled step: {figures['profile/wall_ms']:.1f} ms wall, {figures['profile/total_ms']:.1f} ms attributed, "
+        f"{kernels:.1f} ms of device records in the trace"
+    )
+    for key, value in figures.items():
+        print(f"  {key}: {value:.1f}")
+    table = [{"category": c, "ms": round(ms, 2), "count": n, "kernel": k, "launched by": o} for c, k, o, ms, n in top_entries(events, True, rows)]
+    print_table(table, ["category", "ms", "count", "kernel", "launched by"])
 
 
 def main(argv: list[str] | None = None) -> int:

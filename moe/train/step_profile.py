@@ -73,10 +73,9 @@ def _from_kernel(kernel_name: str, chain_category: str) -> str:
     return chain_category
 
 
-def categorize(events: Any, on_device: bool) -> dict[str, float]:
-    """Milliseconds per category from a profiler's ``events()``: kernel time on a GPU, each
-    op's own CPU time otherwise."""
-    out = dict.fromkeys(CATEGORIES, 0.0)
+def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, float]]:
+    """(category, kernel or op name, the op that launched it, ms) for every piece of time in a
+    profiler's ``events()``: kernel time on a GPU, each op's own CPU time otherwise."""
     for e in events:
         if getattr(e, "is_async", False) or e.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -85,10 +84,28 @@ def categorize(events: Any, on_device: bool) -> dict[str, float]:
             for k in e.kernels:
                 if k.name == e.name or k.name.lower().startswith(_NOT_KERNELS):
                     continue  # the GPU mirror of a range, or a marker
-                out[_from_kernel(k.name, chain_category)] += k.duration / 1e3
-        else:
-            out[chain_category] += e.self_cpu_time_total / 1e3
+                yield _from_kernel(k.name, chain_category), k.name, e.name, k.duration / 1e3
+        elif e.self_cpu_time_total:
+            yield chain_category, e.name, e.name, e.self_cpu_time_total / 1e3
+
+
+def categorize(events: Any, on_device: bool) -> dict[str, float]:
+    """Milliseconds per category (:func:`attribute` summed)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for category, _, _, ms in attribute(events, on_device):
+        out[category] += ms
     return out
+
+
+def top_entries(events: Any, on_device: bool, rows: int = 30) -> list[tuple[str, str, str, float, int]]:
+    """The ``rows`` largest (category, kernel, launching op) groups: ms and count."""
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for category, kernel, op, ms in attribute(events, on_device):
+        g = groups.setdefault((category, kernel[:80], op[:60]), [0.0, 0])
+        g[0] += ms
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:rows]
+    return [(c, k, o, ms, int(n)) for (c, k, o), (ms, n) in ranked]
 
 
 class StepProfiler:
@@ -114,11 +131,14 @@ class StepProfiler:
         self._t0 = time.perf_counter()
         return self
 
-    def stop(self) -> dict[str, float]:
+    def stop(self, keep_events: bool = False) -> dict[str, float]:
+        """The figures; ``keep_events``: keep the trace's events in ``self.events`` too."""
         self._sync()
         wall = (time.perf_counter() - self._t0) * 1e3
         self._prof.__exit__(None, None, None)
-        per = categorize(self._prof.events(), self.device.type == "cuda")
+        events = self._prof.events()
+        per = categorize(events, self.device.type == "cuda")
+        self.events = events if keep_events else None
         self._prof = None
         metrics = {f"{PREFIX}{c}_ms": v for c, v in per.items()}
         metrics[f"{PREFIX}total_ms"] = sum(per.values())
