@@ -41,7 +41,8 @@ _OP_RULES = (
     ("_fused_adam", "optimizer"),
 )
 _DENSE_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::_scaled_mm"}
-# Device records that are not kernels (CUPTI's queue-full marker spans seconds of nothing).
+# CUPTI's marker for a launch that waited on a full queue (a CPU event sharing the launch's id,
+# and sometimes listed as a device record spanning the wait).
 _NOT_KERNELS = ("command buffer full",)
 
 
@@ -75,18 +76,31 @@ def _from_kernel(kernel_name: str, chain_category: str) -> str:
 
 def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, float]]:
     """(category, kernel or op name, the op that launched it, ms) for every piece of time in a
-    profiler's ``events()``: kernel time on a GPU, each op's own CPU time otherwise."""
+    profiler's ``events()``: kernel time on a GPU (GPU mirrors of ranges and markers left out),
+    each op's own CPU time otherwise.
+
+    torch lists a kernel under every CPU event with its launch's correlation id, and ids are
+    not unique (a range and an op can share one): each id's kernels are taken once, from the
+    shortest CPU event with that id (the op that launched them, not a range around it)."""
+    cpu = torch.autograd.DeviceType.CPU
+    launcher: dict[int, Any] = {}
     for e in events:
-        if getattr(e, "is_async", False) or e.device_type != torch.autograd.DeviceType.CPU:
+        if e.device_type != cpu or getattr(e, "is_async", False):
             continue
-        chain_category = _from_chain(list(_chain(e)))
-        if on_device:
-            for k in e.kernels:
-                if k.name == e.name or k.name.lower().startswith(_NOT_KERNELS):
-                    continue  # the GPU mirror of a range, or a marker
-                yield _from_kernel(k.name, chain_category), k.name, e.name, k.duration / 1e3
-        elif e.self_cpu_time_total:
-            yield chain_category, e.name, e.name, e.self_cpu_time_total / 1e3
+        if not on_device:
+            if e.self_cpu_time_total:
+                yield _from_chain(list(_chain(e))), e.name, e.name, e.self_cpu_time_total / 1e3
+            continue
+        if e.kernels and not e.name.lower().startswith(_NOT_KERNELS):  # a marker is not the launcher
+            held = launcher.get(e.id)
+            if held is None or e.time_range.elapsed_us() < held.time_range.elapsed_us():
+                launcher[e.id] = e
+    for op in launcher.values():
+        chain_category = _from_chain(list(_chain(op)))
+        for k in op.kernels:
+            if k.name == op.name or k.name.lower().startswith(_NOT_KERNELS):
+                continue  # the GPU mirror of a range, or a marker
+            yield _from_kernel(k.name, chain_category), k.name, op.name, k.duration / 1e3
 
 
 def categorize(events: Any, on_device: bool) -> dict[str, float]:
