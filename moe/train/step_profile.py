@@ -74,6 +74,11 @@ def _from_kernel(kernel_name: str, chain_category: str) -> str:
     return chain_category
 
 
+def _launch_rank(e: Any) -> tuple[bool, float]:
+    """Among CPU events sharing an id: an op before CUPTI's marker, then the shortest."""
+    return e.name.lower().startswith(_NOT_KERNELS), e.time_range.elapsed_us()
+
+
 def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, float]]:
     """(category, kernel or op name, the op that launched it, ms) for every piece of time in a
     profiler's ``events()``: kernel time on a GPU (GPU mirrors of ranges and markers left out),
@@ -91,9 +96,9 @@ def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, flo
             if e.self_cpu_time_total:
                 yield _from_chain(list(_chain(e))), e.name, e.name, e.self_cpu_time_total / 1e3
             continue
-        if e.kernels and not e.name.lower().startswith(_NOT_KERNELS):  # a marker is not the launcher
+        if e.kernels:
             held = launcher.get(e.id)
-            if held is None or e.time_range.elapsed_us() < held.time_range.elapsed_us():
+            if held is None or _launch_rank(e) < _launch_rank(held):
                 launcher[e.id] = e
     for op in launcher.values():
         chain_category = _from_chain(list(_chain(op)))
