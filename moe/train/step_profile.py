@@ -23,7 +23,7 @@ from moe.spans import CATEGORIES
 PREFIX = "profile/"
 
 # Substrings of a kernel's own name (lower case).
-_KERNEL_RULES = (("quantize", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
+_KERNEL_RULES = (("quant", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
 # Substrings of an enclosing op's name (lower case), innermost op first.
 _OP_RULES = (
     ("scaled_dot_product", "attention"),
