@@ -15,6 +15,7 @@ class Claim:
     paper_hardware: str
     # The paper's number(s) the report divides by, keyed like our derived figures.
     reference: dict[str, float]
+    gpus: int = 8  # GPUs the paper measured this claim on (the projections' target)
 
 
 CLAIMS: dict[str, Claim] = {
@@ -40,6 +41,7 @@ CLAIMS: dict[str, Claim] = {
             "+21% throughput, peak memory 103 -> 95 GB with MXFP8",
             "4x NVIDIA B300",
             {"speedup": 1.21, "peak_ratio": 95 / 103},
+            gpus=4,
         ),
         Claim(
             "recompute",

@@ -136,7 +136,50 @@ def resident(ctx: Context) -> dict[str, Any]:
             "peak_ratio": _ratio(a.get("peak_mem_gb"), b.get("peak_mem_gb")),
         }
     note = "with one GPU both layouts hold everything; the comparison is meaningful from 2 GPUs on" if w == 1 else ""
+    if derived and w == 1 and a.get("profile") and b.get("profile"):
+        derived["projection"] = project_resident(a, b, CLAIMS["resident"].gpus)
     return {"shape": shape, "variants": [a, b], "derived": derived, "note": note}
+
+
+# NCCL all-to-all between two H200s of our machines (shared/docs/platform.md): the link rate
+# the projections assume for every collective.
+LINK_GB_S = 258.0
+
+
+def project_resident(ours: dict[str, Any], fsdp: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """What the paper's GPU count adds to each layout's one-GPU step: the bytes each must move.
+
+    FSDP2 (fp32 shards, no mixed-precision policy, reshard after forward) all-gathers every
+    weight for the forward and again for the backward and reduce-scatters every gradient, each
+    micro-batch: 3 x 4 bytes x parameters x (G-1)/G per GPU. The resident layout moves token
+    rows instead (all-to-all to the experts and back, forward and backward: 4 x tokens x k x
+    d_model x 2 bytes x (G-1)/G per micro-batch) and reduces the dense gradients once per step
+    (ZeRO-1: reduce-scatter + all-gather, 2 x 4 bytes x dense parameters). Both at the measured
+    link rate; 'no overlap' adds the transfer to the step, 'full overlap' hides it under
+    compute (the truth lies between)."""
+    from moe.config import ModelConfig
+    from moe.train.accounting import param_counts
+
+    cfg = ModelConfig.from_dict(ours["model"])
+    counts = param_counts(cfg)
+    expert_params = sum(cfg.moe.num_experts * 3 * cfg.d_model * cfg.moe.expert_hidden for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    moe_layers = sum(1 for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    share = (gpus - 1) / gpus
+    accum, rows = ours["accumulation"], ours["micro_batch_size"] * ours["seq_len"]
+    fsdp_bytes = accum * 12 * counts.total * share
+    ours_bytes = accum * 4 * rows * cfg.moe.top_k * cfg.d_model * 2 * moe_layers * share + 8 * (counts.total - expert_params) * share
+    t_fsdp, t_ours = fsdp_bytes / LINK_GB_S / 1e9, ours_bytes / LINK_GB_S / 1e9
+    c_fsdp, c_ours = fsdp["step_time_s"], ours["step_time_s"]
+    return {
+        "gpus": gpus,
+        "link_gb_s": LINK_GB_S,
+        "fsdp_transfer_s": t_fsdp,
+        "resident_transfer_s": t_ours,
+        "speedup_no_overlap": (c_fsdp + t_fsdp) / (c_ours + t_ours),
+        "speedup_full_overlap": max(c_fsdp, t_fsdp) / max(c_ours, t_ours),
+        "model": "FSDP2: 12 B x params x (G-1)/G per micro-batch; resident: 4 all-to-alls of k bf16 rows per token, MoE layer and "
+        "micro-batch, + dense ZeRO-1 once",
+    }
 
 
 def experts(ctx: Context) -> dict[str, Any]:
@@ -170,11 +213,8 @@ def experts(ctx: Context) -> dict[str, Any]:
         if len(learned) == 2 and all(_ok(v) for v in learned):
             derived["drop_learned"] = 1 - first_last_ratio(*learned)
         if all(v.get("profile") for v in ok):
-            derived["projection"] = project_expert_parallel(ok, counts[0], counts[-1], PAPER_GPUS)
+            derived["projection"] = project_expert_parallel(ok, counts[0], counts[-1], CLAIMS["experts"].gpus)
     return {"shape": shape, "variants": variants + learned, "derived": derived}
-
-
-PAPER_GPUS = 8  # the paper's experts sweep: one 8-GPU node, expert parallelism over all eight
 
 
 def project_expert_parallel(variants: list[dict[str, Any]], e_from: int, e_to: int, gpus: int) -> dict[str, Any]:
@@ -254,7 +294,30 @@ def fp8(ctx: Context) -> dict[str, Any]:
             "peak_gb": b.get("peak_mem_gb"),
             "baseline_peak_gb": a.get("peak_mem_gb"),
         }
+        if a.get("profile") and b.get("profile"):
+            derived["projection"] = project_fp8(a, b, CLAIMS["fp8"].gpus)
     return {"shape": shape, "variants": [a, b], "derived": derived}
+
+
+def project_fp8(bf16: dict[str, Any], fp8: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """What the paper's GPU count (EP = G) would change in the FP8 gain, from the profiles.
+
+    Under EP every GPU computes as many expert rows as one GPU alone, so the expert GEMMs and
+    the activation and gradient quantisation keep their measured times; only quantising the
+    weights (part of the measured FP8 quantisation, not separated) shrinks to 1/G. The bound
+    takes all of it to be weights. And the ceiling: FP8 covers the expert GEMMs only, so even
+    expert GEMMs of zero time would give step / (step - expert GEMMs)."""
+    pb, pf = bf16["profile"], fp8["profile"]
+    step_b, step_f = bf16["step_time_s"] * 1e3, fp8["step_time_s"] * 1e3
+    quant = pf.get("fp8_quantize", 0.0)
+    return {
+        "gpus": gpus,
+        "expert_gemm_speedup": pb["expert_gemm"] / pf["expert_gemm"] if pf.get("expert_gemm") else None,
+        "expert_gemm_share_bf16": pb["expert_gemm"] / step_b,
+        "quantize_ms": quant,
+        "speedup_bound_at_gpus": step_b / (step_f - quant * (1 - 1 / gpus)),
+        "speedup_ceiling_expert_gemms_free": step_b / (step_b - pb["expert_gemm"]),
+    }
 
 
 def recompute(ctx: Context) -> dict[str, Any]:

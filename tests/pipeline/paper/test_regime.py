@@ -89,8 +89,36 @@ def test_projection_spreads_the_expert_proportional_parts_over_the_paper_gpus():
     assert p["kernel_ms_ep"]["128"] == pytest.approx(150 + 1.5 * 16)  # 16 experts held per GPU
     assert p["drop_projected"] == pytest.approx(1 - (150 + 1.5) / (150 + 24))
     assert p["drop_one_gpu_fit"] == pytest.approx(1 - 162 / 342)
-    r = {"variants": vs, "derived": {"projection": p}}
+    r = {"stage": "experts", "variants": vs, "derived": {"projection": p}}
     text = "\n".join(profile_table(r))
     assert "| optimizer step (AdamW, master -> bf16) | 8 | 32 | 128 | +24.0 | +120.0 |" in text
     assert "EP=8" in text and "+1" in text  # ms per expert held
     assert "262,144 tokens/step/device (1 x 32 micro-batches); routing random; dropless (dropped, measured: max 0.00%)" in regime_label(vs)
+
+
+def test_resident_projection_counts_the_bytes_each_layout_moves():
+    from pipeline.paper.stages import LINK_GB_S, project_resident
+
+    model = {"preset": "tiny", "n_layers": 2, "vocab_size": 256}
+    ours = {"model": model, "accumulation": 4, "micro_batch_size": 2, "seq_len": 64, "step_time_s": 1.0}
+    fsdp = {**ours, "step_time_s": 1.2}
+    p = project_resident(ours, fsdp, 8)
+    from moe.config import ModelConfig
+    from moe.train.accounting import param_counts
+
+    cfg = ModelConfig.from_dict(model)
+    total = param_counts(cfg).total
+    assert p["fsdp_transfer_s"] == pytest.approx(4 * 12 * total * 7 / 8 / LINK_GB_S / 1e9)
+    assert p["speedup_no_overlap"] == pytest.approx((1.2 + p["fsdp_transfer_s"]) / (1.0 + p["resident_transfer_s"]))
+    assert p["speedup_full_overlap"] == pytest.approx(1.2)  # transfers this small hide under compute
+
+
+def test_fp8_projection_bounds_the_gain_from_the_profiles():
+    from pipeline.paper.stages import project_fp8
+
+    bf16 = {"step_time_s": 1.0, "profile": {"expert_gemm": 200.0}}
+    fp8 = {"step_time_s": 0.95, "profile": {"expert_gemm": 120.0, "fp8_quantize": 40.0}}
+    p = project_fp8(bf16, fp8, 4)
+    assert p["expert_gemm_speedup"] == pytest.approx(200 / 120) and p["expert_gemm_share_bf16"] == pytest.approx(0.2)
+    assert p["speedup_bound_at_gpus"] == pytest.approx(1000 / (950 - 30))
+    assert p["speedup_ceiling_expert_gemms_free"] == pytest.approx(1000 / 800)
