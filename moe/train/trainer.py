@@ -298,7 +298,9 @@ class Trainer:
 
     def _profiled_step(self) -> None:
         """One step under torch.profiler: where its time went joins the step's metrics
-        (``profile/*``); its time, slowed by the profiler, stays out of the throughput."""
+        (``profile/*``); its time, slowed by the profiler, stays out of the throughput (the
+        steps queued before it finish first, inside their own interval's time)."""
+        self._sync()
         start = time.perf_counter()
         profiler = StepProfiler(self.device).start()
         self.train_step()
