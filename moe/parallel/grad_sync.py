@@ -26,6 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from moe.layers.experts import expert_param_layout
 from moe.optim import MasterParam, MasterWeightAdamW
 from moe.parallel.mesh import Mesh
+from moe.spans import span
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -156,6 +157,10 @@ class GradSync:
     def _launch_bucket(self, b: _Bucket, async_op: bool) -> None:
         """Flatten one bucket's fp32 gradients and start its all-reduce (or, ZeRO-1, its reduce
         to the owner); a parameter without a gradient contributes zeros."""
+        with span("grad_sync"):  # also when a backward hook launches it (overlapped reduction)
+            self._launch_bucket_now(b, async_op)
+
+    def _launch_bucket_now(self, b: _Bucket, async_op: bool) -> None:
         for p in b.params:
             if p.grad is None:
                 p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)

@@ -36,6 +36,7 @@ _OP_RULES = (
     ("_alltoallbackward", "dispatch"),
     ("_exchangebackward", "dispatch"),
     ("indexselectbackward", "dispatch"),
+    ("fsdp::", "grad_sync"),  # FSDP2's own ranges: all-gathers, reduce-scatters and their copies
     ("optimizer.step", "optimizer"),
     ("optimizer.zero_grad", "optimizer"),
     ("_fused_adam", "optimizer"),
@@ -89,6 +90,8 @@ def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, flo
     shortest CPU event with that id (the op that launched them, not a range around it)."""
     cpu = torch.autograd.DeviceType.CPU
     launcher: dict[int, Any] = {}
+    # GPU mirrors of ranges: never kernels, whichever CPU event they were listed under
+    mirrors = {e.name for e in events if e.device_type != cpu and getattr(e, "is_user_annotation", False)}
     for e in events:
         if e.device_type != cpu or getattr(e, "is_async", False):
             continue
@@ -103,7 +106,7 @@ def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, flo
     for op in launcher.values():
         chain_category = _from_chain(list(_chain(op)))
         for k in op.kernels:
-            if k.name == op.name or k.name.lower().startswith(_NOT_KERNELS):
+            if k.name == op.name or k.name in mirrors or k.name.startswith("moe.") or k.name.lower().startswith(_NOT_KERNELS):
                 continue  # the GPU mirror of a range, or a marker
             yield _from_kernel(k.name, chain_category), k.name, op.name, k.duration / 1e3
 

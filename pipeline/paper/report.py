@@ -66,7 +66,7 @@ def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
             f"{_fmt(derived.get('peak_gb'))} GB"
         )
         if proj := derived.get("projection"):
-            ours += f"; at most {_pct(proj['speedup_bound_at_gpus'] - 1)} at {proj['gpus']} GPUs (projected from the profile)"
+            ours += f"; about {_pct(proj['speedup_bound_at_gpus'] - 1)} at {proj['gpus']} GPUs (estimated from the profile)"
         return ours, f"{_fmt((s - 1) / (ref['speedup'] - 1)) if s else 'n/a'} of the paper's gain"
     if stage == "recompute":
         parts, ratios = [], []
@@ -125,7 +125,7 @@ _PROFILE_ROWS = (
     ("dispatch", "dispatch (permute, combine, all-to-all)"),
     ("fp8_quantize", "FP8 quantisation"),
     ("grad_accumulation", "gradient accumulation"),
-    ("grad_sync", "gradient sync (reduction, norm)"),
+    ("grad_sync", "gradient sync (reduction, norm, FSDP collectives)"),
     ("optimizer", "optimizer step (AdamW, master -> bf16)"),
     ("other", "the rest (norms, SwiGLU, loss, copies)"),
 )
@@ -143,7 +143,7 @@ def profile_table(r: dict[str, Any]) -> list[str]:
     lines = [
         "Where the time goes: kernel time of one more step run under torch.profiler after the timed ones (ms; "
         "moe.train.step_profile; on CPUs each op's own CPU time), and each variant's difference from the first. 'kernel gaps' "
-        "is the timed step minus the profiled kernel total (time the GPU waited).",
+        "is the timed step minus the profiled kernel total (time the GPU waited; one profiled step against the timed mean: noisy).",
         "",
         f"| part | {head}" + (f" | {deltas}" if deltas else "") + " |",
         "| --- |" + " --- |" * (len(ok) + len(ok) - 1),
@@ -197,7 +197,8 @@ def projection_lines(stage: str, derived: dict[str, Any]) -> list[str]:
             "alone, so the expert GEMMs and the activation and gradient quantisation keep their measured times; only the weights' "
             f"quantisation shrinks to 1/G. Measured: the FP8 expert GEMMs run {_fmt(proj['expert_gemm_speedup'])}x the bf16 ones, "
             f"but those are {proj['expert_gemm_share_bf16'] * 100:.0f}% of the bf16 step, and quantisation adds "
-            f"{proj['quantize_ms']:.0f} ms. Bound at {proj['gpus']} GPUs (all quantisation taken as weights): "
+            f"{proj['quantize_ms']:.0f} ms. Estimate at {proj['gpus']} GPUs (all quantisation taken as weights; the optimizer and gradient "
+            "adds over the experts, which shrink with G in both recipes, would raise it a little): "
             f"{_pct(proj['speedup_bound_at_gpus'] - 1)}; ceiling with expert GEMMs of zero time: "
             f"{_pct(proj['speedup_ceiling_expert_gemms_free'] - 1)} (the paper: +21%, with MXFP8 on B300).",
             "",
@@ -210,7 +211,7 @@ def projection_lines(stage: str, derived: dict[str, Any]) -> list[str]:
         f"Projection to the paper's {proj['gpus']} GPUs (expert parallelism over all of them): each GPU then holds E/{proj['gpus']} "
         "experts and, with random routing, computes as many rows as one GPU alone does; a cost that grows with the experts "
         "a GPU holds is the one-GPU cost at E/G experts. Model: per part, ms = a + b x experts held (least squares over "
-        "the measured counts); the all-to-all at both ends and the kernel gaps are not modelled.",
+        "the measured counts, extrapolated below the smallest); the all-to-all at both ends and the kernel gaps are not modelled.",
         "",
         "| | " + " | ".join(label for key, label in _PROFILE_ROWS if per.get(key)) + " |",
         "| --- |" + " --- |" * sum(1 for key, _ in _PROFILE_ROWS if per.get(key)),
@@ -244,7 +245,11 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
 
     if v := ok("experts"):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot([x["model"]["moe"]["num_experts"] for x in v], [x["tokens_per_s_per_device"] for x in v], "o-")
+        for routing in sorted({x.get("routing", "random") for x in v}):
+            line = [x for x in v if x.get("routing", "random") == routing]
+            experts = [x["model"]["moe"]["num_experts"] for x in line]
+            ax.plot(experts, [x["tokens_per_s_per_device"] for x in line], "o-", label=f"{routing} routing")
+        ax.legend()
         ax.set_xscale("log", base=2)
         ax.set(xlabel="experts (top-4, constant active parameters)", ylabel="tokens/s/device", title="Throughput against experts")
         save(fig, "experts.png")

@@ -213,7 +213,8 @@ def experts(ctx: Context) -> dict[str, Any]:
         if len(learned) == 2 and all(_ok(v) for v in learned):
             derived["drop_learned"] = 1 - first_last_ratio(*learned)
         if all(v.get("profile") for v in ok):
-            derived["projection"] = project_expert_parallel(ok, counts[0], counts[-1], CLAIMS["experts"].gpus)
+            e_from, e_to = first["model"]["moe"]["num_experts"], last["model"]["moe"]["num_experts"]
+            derived["projection"] = project_expert_parallel(ok, e_from, e_to, CLAIMS["experts"].gpus)
     return {"shape": shape, "variants": variants + learned, "derived": derived}
 
 
@@ -304,8 +305,10 @@ def project_fp8(bf16: dict[str, Any], fp8: dict[str, Any], gpus: int) -> dict[st
 
     Under EP every GPU computes as many expert rows as one GPU alone, so the expert GEMMs and
     the activation and gradient quantisation keep their measured times; only quantising the
-    weights (part of the measured FP8 quantisation, not separated) shrinks to 1/G. The bound
-    takes all of it to be weights. And the ceiling: FP8 covers the expert GEMMs only, so even
+    weights (part of the measured FP8 quantisation, not separated) shrinks to 1/G. The estimate
+    takes all of it to be weights (generous to FP8) and the rest of both steps as measured (the
+    optimizer and gradient adds over the experts shrink with G in both, which would raise the
+    ratio a little). And the ceiling: FP8 covers the expert GEMMs only, so even
     expert GEMMs of zero time would give step / (step - expert GEMMs)."""
     pb, pf = bf16["profile"], fp8["profile"]
     step_b, step_f = bf16["step_time_s"] * 1e3, fp8["step_time_s"] * 1e3

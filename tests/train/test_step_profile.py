@@ -72,3 +72,38 @@ def test_library_ranges_win_over_op_names_innermost_first():
 def test_an_unknown_span_is_refused():
     with pytest.raises(ValueError, match="unknown profile category 'gemm'"):
         span("gemm")
+
+
+def test_gpu_attribution_counts_each_launch_once_and_skips_mirrors_and_markers():
+    """The device path on synthetic events shaped like torch's: a kernel is listed under every
+    CPU event sharing its correlation id (here a range and the op inside it), GPU mirrors of
+    ranges and CUPTI's queue-full marker ride along as 'kernels'."""
+    from types import SimpleNamespace as NS
+
+    from moe.train.step_profile import attribute
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, eid, dur, kernels=(), parent=None, device=cpu, annotation=False):
+        return NS(
+            name=name,
+            id=eid,
+            device_type=device,
+            is_async=False,
+            is_user_annotation=annotation,
+            cpu_parent=parent,
+            kernels=[NS(name=k, duration=d) for k, d in kernels],
+            time_range=NS(elapsed_us=lambda dur=dur: dur),
+        )
+
+    step = ev("moe.optimizer", 1, 1000, kernels=[("moe.optimizer", 900.0)])
+    adam = ev("aten::_fused_adamw_", 7, 100, kernels=[("multi_tensor_apply_kernel", 50.0)], parent=step)
+    shared = ev("moe.grad_sync", 7, 400, kernels=[("multi_tensor_apply_kernel", 50.0)])  # same id as adam
+    gemm = ev("aten::_grouped_mm", 9, 80, kernels=[("cutlass_grouped_kernel", 300.0), ("Command Buffer Full", 5000.0)])
+    marker = ev("Command Buffer Full", 9, 10, kernels=[("cutlass_grouped_kernel", 300.0)], parent=gemm)
+    mirror = ev("moe.optimizer", 0, 900, device=cuda, annotation=True)
+    rows = list(attribute([step, adam, shared, gemm, marker, mirror], on_device=True))
+    assert sorted((c, k, op, ms) for c, k, op, ms in rows) == [
+        ("expert_gemm", "cutlass_grouped_kernel", "aten::_grouped_mm", 0.3),
+        ("optimizer", "multi_tensor_apply_kernel", "aten::_fused_adamw_", 0.05),
+    ]
