@@ -76,6 +76,19 @@ class ExperimentConfig(Config):
                 "parallel.grad_reduce_dtype",
                 "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
             )
+        if moe.gemm == "fused":
+            require(
+                self.precision.recipe not in ("fp8_rowwise", "mxfp8"),
+                "model.moe.gemm",
+                f"fused is the bf16 expert GEMM; precision.recipe={self.precision.recipe} brings its own (fp8_rowwise "
+                "reads token rows itself): use model.moe.gemm=grouped_mm",
+            )
+            require(
+                tr.recompute in ("none", "full"),
+                "train.recompute",
+                f"{tr.recompute} saves torch's grouped-GEMM outputs by op name; model.moe.gemm=fused runs Triton "
+                "kernels it cannot see, so its expert MLP would be recomputed whole: use none or full, or gemm=grouped_mm",
+            )
         if tr.eval_every and par.pp > 1:
             raise ConfigError("train.eval_every: in-loop evaluation runs with parallel.pp=1 (evaluate pipeline runs with `moe evaluate`)")
         if par.pp > 1:

@@ -31,6 +31,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from moe.kernels.routing import source_rows
+
     @triton.jit
     def _pow2_encode_scale(amax):
         enc = 448.0 / tl.maximum(amax, 1e-12)
@@ -73,7 +75,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quant_cols_grouped_kernel(
-        x, ends, dst_ends, q, s, C, stride_x, stride_g, stride_c, PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+        x,
+        row_index,
+        row_scale,
+        ends,
+        dst_ends,
+        q,
+        s,
+        C,
+        stride_x,
+        stride_g,
+        stride_c,
+        PAD: tl.constexpr,
+        GATHER: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         g = tl.program_id(1)
         start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
@@ -84,7 +101,10 @@ if HAVE_TRITON:
         for r0 in range(start, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             m = (rows < end)[:, None] & cmask[None, :]
-            v = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            src = source_rows(row_index, rows, rows < end, GATHER)  # token rows: no gathered copy
+            v = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if ROW_SCALE:  # row r is row_scale[r] * x[src] (a routing weight: the combine's gradient)
+                v = v * tl.load(row_scale + rows, mask=rows < end, other=0.0).to(tl.float32)[:, None]
             acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
         enc = _pow2_encode_scale(acc)
         tl.store(s + g * C + cols, 1.0 / enc, mask=cmask)
@@ -98,7 +118,10 @@ if HAVE_TRITON:
         for r0 in range(start, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             m = (rows < end)[:, None] & cmask[None, :]
-            v = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            src = source_rows(row_index, rows, rows < end, GATHER)  # token rows: no gathered copy
+            v = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if ROW_SCALE:  # row r is row_scale[r] * x[src] (a routing weight: the combine's gradient)
+                v = v * tl.load(row_scale + rows, mask=rows < end, other=0.0).to(tl.float32)[:, None]
             v = _to_e4m3(tl.clamp(v * enc[None, :], -448.0, 448.0), q.dtype.element_ty)
             tl.store(out + (dst + rows - start)[:, None], v, mask=m)
         if PAD:
@@ -172,6 +195,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def gather_quantized_rows(q: torch.Tensor, s: torch.Tensor, row_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``row_index`` of a rowwise-quantised tensor (1-byte rows and their scales): quantising
+    the T tokens once and gathering FP8 bytes moves 3T + 2N row-bytes per element against 7N for
+    gathering bf16 rows and then quantising the N = T*k copies."""
+    rows = q.view(torch.uint8).index_select(0, row_index).view(E4M3)  # (copy kernels lack fp8 on CPU)
+    return rows, s.index_select(0, row_index)
+
+
 def padded_group_ends(ends: torch.Tensor, width: int) -> torch.Tensor:
     """Cumulative ends of groups padded to multiples of ALIGN (at least ALIGN each, so an empty
     group is a block of zeros); the last group also takes the slack up to ``width``."""
@@ -186,8 +217,20 @@ def padded_width(rows: int, groups: int) -> int:
     return (rows + ALIGN - 1) // ALIGN * ALIGN + ALIGN * groups
 
 
-def quantize_cols_grouped(x: torch.Tensor, ends: torch.Tensor, *, pad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_cols_grouped(
+    x: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    pad: bool,
+    row_index: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Columnwise scales within row groups; output transposed.
+
+    ``row_index`` [R]: the rows are x[row_index] (token rows read through the routing indices,
+    the expert-ordered copy never made); R is then row_index's length. ``row_scale`` [R] (with
+    row_index): row r is row_scale[r] * x[row_index[r]], multiplied in fp32 (the combine's
+    gradient rows: routing weight times the token's output gradient, never stored).
 
     x [R, C] with groups of rows ending at ``ends`` [G] (int32, on the device).
     pad=True (token groups, for wgrad): returns (q [C, W], scales [G*C] group-major,
@@ -197,7 +240,7 @@ def quantize_cols_grouped(x: torch.Tensor, ends: torch.Tensor, *, pad: bool) -> 
     [G, C], ends). x[r] ~= q^T[r] * scale.
     """
     assert x.dim() == 2 and x.stride(-1) == 1
-    rows, cols = x.shape
+    rows, cols = (row_index.numel(), x.shape[1]) if row_index is not None else x.shape
     groups = ends.numel()
     if pad:
         width = padded_width(rows, groups)
@@ -210,12 +253,33 @@ def quantize_cols_grouped(x: torch.Tensor, ends: torch.Tensor, *, pad: bool) -> 
         q = torch.empty(groups, cols, m, dtype=E4M3, device=x.device)
         stride_g, stride_c = cols * m, m
     s = torch.empty(groups * cols, dtype=torch.float32, device=x.device)
+    if row_scale is not None and row_index is None:
+        raise ValueError("quantize_cols_grouped: row_scale needs row_index")
     if not use_triton(x):
-        _quant_cols_grouped_torch(x, ends, dst_ends, q, s, pad)
+        src = x.index_select(0, row_index) if row_index is not None else x
+        if row_scale is not None:
+            src = src.float() * row_scale.float()[:, None]
+        _quant_cols_grouped_torch(src, ends, dst_ends, q, s, pad)
     elif groups and cols:
         block_c = 64
+        gather = row_index is not None
         _quant_cols_grouped_kernel[(triton.cdiv(cols, block_c), groups)](
-            x, ends, dst_ends, q, s, cols, x.stride(0), stride_g, stride_c, PAD=pad, BLOCK_R=64, BLOCK_C=block_c
+            x,
+            row_index.contiguous() if gather else ends,
+            row_scale.contiguous() if row_scale is not None else x,
+            ends,
+            dst_ends,
+            q,
+            s,
+            cols,
+            x.stride(0),
+            stride_g,
+            stride_c,
+            PAD=pad,
+            GATHER=gather,
+            ROW_SCALE=row_scale is not None,
+            BLOCK_R=64,
+            BLOCK_C=block_c,
         )
     return q, (s if pad else s.view(groups, cols)), dst_ends
 

@@ -38,6 +38,13 @@ def use_triton(t: torch.Tensor) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
+    def source_rows(row_index, rows, mask, GATHER: tl.constexpr):
+        """The rows a kernel reads: row_index[rows] (a gather folded into its loads) or the rows."""
+        if GATHER:
+            return tl.load(row_index + rows, mask=mask, other=0).to(tl.int64)
+        return rows.to(tl.int64)
+
+    @triton.jit
     def _gather_reduce_kernel(src, idx, w, out, D, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -52,18 +59,20 @@ if HAVE_TRITON:
         tl.store(out + t.to(tl.int64) * D + cols, acc.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _combine_backward_kernel(grad_out, y, idx, w, grad_y, grad_w, D, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_backward_kernel(grad_out, y, idx, w, grad_y, grad_w, D, K: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD_Y: tl.constexpr = True):
         slot = tl.program_id(0)
         t = (slot // K).to(tl.int64)
         row = tl.load(idx + slot).to(tl.int64)
-        weight = tl.load(w + slot).to(tl.float32)
+        if WRITE_GRAD_Y:
+            weight = tl.load(w + slot).to(tl.float32)
         dot = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, D, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < D
             g = tl.load(grad_out + t * D + cols, mask=mask, other=0.0).to(tl.float32)
             yv = tl.load(y + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(grad_y + row * D + cols, (g * weight).to(grad_y.dtype.element_ty), mask=mask)
+            if WRITE_GRAD_Y:
+                tl.store(grad_y + row * D + cols, (g * weight).to(grad_y.dtype.element_ty), mask=mask)
             dot += g * yv
         tl.store(grad_w + slot, tl.sum(dot, axis=0))
 
@@ -92,10 +101,10 @@ def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, row_index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x.index_select(0, order // k)
+        return x.index_select(0, row_index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -105,7 +114,15 @@ class _GatherRows(torch.autograd.Function):
 
 def gather_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
     """Rows of x in expert order (slot order[i] = token order[i] // k)."""
-    return _GatherRows.apply(x, order, inverse, k)
+    return _GatherRows.apply(x, order // k, inverse, k)
+
+
+def gather_token_rows(x: torch.Tensor, row_index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """x[row_index] with the deterministic backward of :func:`gather_rows` (row_index = order // k);
+    the torch path (index_select) where Triton does not run."""
+    if not use_triton(x):
+        return x.index_select(0, row_index)
+    return _GatherRows.apply(x, row_index, inverse, k)
 
 
 class _Combine(torch.autograd.Function):
@@ -145,3 +162,28 @@ class _Combine(torch.autograd.Function):
 
 def combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return _Combine.apply(y, inverse, weights)
+
+
+def combine_weight_grad(grad_out: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """dL/dweights[t, j] = grad_out[t] . y[inverse[t*k + j]] in fp32, [T, k]: the combine's weight
+    gradient alone, for backwards that never form the per-row gradient (it goes into the GEMMs)."""
+    n_tokens = inverse.numel() // k
+    if not use_triton(y):
+        rows = y.index_select(0, inverse).view(n_tokens, k, -1)
+        return torch.bmm(rows.float(), grad_out.float().unsqueeze(2)).squeeze(2)
+    grad_w = torch.empty(n_tokens * k, dtype=torch.float32, device=y.device)
+    if n_tokens:
+        d = y.shape[1]
+        _combine_backward_kernel[(n_tokens * k,)](
+            grad_out.contiguous(),
+            y.contiguous(),
+            inverse.contiguous(),
+            grad_w,
+            grad_w,
+            grad_w,
+            d,
+            K=k,
+            BLOCK=min(1024, triton.next_power_of_2(d)),
+            WRITE_GRAD_Y=False,
+        )
+    return grad_w.view(n_tokens, k)

@@ -2,7 +2,8 @@
 
 from moe.layers.dispatch import Dispatcher, LocalDispatcher
 from moe.layers.experts import GroupedExperts
-from moe.layers.gemm import ExpertGemm, GroupedMM, build_expert_gemm
+from moe.layers.gemm import ExpertGemm, GroupedMM
+from moe.layers.gemm_registry import build_expert_gemm
 from moe.layers.moe_layer import MoELayer, MoEStats
 from moe.layers.router import Router, Routing
 

@@ -49,15 +49,27 @@ class LocalDispatcher:
     # Fixed-order arithmetic only (moe.train.determinism checks this flag).
     deterministic = True
 
+    def sort(self, routing: Routing) -> LocalDispatchState:
+        """The permutation only, for experts that read token rows through it (no gather)."""
+        order, inverse = sort_by_expert(routing.experts.reshape(-1))
+        return LocalDispatchState(order, inverse, routing.weights)
+
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchState]:
         top_k = routing.experts.shape[1]
-        order, inverse = sort_by_expert(routing.experts.reshape(-1))
+        state = self.sort(routing)
+        order, inverse = state.order, state.inverse
         rows = gather_rows(x, order, inverse, top_k) if use_triton(x) else x.index_select(0, order // top_k)
-        return rows, routing.tokens_per_expert, LocalDispatchState(order, inverse, routing.weights)
+        return rows, routing.tokens_per_expert, state
 
     def combine(self, y: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        if use_triton(y):
-            return combine(y, state.inverse, state.weights)
-        n_tokens, top_k = state.weights.shape
-        per_slot = y.index_select(0, state.inverse).view(n_tokens, top_k, -1)
-        return torch.bmm(state.weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)
+        return combine_rows(y, state.inverse, state.weights)
+
+
+def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[inverse[t*k + j]]: the fused kernel on CUDA, index_select
+    and bmm elsewhere (autograd through both)."""
+    if use_triton(y):
+        return combine(y, inverse, weights)
+    n_tokens, top_k = weights.shape
+    per_slot = y.index_select(0, inverse).view(n_tokens, top_k, -1)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)

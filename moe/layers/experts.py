@@ -21,9 +21,22 @@ class GroupedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.gemm: ExpertGemm = gemm or GroupedMM()
 
+    @property
+    def reads_token_rows(self) -> bool:
+        """Whether the GEMM gathers token rows itself (:meth:`forward_tokens`)."""
+        return getattr(self.gemm, "expert_mlp", None) is not None
+
+    def forward_tokens(self, tokens: torch.Tensor, state, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The experts on token rows tokens[order // k] (expert order, never materialised) and the
+        weighted combine: [T, D] out. ``state``: the local dispatcher's permutation and weights."""
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        return self.gemm.expert_mlp(tokens, self.gate_up, self.down, offsets, order=state.order, inverse=state.inverse, weights=state.weights)
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [N, D] rows grouped by expert (group sizes tokens_per_expert, on the device)."""
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        if self.reads_token_rows:
+            return self.gemm.expert_mlp(x, self.gate_up, self.down, offsets)
         h = self.gemm(x, self.gate_up, offsets)
         # A GEMM may fuse the activation into its input (FP8: SwiGLU writes the FP8 operand).
         fused = getattr(self.gemm, "swiglu_linear", None)

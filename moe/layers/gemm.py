@@ -58,13 +58,3 @@ class GroupedMM:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x, w)
         return _GroupedLinear.apply(x.to(dtype), w.to(dtype), offsets)
-
-
-_GEMMS: dict[str, type] = {"grouped_mm": GroupedMM}
-
-
-def build_expert_gemm(name: str) -> ExpertGemm:
-    try:
-        return _GEMMS[name]()
-    except KeyError:
-        raise ValueError(f"model.moe.gemm: unknown expert GEMM {name!r}; known: {sorted(_GEMMS)}") from None

@@ -18,9 +18,16 @@ Quantisation is fused where the data is produced: SwiGLU writes the down project
 input and its scales directly (moe.kernels.fp8), and the bf16 product is never stored (the
 backward recomputes it from the saved gate/up activations, which the SwiGLU backward keeps).
 Weights are quantised once per weight version (:class:`WeightCache`: the micro-batches of a
-step share the copies). Not fused yet: the gathered rows are quantised by a separate one-pass
-kernel (the dispatcher's gather writes bf16), and the wgrad operands by a two-pass grouped
-column kernel; those passes are what FP8 loses to bf16 at 16K-token micro-batches (NOTES.md).
+step share the copies). With the local dispatcher the experts get token rows and the routing
+permutation (:meth:`Fp8GroupedGemm.expert_mlp`): the up projection quantises the T tokens once
+and gathers their FP8 bytes (k copies of a row share its scale) and its wgrad quantises columns
+reading the tokens through the indices, so the bf16 expert-ordered copy is neither written nor
+saved; the down projection and the combine share one backward that quantises grad_out per
+token (routing weight folded into the row scale) and its columns through the indices, so the
+combine's [N, D] gradient is never stored. Not fused yet: the wgrad operands' column passes
+(two reads each), dSwiGLU's output (quantised by the up projection's backward), and the weight
+copies (one pass per optimizer step). None of this has been timed on a GPU yet
+(bench/h200/kernels.sh); the earlier measurements are in bench/NOTES.md.
 
 Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
 thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
@@ -43,8 +50,9 @@ import dataclasses
 
 import torch
 
-from moe.kernels.fp8 import quantize_cols_grouped, quantize_rows, swiglu_quantize
+from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
+from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import _grouped_mm, _GroupedLinear
 
@@ -164,12 +172,14 @@ def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None
     return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
 
 
-def _wgrad(grad, x, offsets, fp8: bool, emulate: bool):
-    """grad_g^T [M, n_g] @ x_g [n_g, K] -> [G, M, K] (w's own layout)."""
+def _wgrad(grad, x, offsets, fp8: bool, emulate: bool, row_index=None):
+    """grad_g^T [M, n_g] @ x_g [n_g, K] -> [G, M, K] (w's own layout); x_g = x[row_index]_g when
+    the rows are token rows read through the routing indices."""
     if not fp8:
-        return _grouped_mm(grad.t(), x, offs=offsets)
+        rows = x.index_select(0, row_index) if row_index is not None else x  # bf16: a transient copy
+        return _grouped_mm(grad.t(), rows, offs=offsets)
     gt, sgt, padded = quantize_cols_grouped(grad, offsets, pad=True)
-    xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True)
+    xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True, row_index=row_index)
     return scaled_grouped_mm(gt, xt.t(), sgt, sxt, padded, emulate)
 
 
@@ -192,6 +202,93 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache) if ctx.needs_input_grad[0] else None
         grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None, None
+
+
+class _Fp8GatheredLinear(torch.autograd.Function):
+    """tokens[row_index]_g @ w[g].T without the expert-ordered bf16 copy of the tokens: the T
+    token rows are quantised once and their FP8 bytes gathered (k copies of a row share its
+    scale), wgrad quantises columns reading through the indices, and only the tokens are saved
+    (T rows, not T*k). dgrad's rows are summed per token through ``inverse`` (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, tokens, row_index, inverse, top_k, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
+        ctx.save_for_backward(tokens, row_index, inverse, w, offsets)
+        ctx.top_k, ctx.plan, ctx.emulate, ctx.cache = top_k, plan, emulate, cache
+        if plan.fwd:
+            xq, sx = gather_quantized_rows(*quantize_rows(tokens), row_index)
+            return _forward_fp8(xq, sx, w, offsets, emulate, cache)
+        return _grouped_mm(tokens.index_select(0, row_index), w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, row_index, inverse, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_tokens = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
+            grad_tokens = gather_reduce(grad_rows, inverse, None, ctx.top_k)
+        if ctx.needs_input_grad[4]:
+            grad_w = _wgrad(grad, tokens, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
+        return grad_tokens, None, None, None, grad_w, None, None, None, None
+
+
+class _Fp8SwiGLULinearCombine(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] * (swiglu(h) @ w[g].T)[inverse[t*k + j]]: the down projection
+    and the weighted combine in one backward, so the combine's gradient rows
+    (weights[slot] * grad_out[token], [N, D]) are never stored in bf16:
+
+    - dgrad's A operand is the token gradients quantised once per token ([T, D], not [N, D]) with
+      their FP8 bytes gathered and each row's decode scale multiplied by its routing weight (the
+      scale is a per-row fp32 factor of the GEMM, so this is the weighted row to e4m3 precision);
+    - wgrad's columns are quantised per expert reading grad_out through the indices and
+      multiplying by the weight in fp32 (moe.kernels.fp8.quantize_cols_grouped(row_scale=...));
+    - the routing weights' gradient is the combine's dot products alone (no row writes).
+    A GEMM the rule keeps in bf16 gets the weighted rows materialised, as before."""
+
+    @staticmethod
+    def forward(ctx, h, w, offsets, order, inverse, weights, plan: Plan, emulate: bool, cache: WeightCache):
+        h = h.contiguous()
+        if plan.fwd:
+            aq, sa = swiglu_quantize(h)
+            y = _forward_fp8(aq, sa, w, offsets, emulate, cache)
+        else:
+            y = _grouped_mm(swiglu(h), w.transpose(-2, -1), offs=offsets)
+        top_k = weights.shape[1]
+        out = gather_reduce(y, inverse, weights, top_k)
+        ctx.save_for_backward(h, w, offsets, order, inverse, weights, y)
+        ctx.plan, ctx.emulate, ctx.cache, ctx.top_k = plan, emulate, cache, top_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w, offsets, order, inverse, weights, y = ctx.saved_tensors
+        plan, emulate, cache, top_k = ctx.plan, ctx.emulate, ctx.cache, ctx.top_k
+        grad_out = grad_out.contiguous()
+        row_index = order // top_k
+        row_weight = weights.reshape(-1).index_select(0, order).float()  # the weight of each expert-ordered row
+        grad_weights = combine_weight_grad(grad_out, y, inverse, top_k).to(weights.dtype) if ctx.needs_input_grad[5] else None
+        rows_bf16 = None
+        if not (plan.dgrad and plan.wgrad):
+            rows_bf16 = (grad_out.index_select(0, row_index).float() * row_weight[:, None]).to(grad_out.dtype)
+        with torch.enable_grad():
+            hh = h.detach().requires_grad_(True)
+            a = swiglu(hh)
+        if plan.dgrad:
+            gq, sg = gather_quantized_rows(*quantize_rows(grad_out), row_index)
+            wt, swt = cache.cols(w)
+            grad_a = scaled_grouped_mm(gq, wt.transpose(-2, -1), sg * row_weight, swt, offsets, emulate)
+        else:
+            grad_a = _grouped_mm(rows_bf16, w, offs=offsets)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if plan.wgrad:
+                gt, sgt, padded = quantize_cols_grouped(grad_out, offsets, pad=True, row_index=row_index, row_scale=row_weight)
+                at, sat, _ = quantize_cols_grouped(a.detach(), offsets, pad=True)
+                grad_w = scaled_grouped_mm(gt, at.t(), sgt, sat, padded, emulate)
+            else:
+                grad_w = _grouped_mm(rows_bf16.t(), a.detach(), offs=offsets)
+        (grad_h,) = torch.autograd.grad(a, hh, grad_a)
+        return grad_h, grad_w, None, None, None, grad_weights, None, None, None
 
 
 class _Fp8SwiGLULinear(torch.autograd.Function):
@@ -243,6 +340,47 @@ class Fp8GroupedGemm:
         if not plan.any:
             return _GroupedLinear.apply(x, w, offsets)
         return _Fp8Linear.apply(x, w, offsets, plan, self.emulate, cache)
+
+    def expert_mlp(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        offsets: torch.Tensor,
+        *,
+        order: torch.Tensor | None = None,
+        inverse: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The expert MLP on expert-ordered rows x (-> rows), or on token rows with the routing
+        permutation (-> the weighted combine [T, D]): then an FP8 up projection quantises the T
+        tokens, not their k copies, and an FP8 down projection takes the combine's gradient
+        without storing it (:class:`_Fp8SwiGLULinearCombine`)."""
+        from moe.layers.dispatch import combine_rows
+        from moe.layers.gemm_fused import check_routing_args
+
+        offsets = offsets.to(torch.int32)
+        if not check_routing_args(order, inverse, weights):
+            return self.swiglu_linear(self(x, gate_up, offsets), down, offsets)
+        top_k = weights.shape[1]
+        row_index = order // top_k
+        rows = row_index.numel()
+        cache = self._cache_for(gate_up)
+        x, w = x.to(torch.bfloat16), gate_up.to(torch.bfloat16)
+        groups, out_dim, in_dim = w.shape
+        plan = self.rule.plan(rows, groups, out_dim, in_dim)
+        if plan.fwd or plan.wgrad:
+            h = _Fp8GatheredLinear.apply(x, row_index, inverse, top_k, w, offsets, plan, self.emulate, cache)
+        else:  # bf16 forward and wgrad: today's gather and torch's grouped GEMM
+            h = self(gather_token_rows(x, row_index, inverse, top_k), gate_up, offsets)
+        down_cache = self._cache_for(down)
+        wd = down.to(torch.bfloat16)
+        groups, out_dim, in_dim = wd.shape
+        down_plan = self.rule.plan(rows, groups, out_dim, in_dim)
+        if down_plan.dgrad or down_plan.wgrad:
+            h = h.to(torch.bfloat16)
+            return _Fp8SwiGLULinearCombine.apply(h, wd, offsets, order, inverse, weights, down_plan, self.emulate, down_cache)
+        return combine_rows(self.swiglu_linear(h, down, offsets), inverse, weights)
 
     def swiglu_linear(self, h: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """self(swiglu(h), w, offsets), with the SwiGLU writing FP8 when the GEMM is FP8."""

@@ -11,7 +11,7 @@ from moe.config import MoEConfig
 from moe.layers.aux_loss import attach_aux_loss
 from moe.layers.dispatch import Dispatcher, LocalDispatcher
 from moe.layers.experts import GroupedExperts
-from moe.layers.gemm import build_expert_gemm
+from moe.layers.gemm_registry import build_expert_gemm
 from moe.layers.router import Router
 from moe.nn.mlp import SwiGLU
 from moe.spans import span
@@ -44,11 +44,18 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
-        with span("dispatch"):
-            rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
-        y = self.experts(rows, rows_per_expert)
-        with span("dispatch"):
-            out = self.dispatcher.combine(y, state)
+        if self.experts.reads_token_rows and type(self.dispatcher) is LocalDispatcher:
+            # the experts' GEMM gathers the token rows itself: only the permutation is made here
+            with span("dispatch"):
+                state = self.dispatcher.sort(routing)
+                rows_per_expert = routing.tokens_per_expert
+            out = self.experts.forward_tokens(tokens, state, rows_per_expert)
+        else:
+            with span("dispatch"):
+                rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
+            y = self.experts(rows, rows_per_expert)
+            with span("dispatch"):
+                out = self.dispatcher.combine(y, state)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if self.training and torch.is_grad_enabled():

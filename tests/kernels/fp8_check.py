@@ -78,6 +78,21 @@ def check_cols_grouped() -> None:
         pad = q[:, pstarts[g] + n : padded[g].item()].float()
         assert pad.abs().max().item() == 0 if pad.numel() else True, f"group {g} padding not zero"
         start += n
+    # token rows read through routing indices: the same bytes as quantising the gathered copy
+    tokens = torch.randn(23, cols).bfloat16()
+    row_index = torch.randint(0, 23, (rows,))
+    q2, s2, padded2 = fp8.quantize_cols_grouped(tokens, ends, pad=True, row_index=row_index)
+    q3, s3, _ = fp8.quantize_cols_grouped(tokens.index_select(0, row_index), ends, pad=True)
+    assert torch.equal(q2.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s2, s3) and torch.equal(padded2, padded)
+    # ... and with a per-row factor (the routing weight): the weighted rows, multiplied in fp32
+    scale = torch.rand(rows)
+    q4, s4, _ = fp8.quantize_cols_grouped(tokens, ends, pad=True, row_index=row_index, row_scale=scale)
+    q5, s5, _ = fp8.quantize_cols_grouped(tokens.index_select(0, row_index).float() * scale[:, None], ends, pad=True)
+    assert torch.equal(q4.view(torch.uint8), q5.view(torch.uint8)) and torch.equal(s4, s5)
+    # FP8 rows of the tokens, gathered: the bytes of quantising the gathered rows
+    qg, sg = fp8.gather_quantized_rows(*fp8.quantize_rows(tokens), row_index)
+    qr, sr = fp8.quantize_rows(tokens.index_select(0, row_index))
+    assert torch.equal(qg.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(sg, sr)
     # equal groups, no padding: the transposed weights of dgrad
     w = torch.randn(3, 24, 40).bfloat16()
     q, s, _ = fp8.quantize_cols_grouped(w.reshape(72, 40), torch.arange(1, 4, dtype=torch.int32) * 24, pad=False)

@@ -154,3 +154,102 @@ def test_mxfp8_fake_quantised_gemm_agrees_with_bf16():
         results.append((out, x.grad, w.grad))
     for a, b in zip(results[1], results[0], strict=True):
         assert rel(a, b) < FP8_VS_BF16
+
+
+@pytest.mark.parametrize("min_dim", [0, 10**6])
+def test_fp8_experts_on_token_rows_match_the_gathered_path(min_dim):
+    """The FP8 experts reading token rows through the routing permutation (tokens quantised once,
+    FP8 bytes gathered; the down projection and the combine in one backward that never stores the
+    combine's gradient rows) against the same recipe on the materialised expert-ordered copy with
+    the dispatcher's combine. Forward: the same bits. Backward: the up projection's weight
+    gradient the same bits (same operands), the rest within FP8 rounding of each other (the
+    down projection's dgrad quantises grad_out per token and folds the routing weight into the
+    row scale instead of quantising the weighted rows). min_dim=10**6: all bf16, equal."""
+    from moe.layers.dispatch import combine_rows, sort_by_expert
+    from moe.layers.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    tokens_n, k, d, h, e = 33, 2, 32, 48, 4
+    experts = GroupedExperts(e, d, h, Fp8GroupedGemm(Fp8Rule(min_dim), emulate=True))
+    experts.reset_parameters(0.05)
+    assert experts.reads_token_rows
+    choice = torch.stack([torch.randperm(e)[:k] for _ in range(tokens_n)])
+    order, inverse = sort_by_expert(choice.reshape(-1))
+    counts = torch.bincount(choice.reshape(-1), minlength=e)
+    x = torch.randn(tokens_n, d).bfloat16()
+    weights = torch.rand(tokens_n, k)
+    probe = torch.randn(tokens_n, d)
+    results = []
+    for via_tokens in (True, False):
+        experts.zero_grad()
+        xi, wi = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        if via_tokens:
+            state = type("State", (), {"order": order, "inverse": inverse, "weights": wi})()
+            out = experts.forward_tokens(xi, state, counts)
+        else:
+            out = combine_rows(experts(xi.index_select(0, order // k), counts), inverse, wi)
+        (out.float() * probe).sum().backward()
+        results.append((out.detach(), xi.grad.clone(), wi.grad.clone(), experts.gate_up.grad.clone(), experts.down.grad.clone()))
+    (o1, gx1, gw1, gu1, gd1), (o2, gx2, gw2, gu2, gd2) = results
+    assert torch.equal(o1, o2)
+    if min_dim:
+        for a, b in ((gx1, gx2), (gw1, gw2), (gu1, gu2), (gd1, gd2)):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+        return
+    torch.testing.assert_close(gw1, gw2, rtol=1e-2, atol=1e-3)  # dot products of the same bf16 rows
+    for name, a, b in (("dx", gx1, gx2), ("d_gate_up", gu1, gu2), ("d_down", gd1, gd2)):
+        assert rel(a, b) < 0.06, (name, rel(a, b))  # two e4m3 roundings of the same values
+
+
+def test_fp8_token_path_gradients_agree_with_bf16():
+    """The FP8 layer on the token-row path against the bf16 layer: FP8's own error only."""
+    layers = {}
+    for fp8 in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(32, MoEConfig(num_experts=4, top_k=2, expert_hidden=48))
+        layer.reset_parameters(0.05)
+        if fp8:
+            layer.experts.gemm = Fp8GroupedGemm(Fp8Rule(0), emulate=True)
+        layers[fp8] = layer.bfloat16()
+    assert layers[True].experts.reads_token_rows and not layers[False].experts.reads_token_rows
+    x = torch.randn(2, 13, 32).bfloat16()
+    grads = {}
+    for fp8, layer in layers.items():
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        (out.float() * torch.linspace(-1, 1, 32)).sum().backward()
+        grads[fp8] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert rel(a, b) < FP8_VS_BF16, rel(a, b)
+
+
+class _MixedRule(Fp8Rule):
+    """One plan for every GEMM (the default rule gives a projection's three GEMMs the same answer,
+    so the per-GEMM bf16 fallbacks are reached only through a rule like this)."""
+
+    def __init__(self, plan):
+        super().__init__(0)
+        self._fixed = plan
+
+    def plan(self, tokens, groups, out_dim, in_dim):
+        return self._fixed
+
+
+@pytest.mark.parametrize("plan", [Plan(True, False, True), Plan(False, True, False), Plan(True, True, False), Plan(False, False, True)])
+def test_fp8_token_path_with_some_gemms_in_bf16_agrees_with_bf16(plan):
+    """Every mix of FP8 and bf16 GEMMs on the token-row path (gathered up projection, the down
+    projection with the combine) computes the bf16 layer's function to FP8 precision."""
+    results = {}
+    for fp8 in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(32, MoEConfig(num_experts=4, top_k=2, expert_hidden=48))
+        layer.reset_parameters(0.05)
+        if fp8:
+            layer.experts.gemm = Fp8GroupedGemm(_MixedRule(plan), emulate=True)
+        layer = layer.bfloat16()
+        xi = torch.randn(2, 13, 32, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_(True)
+        out = layer(xi)
+        (out.float() * torch.linspace(-1, 1, 32)).sum().backward()
+        results[fp8] = [out.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert rel(a, b) < FP8_VS_BF16, (plan, rel(a, b))

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issues 30 and 31 on one H200: the fused expert MLP (model.moe.gemm: fused) against our
+# unfused layer, its GEMMs alone and SonicMoE, and the FP8 token-row path. Not run yet (the
+# session that built them had no device time left). Each part fits one device call (< 10 min):
+#   bench/h200/kernels.sh layer     # the five-shape table: ours, fused, gemm, sonic
+#   bench/h200/kernels.sh experts   # experts 8 -> 256 at d=2048 h=1024 k=8: ours, fused
+#   bench/h200/kernels.sh step      # full step at OLMoE width (8 layers, micro 4): grouped_mm vs fused,
+#                                   # and fp8_rowwise with every expert GEMM in FP8 (token-row path)
+# bench.layer checks every peer's output and input gradient against an fp32 run before timing.
+# Every run's output goes to $OUT/kernels.log as it happens and its JSON to $OUT after each run,
+# so a failing or killed run loses only itself.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=${PYTHONPATH:-.}
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
+LOG="$OUT/kernels.log"
+touch /tmp/kernels-start
+status=0
+run() {
+  echo "+ $*" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG" || status=1
+  find bench/results -name '*.json' -newer /tmp/kernels-start -exec cp {} "$OUT"/ \;
+}
+case "${1:-}" in
+  layer)
+    run python3 -m bench.layer --tokens 16384 --peers ours,fused,gemm,sonic \
+      --shape 2048,1024,64,8 --shape 2048,768,128,8 --shape 4096,4096,64,4
+    run python3 -m bench.layer --tokens 32768 --peers ours,fused,gemm,sonic --shape 2048,1024,64,8 --shape 4096,1024,128,8
+    ;;
+  experts)
+    run python3 -m bench.layer --tokens 16384 --peers ours,fused --shape 2048,1024,64,8 --experts 8,32,128,256
+    ;;
+  step)
+    for gemm in grouped_mm fused; do
+      run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --gemm "$gemm"
+    done
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0
+    ;;
+  *)
+    echo "usage: bench/h200/kernels.sh layer|experts|step" >&2
+    exit 2
+    ;;
+esac
+exit $status

@@ -1,0 +1,15 @@
+"""The expert GEMM a config names (``model.moe.gemm``)."""
+
+from __future__ import annotations
+
+from moe.layers.gemm import ExpertGemm, GroupedMM
+from moe.layers.gemm_fused import FusedExpertMLP
+
+EXPERT_GEMMS: dict[str, type] = {"grouped_mm": GroupedMM, "fused": FusedExpertMLP}
+
+
+def build_expert_gemm(name: str) -> ExpertGemm:
+    try:
+        return EXPERT_GEMMS[name]()
+    except KeyError:
+        raise ValueError(f"model.moe.gemm: unknown expert GEMM {name!r}; known: {sorted(EXPERT_GEMMS)}") from None
