@@ -83,12 +83,6 @@ class ExperimentConfig(Config):
                 f"fused is the bf16 expert GEMM; precision.recipe={self.precision.recipe} brings its own (fp8_rowwise "
                 "reads token rows itself): use model.moe.gemm=grouped_mm",
             )
-            require(
-                tr.recompute in ("none", "full"),
-                "train.recompute",
-                f"{tr.recompute} saves torch's grouped-GEMM outputs by op name; model.moe.gemm=fused runs Triton "
-                "kernels it cannot see, so its expert MLP would be recomputed whole: use none or full, or gemm=grouped_mm",
-            )
         if tr.eval_every and par.pp > 1:
             raise ConfigError("train.eval_every: in-loop evaluation runs with parallel.pp=1 (evaluate pipeline runs with `moe evaluate`)")
         if par.pp > 1:

@@ -11,13 +11,15 @@ and a [N, H] (as the unfused path), but not the gathered rows [N, D].
 
 Deterministic (fixed-order tile arithmetic). Where Triton does not run (CPU without the
 interpreter), and for fp32 on CUDA, the same function runs on torch's grouped GEMM, so a config
-that names ``fused`` trains anywhere. Selective activation recompute (``recompute: selective``
-or ``matmuls``) saves the outputs of torch's grouped GEMMs by op name and cannot see these
-kernels, so the config refuses that pairing (and ``fused`` with an FP8 recipe, which brings its
-own expert GEMM).
+that names ``fused`` trains anywhere. The two forward GEMMs are torch ops (``moe::expert_up_swiglu``,
+``moe::expert_down``), so selective activation recompute keeps their outputs as it keeps torch's
+grouped GEMM's (moe.parallel.recompute). ``fused`` with an FP8 recipe is refused by the config
+(the recipe brings its own expert GEMM).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -29,13 +31,46 @@ from moe.layers.gemm import GroupedMM, _grouped_mm, compute_dtype
 from moe.spans import span
 
 
+@torch.library.custom_op("moe::expert_up_swiglu", mutates_args=())
+def expert_up_swiglu(
+    x: torch.Tensor,
+    row_index: Optional[torch.Tensor],  # noqa: UP045 (torch 2.11's schema inference reads typing.Optional)
+    ends: torch.Tensor,
+    gate_up: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, swiglu(h)) for h = x[row_index] @ gate_up[g].T. A torch op (not a bare launch) so
+    activation recompute's policies can keep its outputs like torch's grouped GEMM's."""
+    return grouped_gemm(x, gate_up.transpose(1, 2), ends, row_index=row_index, swiglu_epilogue=True)
+
+
+@expert_up_swiglu.register_fake
+def _(x, row_index, ends, gate_up):
+    rows = row_index.shape[0] if row_index is not None else x.shape[0]
+    return x.new_empty(rows, gate_up.shape[1]), x.new_empty(rows, gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("moe::expert_down", mutates_args=())
+def expert_down(act: torch.Tensor, ends: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """act @ down[g].T per expert group (a torch op, as :func:`expert_up_swiglu`)."""
+    return grouped_gemm(act, down.transpose(1, 2), ends)[0]
+
+
+@expert_down.register_fake
+def _(act, ends, down):
+    return act.new_empty(act.shape[0], down.shape[1])
+
+
+# what activation recompute keeps (moe.parallel.recompute)
+FORWARD_OPS = (torch.ops.moe.expert_up_swiglu, torch.ops.moe.expert_down)
+
+
 class _FusedExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, row_index, inverse, top_k, ends, gate_up, down):
         ctx.gather = gather = inverse is not None
         with span("expert_gemm"):
-            h, act = grouped_gemm(x, gate_up.transpose(1, 2), ends, row_index=row_index if gather else None, swiglu_epilogue=True)
-            (y,) = grouped_gemm(act, down.transpose(1, 2), ends)
+            h, act = expert_up_swiglu(x, row_index if gather else None, ends, gate_up)
+            y = expert_down(act, ends, down)
         ctx.save_for_backward(x, row_index if gather else None, inverse, ends, gate_up, down, h, act)
         ctx.top_k = top_k
         return y

@@ -90,6 +90,48 @@ def empty_case() -> None:
     assert gate_up.grad.abs().max() == 0 and down.grad.abs().max() == 0 and x.grad.shape == (0, 32)
 
 
+def recompute_case() -> None:
+    """Selective recompute keeps the fused forward GEMMs (torch ops in its saved set): the up
+    projection runs once per forward + backward under ``selective``, twice under ``full``, and
+    the gradients are the same in every mode."""
+    from torch import nn
+
+    from moe.config import MoEConfig
+    from moe.layers import MoELayer, gemm_fused
+    from moe.parallel.recompute import _checkpointed_forward
+
+    torch.manual_seed(5)
+    block = nn.Module()
+    block.moe = MoELayer(48, MoEConfig(num_experts=4, top_k=2, expert_hidden=32, gemm="fused"))
+    block.moe.reset_parameters(0.05)
+    x = torch.randn(2, 7, 48)
+    calls = []
+    original = gemm_fused.grouped_gemm
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("swiglu_epilogue", False))
+        return original(*args, **kwargs)
+
+    gemm_fused.grouped_gemm = counting
+    grads = {}
+    try:
+        for mode in ("none", "selective", "full"):
+            calls.clear()
+            block.moe.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = block.moe(xi) if mode == "none" else _checkpointed_forward(block, block.moe, mode, xi)
+            out.square().sum().backward()
+            grads[mode] = (xi.grad, [p.grad.clone() for p in block.moe.parameters()])
+            ups = sum(calls)
+            assert ups == (2 if mode == "full" else 1), (mode, ups)
+    finally:
+        gemm_fused.grouped_gemm = original
+    for mode in ("selective", "full"):
+        assert rel(grads[mode][0], grads["none"][0]) < 1e-6, mode
+        for a, b in zip(grads[mode][1], grads["none"][1], strict=True):
+            assert rel(a, b) < 1e-6, mode
+
+
 def layer_case() -> None:
     """The MoE layer with ``gemm: fused`` (token rows read through the routing indices) against the
     same layer on torch's grouped GEMM: output and every parameter's gradient."""
@@ -138,6 +180,7 @@ def main() -> int:
     b = run_case(40, 2, 32, 32, [1, 2, 0, 1], torch.float32, 1e-5)
     assert a == b, (a, b)
     layer_case()
+    recompute_case()
     # the FP8 token-row path with the Triton quantisation, gather and combine kernels (the GEMMs
     # emulated): the same checks as on the torch path
     from tests.layers.test_gemm_fp8 import test_fp8_experts_on_token_rows_match_the_gathered_path as fp8_token_rows

@@ -64,13 +64,18 @@ def test_row_index_without_inverse_is_refused():
         gemm.expert_mlp(x, torch.randn(2, 16, 8), torch.randn(2, 8, 8), torch.tensor([2, 4], dtype=torch.int32), order=torch.arange(4))
 
 
-@pytest.mark.parametrize(
-    "section, key",
-    [({"precision": {"recipe": "fp8_rowwise"}}, "model.moe.gemm"), ({"train": {"recompute": "selective"}}, "train.recompute")],
-)
-def test_config_refuses_fused_with_what_would_drop_or_recompute_it(section, key):
+def test_config_refuses_fused_with_an_fp8_recipe_which_would_replace_it():
     from moe.config import ExperimentConfig
 
-    with pytest.raises(ConfigError, match=key):
-        ExperimentConfig.load({"model": {"moe": {"gemm": "fused"}}, **section})
-    assert ExperimentConfig.load({"model": {"moe": {"gemm": "fused"}}, "train": {"recompute": "full"}}).model.moe.gemm == "fused"
+    with pytest.raises(ConfigError, match="model.moe.gemm"):
+        ExperimentConfig.load({"model": {"moe": {"gemm": "fused"}}, "precision": {"recipe": "fp8_rowwise"}})
+    assert ExperimentConfig.load({"model": {"moe": {"gemm": "fused"}}, "train": {"recompute": "selective"}}).model.moe.gemm == "fused"
+
+
+def test_selective_recompute_keeps_the_fused_forward_gemms():
+    """The fused MLP's forward GEMMs are torch ops in the recompute policy's saved set."""
+    from moe.layers.gemm_fused import FORWARD_OPS
+    from moe.parallel.recompute import SAVED_OPS
+
+    for mode in ("matmuls", "selective"):
+        assert set(FORWARD_OPS) <= SAVED_OPS[mode]
