@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemm", default="grouped_mm", choices=["grouped_mm", "fused"], help="model.moe.gemm (fused: gather + SwiGLU in the GEMMs)")
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
+    p.add_argument("--fp8-dense", action="store_true", help="precision.fp8_dense: the dense projections in FP8 too (fp8_rowwise)")
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
     p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
     p.add_argument(
@@ -144,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                 "schedule": {"warmup_steps": 1},
                 "optim": {"expert_grad_accum": args.expert_grad_accum},
                 "checkpoint": {"dir": str(Path(tmp) / "ck")},
-                "precision": {"recipe": args.recipe, **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {})},
+                "precision": {
+                    "recipe": args.recipe,
+                    **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {}),
+                    **({"fp8_dense": True} if args.fp8_dense else {}),
+                },
             }
         )
         trainer = Trainer(cfg)

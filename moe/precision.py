@@ -6,9 +6,10 @@ Router logits and the loss are computed in fp32 by the model and trainer whateve
 
 fp8_rowwise and mxfp8 are bf16 plus FP8 expert GEMMs (moe.layers.gemm_fp8 says which tensors
 and which scaling, and why): weights stay bf16 parameters with fp32 masters, so a checkpoint
-written under one recipe loads under any other. The dense projections (attention, shared
-experts, LM head) stay bf16: no FP8 dense path (torch._scaled_mm) is wired yet; it would face
-the same per-call quantisation cost that the expert GEMMs measured (bench/NOTES.md). Both FP8 recipes are refused before anything runs
+written under one recipe loads under any other. The dense projections (attention, dense and
+shared-expert MLPs) stay bf16 unless ``precision.fp8_dense`` (fp8_rowwise; moe.nn.fp8_linear,
+torch._scaled_mm, by the same per-shape rule; not timed on a GPU yet); the LM head and the router
+never take FP8. Both FP8 recipes are refused before anything runs
 where they cannot: fp8_rowwise needs compute capability >= 9.0 (torch._scaled_grouped_mm),
 mxfp8 >= 10.0 (an MX kernel launched on sm90 once broke the CUDA context of the process).
 ``emulate`` runs their quantisation with an emulated GEMM on any device (tests, CPU).
@@ -35,6 +36,8 @@ class PrecisionRecipe:
     autocast_dtype: torch.dtype | None
     # Builds the expert GEMM that replaces every MoE layer's (None: keep the model's own).
     expert_gemm: Callable[[], object] | None = None
+    # Turns a dense projection (nn.Linear) into its FP8 version in place (None: bf16).
+    dense_fp8: Callable[[nn.Module], object] | None = None
     # Whether its kernels are fixed-order (train.deterministic refuses a recipe that is not).
     deterministic = True
 
@@ -54,6 +57,11 @@ class PrecisionRecipe:
             for module in model.modules():
                 if isinstance(module, GroupedExperts):
                     module.gemm = self.expert_gemm()
+        if self.dense_fp8 is not None:
+            from moe.nn.fp8_linear import dense_linears
+
+            for _, module in dense_linears(model):
+                self.dense_fp8(module)
         return model
 
     @contextlib.contextmanager
@@ -101,8 +109,11 @@ def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> 
         raise ConfigError(problem)
 
 
-def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None) -> PrecisionRecipe:
-    """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device."""
+def resolve_recipe(
+    name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None, fp8_dense: bool = False
+) -> PrecisionRecipe:
+    """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device.
+    ``fp8_dense`` (fp8_rowwise only): the dense projections in FP8 too, by the same rule."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     try:
@@ -112,4 +123,16 @@ def resolve_recipe(name: str, device: torch.device, *, emulate: bool = False, fp
     if name in MIN_CAPABILITY:
         check_fp8_device(name, device, emulate)
         recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate, fp8_min_dim))
+    if fp8_dense:
+        if name != "fp8_rowwise":
+            raise ConfigError(f"precision.fp8_dense: FP8 dense projections come with recipe fp8_rowwise, not {name}")
+        recipe = dataclasses.replace(recipe, dense_fp8=_dense_fp8_factory(emulate, fp8_min_dim))
     return recipe
+
+
+def _dense_fp8_factory(emulate: bool, min_dim: int | None) -> Callable[[nn.Module], object]:
+    from moe.layers.gemm_fp8 import Fp8Rule
+    from moe.nn.fp8_linear import to_fp8
+
+    rule = Fp8Rule() if min_dim is None else Fp8Rule(min_dim)
+    return lambda module: to_fp8(module, rule, emulate)

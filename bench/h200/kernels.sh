@@ -5,7 +5,9 @@
 #   bench/h200/kernels.sh layer     # the five-shape table: ours, fused, gemm, sonic
 #   bench/h200/kernels.sh experts   # experts 8 -> 256 at d=2048 h=1024 k=8: ours, fused
 #   bench/h200/kernels.sh step      # full step at OLMoE width (8 layers, micro 4): grouped_mm vs fused,
-#                                   # and fp8_rowwise with every expert GEMM in FP8 (token-row path)
+#                                   # and fp8_rowwise with every expert GEMM in FP8 (token-row path), then
+#                                   # the dense projections too (precision.fp8_dense)
+#   bench/h200/kernels.sh paper     # paper width, 2 layers: bf16, FP8 experts, FP8 experts + dense
 # bench.layer checks every peer's output and input gradient against an fp32 run before timing.
 # Every run's output goes to $OUT/kernels.log as it happens and its JSON to $OUT after each run,
 # so a failing or killed run loses only itself.
@@ -36,9 +38,15 @@ case "${1:-}" in
       run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --gemm "$gemm"
     done
     run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0 --fp8-dense
+    ;;
+  paper)  # the largest paper-width model one H200 holds (2 layers, d=4096 E=64 h=4096 k=4): bf16 vs FP8
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0 --fp8-dense
     ;;
   *)
-    echo "usage: bench/h200/kernels.sh layer|experts|step" >&2
+    echo "usage: bench/h200/kernels.sh layer|experts|step|paper" >&2
     exit 2
     ;;
 esac

@@ -230,6 +230,14 @@ class PrecisionConfig(Config):
     # fp8_rowwise: an expert GEMM runs in FP8 only if its rows per expert, output columns and
     # contraction are all >= this (thinner GEMMs stay bf16: FP8 measured slower there); 0 = always.
     fp8_min_dim: int = 4096
+    # fp8_rowwise: the dense projections (attention, dense and shared-expert MLPs; never the LM
+    # head or the router) in FP8 too, by the same rule (moe.nn.fp8_linear). Not timed yet: off.
+    fp8_dense: bool = False
 
     def _check(self, p: str) -> None:
         require(self.fp8_min_dim >= 0, _k(p, "fp8_min_dim"), f"must be >= 0, got {self.fp8_min_dim}")
+        require(
+            not self.fp8_dense or self.recipe == "fp8_rowwise",
+            _k(p, "fp8_dense"),
+            f"FP8 dense projections come with recipe fp8_rowwise, not {self.recipe}",
+        )

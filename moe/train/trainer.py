@@ -77,7 +77,8 @@ class Trainer:
         self.device = self.env.device
         self.layout: Layout = build_layout(cfg, self.env)
         self.sinks = list(sinks) if self.env.is_main else []
-        self.recipe = resolve_recipe(cfg.precision.recipe, self.device, emulate=cfg.precision.emulate, fp8_min_dim=cfg.precision.fp8_min_dim)
+        prec = cfg.precision
+        self.recipe = resolve_recipe(prec.recipe, self.device, emulate=prec.emulate, fp8_min_dim=prec.fp8_min_dim, fp8_dense=prec.fp8_dense)
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):
