@@ -2,6 +2,7 @@
 # Issues 30 and 31 on one H200: the fused expert MLP (model.moe.gemm: fused) against our
 # unfused layer, its GEMMs alone and SonicMoE, and the FP8 token-row path. Not run yet (the
 # session that built them had no device time left). Each part fits one device call (< 10 min):
+#   bench/h200/kernels.sh check     # first: the compiled kernels' correctness (tests/kernels/expert_mlp_check.py)
 #   bench/h200/kernels.sh layer     # the five-shape table: ours, fused, gemm, sonic
 #   bench/h200/kernels.sh experts   # experts 8 -> 256 at d=2048 h=1024 k=8: ours, fused
 #   bench/h200/kernels.sh step      # full step at OLMoE width (8 layers, micro 4): grouped_mm vs fused,
@@ -25,6 +26,9 @@ run() {
   find bench/results -name '*.json' -newer /tmp/kernels-start -exec cp {} "$OUT"/ \;
 }
 case "${1:-}" in
+  check)  # first: the compiled kernels against the float64 per-expert loop (the CI check, on the GPU)
+    run python3 tests/kernels/expert_mlp_check.py --device cuda
+    ;;
   layer)
     run python3 -m bench.layer --tokens 16384 --peers ours,fused,gemm,sonic \
       --shape 2048,1024,64,8 --shape 2048,768,128,8 --shape 4096,4096,64,4
@@ -46,7 +50,7 @@ case "${1:-}" in
     run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 5 --routing learned --recipe fp8_rowwise --fp8-min-dim 0 --fp8-dense
     ;;
   *)
-    echo "usage: bench/h200/kernels.sh layer|experts|step|paper" >&2
+    echo "usage: bench/h200/kernels.sh check|layer|experts|step|paper" >&2
     exit 2
     ;;
 esac

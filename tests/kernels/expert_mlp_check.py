@@ -1,12 +1,17 @@
-"""Run under TRITON_INTERPRET=1: the fused expert MLP (gather prologue, SwiGLU / dSwiGLU epilogues,
-persistent grouped GEMMs, gathered wgrad) against a per-expert loop in float64, forward and every
-gradient, with empty groups, ragged group sizes and dimensions that are not multiples of a tile."""
+"""The fused expert MLP (gather prologue, SwiGLU / dSwiGLU epilogues, persistent grouped GEMMs,
+gathered wgrad) against a per-expert loop in float64, forward and every gradient, with empty
+groups, ragged group sizes and dimensions that are not multiples of a tile.
+
+    TRITON_INTERPRET=1 python tests/kernels/expert_mlp_check.py   # CI: Triton's interpreter on CPU
+    python tests/kernels/expert_mlp_check.py --device cuda        # the compiled kernels on a GPU (bf16)
+"""
 
 import dataclasses
 import os
 import sys
 
-assert os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda"
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1, or with --device cuda"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -90,7 +95,7 @@ def empty_case() -> None:
     assert gate_up.grad.abs().max() == 0 and down.grad.abs().max() == 0 and x.grad.shape == (0, 32)
 
 
-def recompute_case() -> None:
+def recompute_case(dtype=torch.float32, tol=1e-6) -> None:
     """Selective recompute keeps the fused forward GEMMs (torch ops in its saved set): the up
     projection runs once per forward + backward under ``selective``, twice under ``full``, and
     the gradients are the same in every mode."""
@@ -104,7 +109,8 @@ def recompute_case() -> None:
     block = nn.Module()
     block.moe = MoELayer(48, MoEConfig(num_experts=4, top_k=2, expert_hidden=32, gemm="fused"))
     block.moe.reset_parameters(0.05)
-    x = torch.randn(2, 7, 48)
+    block.moe.to(dtype)
+    x = torch.randn(2, 7, 48).to(dtype)
     calls = []
     original = gemm_fused.grouped_gemm
 
@@ -127,12 +133,12 @@ def recompute_case() -> None:
     finally:
         gemm_fused.grouped_gemm = original
     for mode in ("selective", "full"):
-        assert rel(grads[mode][0], grads["none"][0]) < 1e-6, mode
+        assert rel(grads[mode][0], grads["none"][0]) < tol, mode
         for a, b in zip(grads[mode][1], grads["none"][1], strict=True):
-            assert rel(a, b) < 1e-6, mode
+            assert rel(a, b) < tol, mode
 
 
-def layer_case() -> None:
+def layer_case(dtype=torch.float32, tol=1e-5) -> None:
     """The MoE layer with ``gemm: fused`` (token rows read through the routing indices) against the
     same layer on torch's grouped GEMM: output and every parameter's gradient."""
     from moe.config import MoEConfig
@@ -144,10 +150,10 @@ def layer_case() -> None:
         torch.manual_seed(3)
         layer = MoELayer(56, dataclasses.replace(cfg, gemm=gemm))
         layer.reset_parameters(0.05)
-        layers[gemm] = layer
+        layers[gemm] = layer.to(dtype)
     assert layers["fused"].experts.reads_token_rows and not layers["grouped_mm"].experts.reads_token_rows
-    x = torch.randn(3, 11, 56)
-    probe = torch.randn(3, 11, 56)
+    x = torch.randn(3, 11, 56).to(dtype)
+    probe = torch.randn(3, 11, 56).to(dtype)
     outs = {}
     for gemm, layer in layers.items():
         xi = x.clone().requires_grad_(True)
@@ -155,32 +161,39 @@ def layer_case() -> None:
         (out * probe).sum().backward()
         outs[gemm] = (out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()})
     ref, got = outs["grouped_mm"], outs["fused"]
-    assert rel(got[0], ref[0]) < 1e-5, rel(got[0], ref[0])
-    assert rel(got[1], ref[1]) < 1e-5, rel(got[1], ref[1])
+    assert rel(got[0], ref[0]) < tol, rel(got[0], ref[0])
+    assert rel(got[1], ref[1]) < tol, rel(got[1], ref[1])
     for name, grad in ref[2].items():
-        assert rel(got[2][name], grad) < 1e-5, (name, rel(got[2][name], grad))
+        assert rel(got[2][name], grad) < tol, (name, rel(got[2][name], grad))
 
 
 def main() -> int:
     torch.manual_seed(0)
-    # fp32 (ieee dot): tight; ragged groups, empty experts, dims off the tile grid
-    run_case(37, 2, 72, 40, [3, 0, 1, 5, 0, 2], torch.float32, 1e-5)
-    run_case(150, 3, 136, 136, [1, 2, 3, 4, 5, 6, 7, 0], torch.float32, 1e-5)  # > one 128-row tile per expert
-    run_case(20, 1, 64, 32, [1, 0, 0], torch.float32, 1e-5)  # all rows in one expert, the rest empty
-    run_case(29, 2, 48, 24, [1, 1, 1, 1], torch.float32, 1e-5, gather=False)  # rows already in expert order
-    run_case(17, 1, 40, 24, [0, 0, 1, 3], torch.float32, 1e-5)  # empty experts first
-    run_case(9, 1, 32, 16, [1], torch.float32, 1e-5)  # one expert
+    if CUDA:  # the compiled kernels (fp32 on CUDA takes torch's path, so bf16 throughout)
+        torch.set_default_device("cuda")
+        dtype, tol = torch.bfloat16, 2e-2
+    else:  # fp32 under the interpreter (ieee dot): tight
+        dtype, tol = torch.float32, 1e-5
+    # ragged groups, empty experts, dims off the tile grid
+    run_case(37, 2, 72, 40, [3, 0, 1, 5, 0, 2], dtype, tol)
+    run_case(150, 3, 136, 136, [1, 2, 3, 4, 5, 6, 7, 0], dtype, tol)  # > one 128-row tile per expert
+    run_case(20, 1, 64, 32, [1, 0, 0], dtype, tol)  # all rows in one expert, the rest empty
+    run_case(29, 2, 48, 24, [1, 1, 1, 1], dtype, tol, gather=False)  # rows already in expert order
+    run_case(17, 1, 40, 24, [0, 0, 1, 3], dtype, tol)  # empty experts first
+    run_case(9, 1, 32, 16, [1], dtype, tol)  # one expert
+    if CUDA:
+        run_case(4096, 8, 512, 256, [1] * 64, dtype, tol)  # many tiles per program on a real grid
     empty_case()
     # bf16 in and out, fp32 accumulation: bf16 rounding of h, a and the outputs only
     errs = run_case(64, 2, 64, 64, [1, 1, 2, 0], torch.bfloat16, 2e-2)
     # determinism: the same inputs give the same bits
     torch.manual_seed(1)
-    a = run_case(40, 2, 32, 32, [1, 2, 0, 1], torch.float32, 1e-5)
+    a = run_case(40, 2, 32, 32, [1, 2, 0, 1], dtype, tol)
     torch.manual_seed(1)
-    b = run_case(40, 2, 32, 32, [1, 2, 0, 1], torch.float32, 1e-5)
+    b = run_case(40, 2, 32, 32, [1, 2, 0, 1], dtype, tol)
     assert a == b, (a, b)
-    layer_case()
-    recompute_case()
+    layer_case(dtype, 2e-2 if CUDA else 1e-5)
+    recompute_case(dtype, 1e-2 if CUDA else 1e-6)
     # the FP8 token-row path with the Triton quantisation, gather and combine kernels (the GEMMs
     # emulated): the same checks as on the torch path
     from tests.layers.test_gemm_fp8 import test_fp8_experts_on_token_rows_match_the_gathered_path as fp8_token_rows
