@@ -83,6 +83,10 @@ class ExperimentConfig(Config):
                 f"fused is the bf16 expert GEMM; precision.recipe={self.precision.recipe} brings its own (fp8_rowwise "
                 "reads token rows itself): use model.moe.gemm=grouped_mm",
             )
+        if self.precision.fp8_dense:
+            # FSDP2 re-gathers weights into the same storage without a new version: the FP8
+            # copies (keyed on the version) would go stale
+            require(par.data_parallel != "fsdp", "precision.fp8_dense", "not with parallel.data_parallel=fsdp (use ddp)")
         if tr.eval_every and par.pp > 1:
             raise ConfigError("train.eval_every: in-loop evaluation runs with parallel.pp=1 (evaluate pipeline runs with `moe evaluate`)")
         if par.pp > 1:

@@ -131,6 +131,17 @@ if HAVE_TRITON:
                 tl.store(out + j[:, None], zeros, mask=(j < dst_end)[:, None] & cmask[None, :])
 
     @triton.jit
+    def _quant_cols_kernel(x, enc, q, R, C, W, stride_x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """q[c, r] = e4m3(x[r, c] * enc[c]) for r < W (zeros past R): one tile per program."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        v = tl.load(x + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=(rows < R)[:, None] & cmask[None, :], other=0.0)
+        e = tl.load(enc + cols, mask=cmask, other=1.0)
+        v = _to_e4m3(tl.clamp(v.to(tl.float32) * e[None, :], -448.0, 448.0), q.dtype.element_ty)
+        tl.store(q + cols[None, :].to(tl.int64) * W + rows[:, None], v, mask=(rows < W)[:, None] & cmask[None, :])
+
+    @triton.jit
     def _swiglu_quant_kernel(h, q, s, H, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         if ONE_PASS:
@@ -282,6 +293,29 @@ def quantize_cols_grouped(
             BLOCK_C=block_c,
         )
     return q, (s if pad else s.view(groups, cols)), dst_ends
+
+
+def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per column over all rows, transposed and padded with zero rows: x [R, C] ->
+    (q [C, W], decode scales [C]) with W = padded_width(R, 1); the same bytes as
+    ``quantize_cols_grouped(x, [R], pad=True)``. For a single group (dense wgrad, contraction over
+    every token) the grouped kernel would run one program per 64 columns over all rows; here
+    torch's max-abs reduction and a quantise pass tiled over rows and columns share the GPU."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    rows, cols = x.shape
+    if not use_triton(x):
+        q, s, _ = quantize_cols_grouped(x, torch.full((1,), rows, dtype=torch.int32, device=x.device), pad=True)
+        return q, s
+    width = padded_width(rows, 1)
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=0, dtype=torch.float32) if rows else x.new_zeros(cols, dtype=torch.float32)
+    enc = pow2_encode_scale(amax)
+    q = torch.empty(cols, width, dtype=E4M3, device=x.device)
+    if cols:
+        block_r, block_c = 64, 64
+        _quant_cols_kernel[(triton.cdiv(width, block_r), triton.cdiv(cols, block_c))](
+            x, enc, q, rows, cols, width, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c
+        )
+    return q, 1.0 / enc
 
 
 def _quant_cols_grouped_torch(x, ends, dst_ends, q, s, pad: bool) -> None:

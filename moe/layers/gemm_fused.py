@@ -13,7 +13,9 @@ Deterministic (fixed-order tile arithmetic). Where Triton does not run (CPU with
 interpreter), and for fp32 on CUDA, the same function runs on torch's grouped GEMM, so a config
 that names ``fused`` trains anywhere. The two forward GEMMs are torch ops (``moe::expert_up_swiglu``,
 ``moe::expert_down``), so selective activation recompute keeps their outputs as it keeps torch's
-grouped GEMM's (moe.parallel.recompute). ``fused`` with an FP8 recipe is refused by the config
+grouped GEMM's (moe.parallel.recompute); it then keeps a [N, H] as well as h and y (the
+unfused path recomputes a from h), about 0.27 GB more per MoE layer at OLMoE width and 16K
+tokens, which ``moe plan`` does not model yet. ``fused`` with an FP8 recipe is refused by the config
 (the recipe brings its own expert GEMM).
 """
 

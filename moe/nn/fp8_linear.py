@@ -15,7 +15,8 @@ batch and padded to a multiple of 16 tokens with zeros. Weight copies are made o
 version (micro-batches share them). A GEMM runs in FP8 only where the rule says so (all three
 dimensions large: the quantisation passes cost more than thin GEMMs save); the rest in bf16.
 Swapping the class of an ``nn.Linear`` keeps its parameter and state-dict keys, so checkpoints do
-not depend on the recipe. Not timed on a GPU yet (bench/h200/kernels.sh step).
+not depend on the recipe. Each projection quantises its own input (q, k and v each quantise x;
+a fused qkv projection would do it once). Not timed on a GPU yet (bench/h200/kernels.sh step).
 """
 
 from __future__ import annotations
@@ -23,26 +24,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.kernels.fp8 import quantize_cols_grouped, quantize_rows
+from moe.kernels.fp8 import quantize_cols, quantize_cols_grouped, quantize_rows
 from moe.layers.gemm_fp8 import Fp8Rule, Plan
 
 
-def _scaled_mm(a, b, scale_a, scale_b, emulate: bool) -> torch.Tensor:
+def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch.Tensor:
     """a [M, K] (e4m3, row-major) @ b [K, N] (e4m3, column-major), per-row / per-column fp32
-    scales -> bf16 (torch._scaled_mm), or its emulation (dequantise, fp32 matmul) on any device."""
+    scales -> bf16 (torch._scaled_mm), or its emulation (dequantise, matmul with fp32
+    accumulation) on any device. ``fast_accum`` only for the forward: Hopper's fast FP8
+    accumulation does not promote partial sums, and the gradients' contractions are the long
+    ones (wgrad: every token of the micro-batch), as torchao's float8 does."""
     if emulate:
         return ((a.float() * scale_a[:, None]) @ (b.float() * scale_b[None, :])).to(torch.bfloat16)
-    return torch._scaled_mm(a, b, scale_a=scale_a[:, None], scale_b=scale_b[None, :], out_dtype=torch.bfloat16, use_fast_accum=True)
+    return torch._scaled_mm(a, b, scale_a=scale_a[:, None], scale_b=scale_b[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
 def _one_group(rows: int, device: torch.device) -> torch.Tensor:
     return torch.full((1,), rows, dtype=torch.int32, device=device)
-
-
-def _cols(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [R, C] quantised along R per column, transposed and padded: (q [C, R'], scales [C])."""
-    q, s, _ = quantize_cols_grouped(t, _one_group(t.shape[0], t.device), pad=True)
-    return q, s
 
 
 class _DenseWeightCache:
@@ -73,7 +71,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if plan.fwd:
             xq, sx = quantize_rows(x)
             wq, sw = cache.get(w, "rows")
-            return _scaled_mm(xq, wq.t(), sx, sw, emulate)
+            return _scaled_mm(xq, wq.t(), sx, sw, emulate, fast_accum=True)
         return x @ w.t()
 
     @staticmethod
@@ -86,14 +84,14 @@ class _Fp8LinearFn(torch.autograd.Function):
             if plan.dgrad:
                 gq, sg = quantize_rows(grad)
                 wtq, swt = cache.get(w, "cols")
-                grad_x = _scaled_mm(gq, wtq.t(), sg, swt, emulate)
+                grad_x = _scaled_mm(gq, wtq.t(), sg, swt, emulate, fast_accum=False)
             else:
                 grad_x = grad @ w
         if ctx.needs_input_grad[1]:
             if plan.wgrad:
-                gt, sgt = _cols(grad)  # [N, M']
-                xt, sxt = _cols(x)  # [K, M']
-                grad_w = _scaled_mm(gt, xt.t(), sgt, sxt, emulate)
+                gt, sgt = quantize_cols(grad)  # [N, M']
+                xt, sxt = quantize_cols(x)  # [K, M']
+                grad_w = _scaled_mm(gt, xt.t(), sgt, sxt, emulate, fast_accum=False)
             else:
                 grad_w = grad.t() @ x
         return grad_x, grad_w, None, None, None
@@ -103,8 +101,9 @@ class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` (no bias) whose GEMMs run in FP8 rowwise where ``rule`` says; made by
     :func:`to_fp8` from an existing module (same parameter, same state-dict keys)."""
 
-    rule: Fp8Rule
+    rule: Fp8Rule = Fp8Rule()
     emulate = False
+    _fp8_cache: _DenseWeightCache | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -115,6 +114,8 @@ class Fp8Linear(nn.Linear):
         plan = Plan(fwd=rule.use(tokens, out_dim, in_dim), dgrad=rule.use(tokens, in_dim, out_dim), wgrad=rule.use(tokens, out_dim, in_dim))
         if not plan.any:
             return nn.functional.linear(x2, w).view(*x.shape[:-1], out_dim)
+        if self._fp8_cache is None:
+            self._fp8_cache = _DenseWeightCache()
         cache = self._fp8_cache if w is self.weight else _DenseWeightCache()  # a cast copy is new each call
         return _Fp8LinearFn.apply(x2.contiguous(), w, plan, self.emulate, cache).view(*x.shape[:-1], out_dim)
 

@@ -10,7 +10,8 @@ import dataclasses
 import os
 import sys
 
-CUDA = "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cuda"
+CUDA = sys.argv[1:] == ["--device", "cuda"]
+assert sys.argv[1:] in ([], ["--device", "cuda"]), "usage: expert_mlp_check.py [--device cuda]"
 assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1, or with --device cuda"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -82,12 +83,12 @@ def run_case(tokens, k, d, hidden, counts_hint, dtype, tol, gather=True):
     return errors
 
 
-def empty_case() -> None:
+def empty_case(dtype) -> None:
     """No tokens at all: empty outputs, zero weight gradients."""
     mlp = FusedExpertMLP()
-    x = torch.randn(0, 32, requires_grad=True)
-    gate_up = torch.randn(3, 32, 32, requires_grad=True)
-    down = torch.randn(3, 32, 16, requires_grad=True)
+    x = torch.randn(0, 32).to(dtype).requires_grad_(True)
+    gate_up = torch.randn(3, 32, 32).to(dtype).requires_grad_(True)
+    down = torch.randn(3, 32, 16).to(dtype).requires_grad_(True)
     empty = torch.zeros(0, dtype=torch.int64)
     out = mlp.expert_mlp(x, gate_up, down, torch.zeros(3, dtype=torch.int32), order=empty, inverse=empty, weights=torch.zeros(0, 2))
     assert out.shape == (0, 32)
@@ -183,7 +184,7 @@ def main() -> int:
     run_case(9, 1, 32, 16, [1], dtype, tol)  # one expert
     if CUDA:
         run_case(4096, 8, 512, 256, [1] * 64, dtype, tol)  # many tiles per program on a real grid
-    empty_case()
+    empty_case(dtype)
     # bf16 in and out, fp32 accumulation: bf16 rounding of h, a and the outputs only
     errs = run_case(64, 2, 64, 64, [1, 1, 2, 0], torch.bfloat16, 2e-2)
     # determinism: the same inputs give the same bits

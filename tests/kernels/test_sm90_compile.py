@@ -107,3 +107,13 @@ def test_combine_weight_gradient_kernel_compiles_for_sm90():
         num_warps=4,
     )
     assert stats["spill_stack_bytes"] == 0, stats
+
+
+def test_single_group_column_quantiser_compiles_for_sm90_without_spills():
+    stats = compile_for_sm90(
+        fp8._quant_cols_kernel,
+        {"x": "*bf16", "enc": "*fp32", "q": "*fp8e4nv", **dict.fromkeys(["R", "C", "W", "stride_x"], "i32")},
+        {"BLOCK_R": 64, "BLOCK_C": 64},
+        num_warps=4,
+    )
+    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats

@@ -84,9 +84,11 @@ def test_the_recipe_swaps_every_dense_projection_but_the_lm_head():
     assert all(p.grad is not None for n, p in model.named_parameters() if "proj" in n)
 
 
-def test_fp8_dense_needs_the_fp8_rowwise_recipe():
+def test_fp8_dense_needs_the_fp8_rowwise_recipe_and_not_fsdp():
     with pytest.raises(ConfigError, match="precision.fp8_dense"):
         ExperimentConfig.load({"precision": {"recipe": "bf16", "fp8_dense": True}})
+    with pytest.raises(ConfigError, match="precision.fp8_dense"):
+        ExperimentConfig.load({"precision": {"recipe": "fp8_rowwise", "fp8_dense": True}, "parallel": {"data_parallel": "fsdp"}})
     with pytest.raises(ConfigError, match="precision.fp8_dense"):
         resolve_recipe("bf16", CPU, fp8_dense=True)
 
@@ -108,3 +110,9 @@ def test_a_run_with_fp8_dense_projections_trains_like_bf16(tmp_path, corpus):
         losses[name] = trainer.fit().losses
     for step, loss in losses["bf16"].items():
         assert abs(losses["fp8"][step] - loss) < 0.02 * loss, (step, losses["fp8"][step], loss)
+
+
+def test_a_directly_built_fp8_linear_has_the_default_rule():
+    lin = Fp8Linear(64, 48, bias=False).bfloat16()
+    assert lin.rule.min_dim == Fp8Rule().min_dim
+    assert lin(torch.randn(3, 64).bfloat16()).shape == (3, 48)
