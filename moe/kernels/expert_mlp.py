@@ -62,6 +62,7 @@ if HAVE_TRITON:
     def _grouped_gemm_kernel(
         a,
         row_index,
+        row_scale,
         b,
         ends,
         block_ends,
@@ -77,6 +78,7 @@ if HAVE_TRITON:
         stride_bk,
         stride_bn,
         GATHER: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
         SWIGLU: tl.constexpr,
         DSWIGLU: tl.constexpr,
         IEEE: tl.constexpr,
@@ -85,8 +87,11 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """out[i, n] = sum_k a[row(i), k] * b[g(i), k, n]. SWIGLU: b's N columns are [gate | up]
-        (N = 2H) and tiles cover H columns of each; DSWIGLU: the result is dL/da, turned into dh."""
+        """out[i, n] = sum_k a[row(i), k] * b[g(i), k, n]. ROW_SCALE: times row_scale[i] (the
+        combine's gradient rows: routing weight times the token's output gradient), applied to
+        the fp32 accumulator in the epilogue.
+        SWIGLU: b's N columns are [gate | up] (N = 2H) and tiles cover H columns of each; DSWIGLU:
+        the result is dL/da, turned into dh."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols_out = N // 2 if SWIGLU else N
@@ -103,6 +108,8 @@ if HAVE_TRITON:
             row_ok = rows < row_end
             rows64 = rows.to(tl.int64)
             src = source_rows(row_index, rows64, row_ok, GATHER)
+            if ROW_SCALE:
+                scale = tl.load(row_scale + rows64, mask=row_ok, other=0.0).to(tl.float32)
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < cols_out
             b_base = b + g.to(tl.int64) * stride_bg
@@ -122,6 +129,8 @@ if HAVE_TRITON:
                 if SWIGLU:
                     acc_up = _dot(a_tile, up_tile, acc_up, IEEE)
             mask = row_ok[:, None] & col_ok[None, :]
+            if ROW_SCALE:  # (w_i a_i) @ B = w_i (a_i @ B): the scale leaves the main loop alone
+                acc = acc * scale[:, None]
             if SWIGLU:
                 gate = acc.to(out.dtype.element_ty).to(tl.float32)  # the rounded values the backward sees
                 up = acc_up.to(out.dtype.element_ty).to(tl.float32)
@@ -148,6 +157,8 @@ if HAVE_TRITON:
         grad,
         a,
         row_index,
+        grad_index,
+        grad_scale,
         ends,
         out,
         G,
@@ -155,12 +166,16 @@ if HAVE_TRITON:
         K,
         stride_am,
         GATHER: tl.constexpr,
+        GATHER_GRAD: tl.constexpr,
+        GRAD_SCALE: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """out[g, m, n] = sum over group g's rows i of grad[i, m] * a[row(i), n]  ([G, M, K])."""
+        """out[g, m, n] = sum over group g's rows i of grad_i[m] * a[row(i), n]  ([G, M, K]), where
+        grad_i = grad[i], or grad[grad_index[i]] (GATHER_GRAD) times grad_scale[i] (GRAD_SCALE),
+        rounded to grad's dtype."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -181,7 +196,11 @@ if HAVE_TRITON:
                 r_ok = rows < end
                 rows64 = rows.to(tl.int64)
                 src = source_rows(row_index, rows64, r_ok, GATHER)
-                g_tile = tl.load(grad + rows64[None, :] * M + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                gsrc = source_rows(grad_index, rows64, r_ok, GATHER_GRAD)
+                g_tile = tl.load(grad + gsrc[None, :] * M + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                if GRAD_SCALE:
+                    gs = tl.load(grad_scale + rows64, mask=r_ok, other=0.0).to(tl.float32)
+                    g_tile = (g_tile.to(tl.float32) * gs[None, :]).to(grad.dtype.element_ty)
                 a_tile = tl.load(a + src[:, None] * stride_am + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
                 acc = _dot(g_tile, a_tile, acc, IEEE)
             dst = out + g.to(tl.int64) * M * K + ms[:, None].to(tl.int64) * K + ns[None, :]
@@ -225,6 +244,7 @@ def grouped_gemm(
     ends: torch.Tensor,
     *,
     row_index: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
     rows: int | None = None,
     swiglu_epilogue: bool = False,
     dswiglu_h: torch.Tensor | None = None,
@@ -232,9 +252,10 @@ def grouped_gemm(
     """Grouped GEMM over expert-ordered rows; ``b`` [G, K, N] (any strides), ``ends`` [G] int32.
 
     Row i of the result (group g(i) by ``ends``) is a[row_index[i]] @ b[g] (a[i] without an
-    index). Returns (out,) plainly; (h [R, N], act [R, N/2]) with ``swiglu_epilogue``; (dh [R, 2N],)
-    with ``dswiglu_h`` (h of the rows whose dL/da this GEMM computes)."""
-    assert a.stride(-1) == 1 and ends.dtype == torch.int32
+    index; times ``row_scale[i]`` [R] fp32 in the epilogue, when given). Returns (out,)
+    plainly; (h [R, N], act [R, N/2]) with ``swiglu_epilogue``; (dh [R, 2N],) with
+    ``dswiglu_h`` (h of the rows whose dL/da this GEMM computes)."""
+    assert (a.stride(-1) == 1 or a.numel() == 0) and ends.dtype == torch.int32
     groups, k, n = b.shape
     r = rows if rows is not None else (row_index.numel() if row_index is not None else a.shape[0])
     dev, dtype = a.device, a.dtype
@@ -255,6 +276,7 @@ def grouped_gemm(
         _grouped_gemm_kernel[(_programs(upper, dev),)](
             a,
             row_index if row_index is not None else ends,
+            row_scale if row_scale is not None else ends,
             b,
             ends,
             block_ends,
@@ -270,6 +292,7 @@ def grouped_gemm(
             b.stride(1),
             b.stride(2),
             GATHER=row_index is not None,
+            ROW_SCALE=row_scale is not None,
             SWIGLU=swiglu_epilogue,
             DSWIGLU=dswiglu_h is not None,
             LOG2_G=max(1, int(groups).bit_length()),
@@ -285,10 +308,20 @@ def grouped_gemm(
     return (dh,) if dswiglu_h is not None else (out,)
 
 
-def grouped_wgrad(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor, *, row_index: torch.Tensor | None = None) -> torch.Tensor:
-    """dW [G, M, K], dW[g] = grad_g^T @ a_g over group g's rows (a read through ``row_index``).
-    Groups without rows get zeros. fp32 accumulation, written in grad's dtype."""
-    assert grad.is_contiguous() and a.stride(-1) == 1 and ends.dtype == torch.int32
+def grouped_wgrad(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    row_index: torch.Tensor | None = None,
+    grad_index: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dW [G, M, K], dW[g] = grad_g^T @ a_g over group g's rows (a read through ``row_index``;
+    grad's rows through ``grad_index`` and times ``grad_scale`` [R] fp32 when given). Groups
+    without rows get zeros. fp32 accumulation, written in grad's dtype."""
+    assert grad.is_contiguous() and (a.stride(-1) == 1 or a.numel() == 0) and ends.dtype == torch.int32
+    assert grad_scale is None or grad_index is not None
     groups, m, k = ends.numel(), grad.shape[1], a.shape[1]
     out = torch.empty(groups, m, k, dtype=grad.dtype, device=grad.device)
     if groups and m and k:
@@ -297,6 +330,8 @@ def grouped_wgrad(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor, *, ro
             grad,
             a,
             row_index if row_index is not None else ends,
+            grad_index if grad_index is not None else ends,
+            grad_scale if grad_scale is not None else ends,
             ends,
             out,
             groups,
@@ -304,6 +339,8 @@ def grouped_wgrad(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor, *, ro
             k,
             a.stride(0),
             GATHER=row_index is not None,
+            GATHER_GRAD=grad_index is not None,
+            GRAD_SCALE=grad_scale is not None,
             BLOCK_M=WGRAD_BLOCK_M,
             BLOCK_N=WGRAD_BLOCK_N,
             BLOCK_K=WGRAD_BLOCK_K,

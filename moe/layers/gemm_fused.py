@@ -5,8 +5,11 @@ y = a @ down[g].T, runs as two persistent Triton grouped GEMMs forward and four 
 (moe.kernels.expert_mlp): the gather happens in the up projection's prologue (the expert-ordered
 copy of the tokens is neither written nor saved), SwiGLU in its epilogue, dSwiGLU in the
 epilogue of the down projection's dgrad, and the up projection's weight gradient reads the token
-rows through the same indices. What remains outside the GEMMs is the combine and the sum of each
-token's k input-gradient rows (moe.kernels.routing, no atomics). Saved for backward: h [N, 2H]
+rows through the same indices. The combine's backward goes into the down projection's GEMMs
+(grad_out read through the indices, each row scaled by its routing weight), so
+its [N, D] gradient is never stored. What remains outside the GEMMs: the combine's forward
+(a weighted sum without atomics), its weights' gradient (dot products) and the sum of each
+token's k input-gradient rows (moe.kernels.routing). Saved for backward: h [N, 2H]
 and a [N, H] (as the unfused path), but not the gathered rows [N, D].
 
 Deterministic (fixed-order tile arithmetic). Where Triton does not run (CPU without the
@@ -26,7 +29,7 @@ from typing import Optional
 import torch
 
 from moe.kernels.expert_mlp import grouped_gemm, grouped_wgrad
-from moe.kernels.routing import gather_reduce, use_triton
+from moe.kernels.routing import combine_weight_grad, gather_reduce, use_triton
 from moe.kernels.swiglu import swiglu
 from moe.layers.dispatch import combine_rows
 from moe.layers.gemm import GroupedMM, _grouped_mm, compute_dtype
@@ -67,25 +70,46 @@ FORWARD_OPS = (torch.ops.moe.expert_up_swiglu, torch.ops.moe.expert_down)
 
 
 class _FusedExpertMLP(torch.autograd.Function):
+    """Rows (or token rows read through ``row_index``) -> y in expert order; with ``weights``
+    and ``order`` also the weighted combine -> [T, D], whose backward never stores the combine's
+    gradient rows: the down projection's dgrad reads grad_out through the indices and scales its
+    accumulator rows by the routing weights in the epilogue, its wgrad scales the gathered rows
+    in the prologue (rounded to bf16, as the separate combine backward would store them), and the
+    weights' gradient is the combine's dot products alone."""
+
     @staticmethod
-    def forward(ctx, x, row_index, inverse, top_k, ends, gate_up, down):
+    def forward(ctx, x, row_index, inverse, top_k, ends, gate_up, down, weights, order):
         ctx.gather = gather = inverse is not None
+        ctx.combine = combine = weights is not None
         with span("expert_gemm"):
             h, act = expert_up_swiglu(x, row_index if gather else None, ends, gate_up)
             y = expert_down(act, ends, down)
-        ctx.save_for_backward(x, row_index if gather else None, inverse, ends, gate_up, down, h, act)
+        ctx.save_for_backward(x, row_index, inverse, ends, gate_up, down, h, act, y if combine else None, weights, order)
         ctx.top_k = top_k
-        return y
+        if not combine:
+            return y
+        with span("dispatch"):
+            return gather_reduce(y, inverse, weights, top_k)
 
     @staticmethod
-    def backward(ctx, grad_y):
-        x, row_index, inverse, ends, gate_up, down, h, act = ctx.saved_tensors
-        grad_y = grad_y.contiguous()
+    def backward(ctx, grad):
+        x, row_index, inverse, ends, gate_up, down, h, act, y, weights, order = ctx.saved_tensors
+        grad = grad.contiguous()
         need_x, need_gu, need_down = ctx.needs_input_grad[0], ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+        grad_weights = None
+        if ctx.combine:  # grad is grad_out [T, D]; the rows' gradient is weight * grad_out[token]
+            with span("dispatch"):
+                if ctx.needs_input_grad[7]:
+                    grad_weights = combine_weight_grad(grad, y, inverse, ctx.top_k).to(weights.dtype)
+                row_weight = weights.reshape(-1).index_select(0, order).float()
+            rows_in = {"row_index": row_index, "row_scale": row_weight}
+            wgrad_in = {"grad_index": row_index, "grad_scale": row_weight}
+        else:
+            rows_in, wgrad_in = {}, {}
         with span("expert_gemm"):
-            (dh,) = grouped_gemm(grad_y, down, ends, dswiglu_h=h)
-            d_down = grouped_wgrad(grad_y, act, ends) if need_down else None
-            d_gu = grouped_wgrad(dh, x, ends, row_index=row_index) if need_gu else None
+            (dh,) = grouped_gemm(grad, down, ends, dswiglu_h=h, **rows_in)
+            d_down = grouped_wgrad(grad, act, ends, **wgrad_in) if need_down else None
+            d_gu = grouped_wgrad(dh, x, ends, row_index=row_index if ctx.gather else None) if need_gu else None
             dx_rows = grouped_gemm(dh, gate_up, ends)[0] if need_x else None
         dx = None
         if need_x:
@@ -94,7 +118,7 @@ class _FusedExpertMLP(torch.autograd.Function):
                     dx = gather_reduce(dx_rows, inverse, None, ctx.top_k)
             else:
                 dx = dx_rows
-        return dx, None, None, None, None, d_gu, d_down
+        return dx, None, None, None, None, d_gu, d_down, grad_weights, None
 
 
 def _reference_mlp(x, row_index, ends, gate_up, down):
@@ -135,11 +159,11 @@ class FusedExpertMLP(GroupedMM):
         row_index = order // top_k if routed else None
         if not use_triton(x) or (x.is_cuda and dtype == torch.float32):  # fp32 on CUDA: torch's (the kernels' tiles are sized for bf16)
             y = _reference_mlp(x, row_index, offsets, gate_up, down)
-        else:
-            if routed:
-                row_index, inverse = row_index.contiguous(), inverse.contiguous()
-            y = _FusedExpertMLP.apply(x.contiguous(), row_index, inverse if routed else None, top_k, offsets, gate_up, down)
-        return combine_rows(y, inverse, weights) if routed else y
+            return combine_rows(y, inverse, weights) if routed else y
+        if not routed:
+            return _FusedExpertMLP.apply(x.contiguous(), None, None, 1, offsets, gate_up, down, None, None)
+        args = (row_index.contiguous(), inverse.contiguous(), top_k, offsets, gate_up, down, weights.contiguous(), order.contiguous())
+        return _FusedExpertMLP.apply(x.contiguous(), *args)
 
 
 def check_routing_args(order, inverse, weights) -> bool:

@@ -14,6 +14,7 @@ from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 GEMM_TYPES = {
     "a": "*bf16",
     "row_index": "*i64",
+    "row_scale": "*fp32",
     "b": "*bf16",
     "ends": "*i32",
     "block_ends": "*i32",
@@ -48,6 +49,7 @@ def test_grouped_gemm_compiles_for_sm90_pipelined_without_spills(launch, gather)
         {
             unit_stride: 1,
             "GATHER": gather,
+            "ROW_SCALE": gather and mode == "dswiglu",  # the combine's gradient read through the indices
             "SWIGLU": mode == "swiglu",
             "DSWIGLU": mode == "dswiglu",
             "IEEE": False,
@@ -68,8 +70,26 @@ def test_grouped_gemm_compiles_for_sm90_pipelined_without_spills(launch, gather)
 def test_grouped_wgrad_compiles_for_sm90_pipelined_without_spills(gather):
     stats = compile_for_sm90(
         em._grouped_wgrad_kernel,
-        {"grad": "*bf16", "a": "*bf16", "row_index": "*i64", "ends": "*i32", "out": "*bf16", **dict.fromkeys(["G", "M", "K", "stride_am"], "i32")},
-        {"GATHER": gather, "IEEE": False, "BLOCK_M": em.WGRAD_BLOCK_M, "BLOCK_N": em.WGRAD_BLOCK_N, "BLOCK_K": em.WGRAD_BLOCK_K},
+        {
+            "grad": "*bf16",
+            "a": "*bf16",
+            "row_index": "*i64",
+            "grad_index": "*i64",
+            "grad_scale": "*fp32",
+            "ends": "*i32",
+            "out": "*bf16",
+            **dict.fromkeys(["G", "M", "K", "stride_am"], "i32"),
+        },
+        {
+            # the up projection's wgrad gathers the token rows, the down projection's the combine's gradient
+            "GATHER": gather,
+            "GATHER_GRAD": not gather,
+            "GRAD_SCALE": not gather,
+            "IEEE": False,
+            "BLOCK_M": em.WGRAD_BLOCK_M,
+            "BLOCK_N": em.WGRAD_BLOCK_N,
+            "BLOCK_K": em.WGRAD_BLOCK_K,
+        },
         **em.CUDA_LAUNCH,
     )
     assert stats["wgmma"], stats
