@@ -256,6 +256,7 @@ def grouped_gemm(
     plainly; (h [R, N], act [R, N/2]) with ``swiglu_epilogue``; (dh [R, 2N],) with
     ``dswiglu_h`` (h of the rows whose dL/da this GEMM computes)."""
     assert (a.stride(-1) == 1 or a.numel() == 0) and ends.dtype == torch.int32
+    assert row_scale is None or not swiglu_epilogue, "row_scale scales one accumulator (not SwiGLU's two)"
     groups, k, n = b.shape
     r = rows if rows is not None else (row_index.numel() if row_index is not None else a.shape[0])
     dev, dtype = a.device, a.dtype

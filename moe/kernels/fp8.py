@@ -300,7 +300,9 @@ def quantize_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (q [C, W], decode scales [C]) with W = padded_width(R, 1); the same bytes as
     ``quantize_cols_grouped(x, [R], pad=True)``. For a single group (dense wgrad, contraction over
     every token) the grouped kernel would run one program per 64 columns over all rows; here
-    torch's max-abs reduction and a quantise pass tiled over rows and columns share the GPU."""
+    torch's max-abs reduction and a quantise pass tiled over rows and columns share the GPU.
+    (A NaN column gets a zero decode scale here where the grouped kernel may drop the NaN from
+    its max; either way the GEMM's result is not finite, which the step's overflow check sees.)"""
     assert x.dim() == 2 and x.stride(-1) == 1
     rows, cols = x.shape
     if not use_triton(x):

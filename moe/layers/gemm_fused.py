@@ -9,8 +9,9 @@ rows through the same indices. The combine's backward goes into the down project
 (grad_out read through the indices, each row scaled by its routing weight), so
 its [N, D] gradient is never stored. What remains outside the GEMMs: the combine's forward
 (a weighted sum without atomics), its weights' gradient (dot products) and the sum of each
-token's k input-gradient rows (moe.kernels.routing). Saved for backward: h [N, 2H]
-and a [N, H] (as the unfused path), but not the gathered rows [N, D].
+token's k input-gradient rows (moe.kernels.routing). Saved for backward: h [N, 2H], a [N, H]
+and y [N, D] (for the weights' gradient, as the unfused combine saves it), the permutation and
+the weights, but not the gathered rows [N, D].
 
 Deterministic (fixed-order tile arithmetic). Where Triton does not run (CPU without the
 interpreter), and for fp32 on CUDA, the same function runs on torch's grouped GEMM, so a config
@@ -74,8 +75,9 @@ class _FusedExpertMLP(torch.autograd.Function):
     and ``order`` also the weighted combine -> [T, D], whose backward never stores the combine's
     gradient rows: the down projection's dgrad reads grad_out through the indices and scales its
     accumulator rows by the routing weights in the epilogue, its wgrad scales the gathered rows
-    in the prologue (rounded to bf16, as the separate combine backward would store them), and the
-    weights' gradient is the combine's dot products alone."""
+    in the prologue (rounded to bf16, as the separate combine backward would store them; the
+    dgrad's rows are not rounded first), and the weights' gradient is the combine's dot products
+    alone."""
 
     @staticmethod
     def forward(ctx, x, row_index, inverse, top_k, ends, gate_up, down, weights, order):
@@ -84,7 +86,8 @@ class _FusedExpertMLP(torch.autograd.Function):
         with span("expert_gemm"):
             h, act = expert_up_swiglu(x, row_index if gather else None, ends, gate_up)
             y = expert_down(act, ends, down)
-        ctx.save_for_backward(x, row_index, inverse, ends, gate_up, down, h, act, y if combine else None, weights, order)
+        keep_y = combine and weights.requires_grad  # only the weights' gradient reads y
+        ctx.save_for_backward(x, row_index, inverse, ends, gate_up, down, h, act, y if keep_y else None, weights, order)
         ctx.top_k = top_k
         if not combine:
             return y

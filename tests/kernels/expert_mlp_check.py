@@ -36,7 +36,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def run_case(tokens, k, d, hidden, counts_hint, dtype, tol, gather=True):
+def run_case(tokens, k, d, hidden, counts_hint, dtype, tol, gather=True, weight_dtype=None, weights_grad=True):
+    """weight_dtype: the routing weights' dtype (the router's are fp32 with bf16 activations);
+    weights_grad=False: routing weights that need no gradient (a frozen router)."""
     e = len(counts_hint)
     # routing with the given expert popularity (zeros give empty groups)
     probs = torch.tensor(counts_hint, dtype=torch.float64)
@@ -46,7 +48,7 @@ def run_case(tokens, k, d, hidden, counts_hint, dtype, tol, gather=True):
     counts = torch.bincount(experts.reshape(-1), minlength=e)
     ends = counts.cumsum(0).to(torch.int32)
     x = (torch.randn(tokens, d) * 0.5).to(dtype).requires_grad_(True)
-    weights = torch.rand(tokens, k).to(dtype).requires_grad_(True)
+    weights = torch.rand(tokens, k).to(weight_dtype or dtype).requires_grad_(weights_grad)
     gate_up = (torch.randn(e, 2 * hidden, d) / d**0.5).to(dtype).requires_grad_(True)
     down = (torch.randn(e, d, hidden) / hidden**0.5).to(dtype).requires_grad_(True)
     mlp = FusedExpertMLP()
@@ -73,8 +75,11 @@ def run_case(tokens, k, d, hidden, counts_hint, dtype, tol, gather=True):
         "d_gate_up": rel(gate_up.grad, gu_r.grad),
         "d_down": rel(down.grad, dn_r.grad),
     }
-    if gather:
+    if gather and weights_grad:
         errors["d_weights"] = rel(weights.grad, w_r.grad)
+        assert weights.grad.dtype == weights.dtype
+    if not weights_grad:
+        assert weights.grad is None
     for name, err in errors.items():
         assert err <= tol, f"{name}: relative error {err:.3g} > {tol} (tokens={tokens} k={k} d={d} h={hidden} E={e} {dtype})"
     # empty experts get exact zero weight gradients
@@ -90,10 +95,12 @@ def empty_case(dtype) -> None:
     gate_up = torch.randn(3, 32, 32).to(dtype).requires_grad_(True)
     down = torch.randn(3, 32, 16).to(dtype).requires_grad_(True)
     empty = torch.zeros(0, dtype=torch.int64)
-    out = mlp.expert_mlp(x, gate_up, down, torch.zeros(3, dtype=torch.int32), order=empty, inverse=empty, weights=torch.zeros(0, 2))
+    weights = torch.zeros(0, 2, requires_grad=True)
+    out = mlp.expert_mlp(x, gate_up, down, torch.zeros(3, dtype=torch.int32), order=empty, inverse=empty, weights=weights)
     assert out.shape == (0, 32)
     out.sum().backward()
     assert gate_up.grad.abs().max() == 0 and down.grad.abs().max() == 0 and x.grad.shape == (0, 32)
+    assert weights.grad.shape == (0, 2)
 
 
 def recompute_case(dtype=torch.float32, tol=1e-6) -> None:
@@ -185,8 +192,10 @@ def main() -> int:
     if CUDA:
         run_case(4096, 8, 512, 256, [1] * 64, dtype, tol)  # many tiles per program on a real grid
     empty_case(dtype)
-    # bf16 in and out, fp32 accumulation: bf16 rounding of h, a and the outputs only
-    errs = run_case(64, 2, 64, 64, [1, 1, 2, 0], torch.bfloat16, 2e-2)
+    run_case(30, 2, 48, 32, [1, 2, 0, 1], dtype, tol, weights_grad=False)  # a router that needs no gradient
+    # bf16 in and out, fp32 accumulation: bf16 rounding of h, a and the outputs only; routing
+    # weights fp32 as the router makes them
+    errs = run_case(64, 2, 64, 64, [1, 1, 2, 0], torch.bfloat16, 2e-2, weight_dtype=torch.float32)
     # determinism: the same inputs give the same bits
     torch.manual_seed(1)
     a = run_case(40, 2, 32, 32, [1, 2, 0, 1], dtype, tol)

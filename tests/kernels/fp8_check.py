@@ -91,10 +91,13 @@ def check_cols_grouped() -> None:
     assert torch.equal(q4.view(torch.uint8), q5.view(torch.uint8)) and torch.equal(s4, s5)
     # one group (dense wgrad): the 2D-tiled quantiser writes the grouped kernel's bytes
     for n_rows in (0, 1, 37, 130):
-        t = torch.randn(n_rows, cols).bfloat16()
+        t = torch.randn(n_rows, cols + 8).bfloat16()[:, 4 : 4 + cols]  # strided rows
+        if n_rows:
+            t[:, 5] = 0  # an all-zero column: a finite scale, zero bytes
         qa, sa = fp8.quantize_cols(t)
         qb, sb, _ = fp8.quantize_cols_grouped(t, torch.tensor([n_rows], dtype=torch.int32), pad=True)
         assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb), n_rows
+        assert torch.isfinite(sa).all()
     # FP8 rows of the tokens, gathered: the bytes of quantising the gathered rows
     qg, sg = fp8.gather_quantized_rows(*fp8.quantize_rows(tokens), row_index)
     qr, sr = fp8.quantize_rows(tokens.index_select(0, row_index))

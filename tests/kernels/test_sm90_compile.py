@@ -66,8 +66,14 @@ def test_grouped_gemm_compiles_for_sm90_pipelined_without_spills(launch, gather)
     assert stats["shared_bytes"] >= 2 * one_stage, stats
 
 
-@pytest.mark.parametrize("gather", [True, False])
-def test_grouped_wgrad_compiles_for_sm90_pipelined_without_spills(gather):
+# the up projection's wgrad gathers the token rows; the down projection's the combine's gradient
+# (grad_out through the indices, times the routing weight); without a dispatcher neither
+WGRAD_LAUNCHES = {"up_tokens": (True, False), "down_combine": (False, True), "rows": (False, False)}
+
+
+@pytest.mark.parametrize("launch", sorted(WGRAD_LAUNCHES))
+def test_grouped_wgrad_compiles_for_sm90_pipelined_without_spills(launch):
+    gather, gather_grad = WGRAD_LAUNCHES[launch]
     stats = compile_for_sm90(
         em._grouped_wgrad_kernel,
         {
@@ -81,10 +87,9 @@ def test_grouped_wgrad_compiles_for_sm90_pipelined_without_spills(gather):
             **dict.fromkeys(["G", "M", "K", "stride_am"], "i32"),
         },
         {
-            # the up projection's wgrad gathers the token rows, the down projection's the combine's gradient
             "GATHER": gather,
-            "GATHER_GRAD": not gather,
-            "GRAD_SCALE": not gather,
+            "GATHER_GRAD": gather_grad,
+            "GRAD_SCALE": gather_grad,
             "IEEE": False,
             "BLOCK_M": em.WGRAD_BLOCK_M,
             "BLOCK_N": em.WGRAD_BLOCK_N,
