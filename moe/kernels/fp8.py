@@ -18,6 +18,8 @@ scale handed to the GEMM) is exact and only the cast to e4m3 rounds. Values are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
@@ -353,3 +355,50 @@ def swiglu_quantize(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         _swiglu_quant_kernel[(rows,)](h, q, s, hidden, **_row_launch(hidden))
     return q, s
+
+
+# Which GEMMs run in FP8 (the expert GEMMs of moe.layers.gemm_fp8 and the dense projections of
+# moe.nn.fp8_linear): a rule of shapes, kept beside the kernels both use.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which of a projection's three GEMMs run in FP8."""
+
+    fwd: bool
+    dgrad: bool
+    wgrad: bool
+
+    @property
+    def any(self) -> bool:
+        return self.fwd or self.dgrad or self.wgrad
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rule:
+    """FP8 for a GEMM of (rows per expert) x (output columns) x (contraction) only when all three
+    are at least ``min_dim`` (and the FP8 operands' dimensions are multiples of 16).
+
+    Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
+    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
+
+    The default, 4096, comes from the H200 measurements in bench/NOTES.md (FP8 issue): with
+    16K-token micro-batches (1024-2048 rows per expert) every measured layer shape ran slower
+    in FP8 than in bf16 (0.76-0.90x; the quantisation passes cost more than the GEMMs save),
+    so those stay bf16; FP8 is used only for GEMMs with >= 4096 rows per expert, output
+    columns and contraction (large micro-batches at the paper's width), where the GEMM itself
+    is >= 1.5x faster and the per-row quantisation cost is amortised over a longer row."""
+
+    min_dim: int = 4096
+
+    def use(self, rows: float, n: int, k: int) -> bool:
+        return n % 16 == 0 and k % 16 == 0 and min(rows, n, k) >= self.min_dim
+
+    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+        rows = tokens / max(groups, 1)
+        return Plan(
+            fwd=self.use(rows, out_dim, in_dim),
+            dgrad=self.use(rows, in_dim, out_dim),
+            # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need)
+            wgrad=out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim, rows) >= self.min_dim,
+        )

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.kernels.fp8 import quantize_cols, quantize_cols_grouped, quantize_rows
-from moe.layers.gemm_fp8 import Fp8Rule, Plan
+from moe.kernels.fp8 import Fp8Rule, Plan, quantize_cols, quantize_cols_grouped, quantize_rows
 
 
 def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch.Tensor:
