@@ -58,3 +58,11 @@ class GroupedMM:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x, w)
         return _GroupedLinear.apply(x.to(dtype), w.to(dtype), offsets)
+
+
+def check_routing_args(order, inverse, weights) -> bool:
+    """Whether the expert MLP gets token rows and a permutation (all three) or expert-ordered rows."""
+    given = [a is not None for a in (order, inverse, weights)]
+    if any(given) and not all(given):
+        raise ValueError("expert_mlp: order, inverse and weights go together (token rows) or are all None (expert-ordered rows)")
+    return all(given)

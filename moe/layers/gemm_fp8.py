@@ -52,7 +52,7 @@ from moe.kernels.fp8 import Fp8Rule, Plan, gather_quantized_rows, quantize_cols_
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
-from moe.layers.gemm import _grouped_mm, _GroupedLinear
+from moe.layers.gemm import _grouped_mm, _GroupedLinear, check_routing_args
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.Tensor:
@@ -312,7 +312,6 @@ class Fp8GroupedGemm:
         tokens, not their k copies, and an FP8 down projection takes the combine's gradient
         without storing it (:class:`_Fp8SwiGLULinearCombine`)."""
         from moe.layers.dispatch import combine_rows
-        from moe.layers.gemm_fused import check_routing_args
 
         offsets = offsets.to(torch.int32)
         if not check_routing_args(order, inverse, weights):

@@ -33,7 +33,7 @@ from moe.kernels.expert_mlp import grouped_gemm, grouped_wgrad
 from moe.kernels.routing import combine_weight_grad, gather_reduce, use_triton
 from moe.kernels.swiglu import swiglu
 from moe.layers.dispatch import combine_rows
-from moe.layers.gemm import GroupedMM, _grouped_mm, compute_dtype
+from moe.layers.gemm import GroupedMM, _grouped_mm, check_routing_args, compute_dtype
 from moe.spans import span
 
 
@@ -167,11 +167,3 @@ class FusedExpertMLP(GroupedMM):
             return _FusedExpertMLP.apply(x.contiguous(), None, None, 1, offsets, gate_up, down, None, None)
         args = (row_index.contiguous(), inverse.contiguous(), top_k, offsets, gate_up, down, weights.contiguous(), order.contiguous())
         return _FusedExpertMLP.apply(x.contiguous(), *args)
-
-
-def check_routing_args(order, inverse, weights) -> bool:
-    """Whether the expert MLP gets token rows and a permutation (all three) or expert-ordered rows."""
-    given = [a is not None for a in (order, inverse, weights)]
-    if any(given) and not all(given):
-        raise ValueError("expert_mlp: order, inverse and weights go together (token rows) or are all None (expert-ordered rows)")
-    return all(given)
