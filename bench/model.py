@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         help="profile one extra step (torch.profiler) and print its ROWS most expensive CUDA kernels",
     )
     p.add_argument("--eager-norm-rope", action="store_true", help="use the eager RMSNorm and RoPE instead of the fused kernels (for a side-by-side)")
+    p.add_argument(
+        "--peak-breakdown",
+        action="store_true",
+        help="one more step with the allocator's history on: what is live at its peak, by allocation site (bench.memory_trace)",
+    )
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -188,6 +193,12 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     if args.profile:
         profile_step(trainer, args.profile)
+    breakdown = None
+    if args.peak_breakdown:
+        from bench.memory_trace import peak_breakdown
+
+        breakdown = peak_breakdown(trainer.train_step)
+        trainer.step += 1
     step = statistics.median(times)
     tokens = args.micro * args.accum * args.seq
     fpt = flops_per_token(cfg.model, args.seq)
@@ -252,6 +263,7 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         "step_times_s": times,
         "losses": losses,
         "result": row,
+        **({"peak_breakdown": breakdown} if breakdown else {}),
     }
     if not args.no_save:
         print(f"wrote {write_result('model', payload)}")
