@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issues 36 (planner), 38 (fused expert GEMMs) and 39 (FP8 memory) on one H200, one part per call:
 #   bench/h200/issues36-39.sh fused     # the layer table, fused at its best tile (128x256x64, bench.tune_expert_mlp) vs default
+#   bench/h200/issues36-39.sh plan      # moe plan against measured peaks at several accumulation counts and recompute modes
 #   bench/h200/issues36-39.sh memory    # what is live at the peak: planner config (olmoe-1b-7b, 4 layers, 8x4096, 2 micro-batches) and paper width bf16 vs FP8
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -26,6 +27,15 @@ case "${1:-}" in
     run python3 -m bench.model --width paper --layers 2 --micro 2 --accum 4 --warmup 2 --steps 2 --peak-breakdown
     run python3 -m bench.model --width paper --layers 2 --micro 2 --accum 4 --warmup 2 --steps 2 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
     ;;
-  *) echo "usage: $0 fused|memory" >&2; exit 2 ;;
+  plan)  # the planner against measured peaks (plan_peak_gib beside peak_mem_gb), the olmoe-1b-7b recipe's z-loss on
+    z="--logit-z-loss 1e-5 --warmup 2 --steps 2"
+    run python3 -m bench.model --layers 4 --micro 8 --accum 2 $z
+    run python3 -m bench.model --layers 4 --micro 8 --accum 2 $z --recompute selective
+    run python3 -m bench.model --layers 4 --micro 8 --accum 1 $z
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 $z --recompute selective
+    run python3 -m bench.model --layers 6 --micro 4 --accum 2 $z --recompute full
+    run python3 -m bench.model --layers 4 --micro 8 --accum 2 --warmup 2 --steps 2
+    ;;
+  *) echo "usage: $0 fused|memory|plan" >&2; exit 2 ;;
 esac
 exit $status

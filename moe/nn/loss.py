@@ -15,17 +15,36 @@ import torch.nn.functional as F
 from moe.nn.chunked_ce import chunked_linear_cross_entropy
 
 
-class _WithLogitZLoss(torch.autograd.Function):
-    """``ce`` unchanged; backward also sends ``weight`` times the incoming gradient to ``z``."""
+class _CrossEntropyWithLogitZLoss(torch.autograd.Function):
+    """Mean cross-entropy of fp32 ``logits`` [N, V] (targets -100 ignored, as F.cross_entropy);
+    the backward also carries ``weight * mean(logsumexp(logits)^2)``'s gradient (the mean over
+    the counted tokens, as the chunked head's). One function so
+    the backward writes one [N, V] gradient: autograd on the two losses apart kept the fp32
+    logits for logsumexp and summed two [N, V] gradients into a third (8 bytes x vocabulary per
+    token more at the peak, measured 10.4 GiB at OLMoE width and 64K tokens; issue 36)."""
 
     @staticmethod
-    def forward(ctx, ce: torch.Tensor, z: torch.Tensor, weight: float) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)
+        valid = target != -100
+        safe = torch.where(valid, target, 0)
+        picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+        count = valid.sum().to(logits.dtype)
+        ce = torch.where(valid, lse - picked, 0.0).sum() / count
+        ctx.save_for_backward(logits, lse, safe, valid, count)
         ctx.weight = weight
-        return ce.view_as(ce)
+        return ce
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, grad * ctx.weight, None
+        logits, lse, safe, valid, count = ctx.saved_tensors
+        # d/dlogits = g * valid / count * (softmax - onehot + weight * 2 * lse * softmax)
+        ce_coef = valid.to(logits.dtype) * (grad / count)
+        coef = ce_coef * (1.0 + 2.0 * ctx.weight * lse)
+        out = torch.exp(logits - lse.unsqueeze(1))
+        out.mul_(coef.unsqueeze(1))
+        out.scatter_add_(1, safe.unsqueeze(1), -ce_coef.unsqueeze(1))
+        return out, None, None
 
 
 def lm_loss(
@@ -36,7 +55,6 @@ def lm_loss(
     if chunk:
         return chunked_linear_cross_entropy(output, head_weight, target, chunk, z_weight)
     logits = output.flatten(0, 1).float()
-    ce = F.cross_entropy(logits, target.reshape(-1))
     if not z_weight:
-        return ce
-    return _WithLogitZLoss.apply(ce, torch.logsumexp(logits, dim=-1).square().mean(), z_weight)
+        return F.cross_entropy(logits, target.reshape(-1))
+    return _CrossEntropyWithLogitZLoss.apply(logits, target.reshape(-1), z_weight)
