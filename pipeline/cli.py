@@ -157,14 +157,15 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
 @handle_errors
 def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
     """Train from params.yaml with the configured executor; writes checkpoints and metrics."""
-    from pipeline.stages.train import run_train
+    from pipeline.stages.train import preflight, run_train
 
     cfg = _load(params, set_)
     console.print(_model_line(cfg.model), highlight=False)
+    checked = preflight(cfg)  # a refusal opens no MLflow run and marks no earlier one FAILED
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
         if tracker and not cfg.data.paths:
             _log_tokens(tracker, cfg.tokenize.output, "train", "training")
-        metrics = run_train(cfg, tracker)
+        metrics = run_train(cfg, tracker, checked)
         if tracker:
             tracker.log_artifacts("plots", "plots")
     loss = "n/a" if metrics["final_loss"] is None else f"{metrics['final_loss']:.4f}"
@@ -191,7 +192,7 @@ def submit(
     first (`moe plan`) and refused when predicted not to fit (--ignore-plan overrides)."""
     from pipeline.executors.slurm import SlurmExecutor
     from pipeline.run_lock import RunLock, command_line
-    from pipeline.stages.train import container_tags, finish_train, make_job, prepare_run
+    from pipeline.stages.train import container_tags, finish_train, make_job, preflight, prepare_slurm_run
 
     flags = {
         "slurm.nodes": nodes,
@@ -209,25 +210,22 @@ def submit(
         job = make_job(cfg, resolve_data=False)
         print(executor.sbatch_script(job), end="")
         return
+    # Every check before anything is created or changed: Slurm here, the job's inputs, the run
+    # directory's checkpoints (resumed, extended or refused; stale ones are removed only once
+    # sbatch has accepted the job), then the MLflow run.
+    checked = preflight(cfg)
+    with RunLock(cfg.executor.run_dir, cfg.checkpoint.dir).acquire(f"{command_line()} (preparing the job)"):
+        start, before_start = prepare_slurm_run(make_job(cfg, checked=checked))
     tracker = _tracker(cfg, "train", params, not no_mlflow)
-    job = make_job(cfg, tracker)
     try:
-        with RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (preparing the job)"):
-            start = prepare_run(job)  # resume, extend or refuse, before the job is queued
+        job = make_job(cfg, tracker, checked=checked)
+        job.mlflow_finalize = not wait
+        if tracker:
+            tracker.set_tags({"train.start": start, **container_tags(cfg)})
+        job_id = executor.submit(job, before_start)  # a resuming job appends to metrics.jsonl
     except BaseException:
         if tracker:
-            tracker.end(ok=False)
-        raise
-    if tracker:
-        tracker.set_tags({"train.start": start})
-    job.mlflow_finalize = not wait
-    if tracker:
-        tracker.set_tags(container_tags(cfg))
-    try:
-        job_id = executor.submit(job)  # a resuming job appends to metrics.jsonl
-    except BaseException:
-        if tracker:
-            tracker.end(ok=False)
+            tracker.abandon()  # the job never ran: no FAILED run, the pipeline's parent as it was
         raise
     if tracker:
         tracker.set_tags({"slurm.job_id": job_id})

@@ -43,6 +43,7 @@ def mlflow_server(
             backend = with_password(backend, password)
         except ValueError as exc:
             fail(f"--backend: {exc}", 2)
+    check_backend(backend)
     artifacts.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -61,6 +62,26 @@ def mlflow_server(
     ]
     console.print(f"MLflow server on http://{host}:{port} (store {redact(backend)})", highlight=False, soft_wrap=True)
     raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
+
+
+def check_backend(uri: str, timeout_s: int = 10) -> None:
+    """One connection to the backend store, bounded in time, before the server starts: the
+    server itself retries a database that is down for ever (issue 36)."""
+    from pipeline.redact import redact
+
+    try:
+        import sqlalchemy
+
+        connect_args = {"connect_timeout": timeout_s} if uri.startswith("postgresql") or uri.startswith("mysql") else {}
+        engine = sqlalchemy.create_engine(uri, connect_args=connect_args)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as exc:  # refused, unknown host, bad credentials, bad URI, missing driver
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fail(f"--backend: cannot connect to the backend store {redact(uri)}: {redact(detail)}", 2)
 
 
 def mlflow_sync(

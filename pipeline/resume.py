@@ -79,10 +79,11 @@ def differing_keys(saved: dict[str, Any], config: dict[str, Any]) -> dict[str, t
     return out
 
 
-def prepare_checkpoints(config: dict[str, Any]) -> str:
+def prepare_checkpoints(config: dict[str, Any], act: bool = True) -> str:
     """'fresh' (nothing there), 'resume', 'extend' (a longer max_steps) or 'restart' (the
     checkpoints of another config were in the DVC cache and are removed here); raises
-    PipelineError instead of deleting a checkpoint that is not stored anywhere else."""
+    PipelineError instead of deleting a checkpoint that is not stored anywhere else.
+    ``act=False``: decide (and refuse) only; nothing is removed or said."""
     root = Path(config["checkpoint"]["dir"])
     try:
         latest = latest_checkpoint(root)
@@ -95,10 +96,12 @@ def prepare_checkpoints(config: dict[str, Any]) -> str:
     step = int(read_meta(latest)["step"])
     init_from = config["checkpoint"].get("init_from")
     if not diffs:
-        log.info("resuming from %s (same training config)", latest)
+        if act:
+            log.info("resuming from %s (same training config)", latest)
         return "resume"
     if set(diffs) == {"train.max_steps"} and config["train"]["max_steps"] > step:
-        _say(extension_note(saved, config, step))
+        if act:
+            _say(extension_note(saved, config, step))
         return "extend"
     if init_from and _inside(Path(init_from), root):
         raise PipelineError(
@@ -107,6 +110,8 @@ def prepare_checkpoints(config: dict[str, Any]) -> str:
             "start a run from it"
         )
     if stored_in_dvc_cache(root):
+        if not act:
+            return "restart"
         removed = remove_own_checkpoints(root)
         _say(
             f"{root} held checkpoints of another training config ({_describe(diffs)}), all stored in the DVC cache "

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,33 @@ FORWARD_USR2_TO_TASKS = [
     "}",
 ]
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def require_slurm(*commands: str) -> None:
+    """Slurm's client commands must be here before anything is prepared or changed: one
+    error naming the missing command (not a traceback from submitit or subprocess)."""
+    missing = [c for c in commands if shutil.which(c) is None]
+    if missing:
+        raise PipelineError(
+            f"Slurm is not available on this machine: `{missing[0]}` is not on PATH. "
+            "Run this on a Slurm login node; `moe submit --dry-run` prints the job script anywhere"
+        )
+
+
+def _slurm_executor_class(render_only: bool):
+    """submitit's Slurm executor; ``render_only``: one that only renders the batch script
+    (submitit refuses to build its executor where `srun` is missing, which a dry run must not)."""
+    import submitit
+
+    if not render_only:
+        return submitit.SlurmExecutor
+
+    class ScriptOnly(submitit.SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    return ScriptOnly
 
 
 def check_script_value(value: str, what: str) -> str:
@@ -95,46 +124,51 @@ class SlurmExecutor:
     def __init__(self, slurm: SlurmConfig, container: ContainerConfig, stream: bool = True) -> None:
         self.slurm, self.container, self.stream = slurm, container, stream
 
-    def _executor(self):
-        import submitit
-
+    def _executor(self, render_only: bool = False, hold: bool = False):
         check_script_paths(self.slurm, self.container)
         s = self.slurm
         python, srun_args = launch_python(self.container, s.gpus_per_node > 0)
-        ex = submitit.AutoExecutor(folder=s.folder, cluster="slurm", slurm_max_num_timeout=s.max_requeues, slurm_python=python)
-        params: dict[str, Any] = {
-            "name": s.job_name,
+        ex = _slurm_executor_class(render_only)(folder=s.folder, max_num_timeout=s.max_requeues, python=python)
+        additional = _additional(s.extra_sbatch)
+        if hold:
+            additional["hold"] = True
+        params: dict[str, Any] = {  # submitit's Slurm names (AutoExecutor's generic ones translated)
+            "job_name": s.job_name,
             "nodes": s.nodes,
-            "tasks_per_node": s.tasks_per_node,
-            "timeout_min": s.time_min,
-            "slurm_signal_delay_s": s.signal_delay_s,
-            "slurm_setup": [*FORWARD_USR2_TO_TASKS, *s.setup],
-            "slurm_srun_args": srun_args,
-            "slurm_additional_parameters": _additional(s.extra_sbatch),
+            "ntasks_per_node": s.tasks_per_node,
+            "time": s.time_min,
+            "signal_delay_s": s.signal_delay_s,
+            "setup": [*FORWARD_USR2_TO_TASKS, *s.setup],
+            "srun_args": srun_args,
+            "additional_parameters": additional,
         }
         if s.gpus_per_node:
             params["gpus_per_node"] = s.gpus_per_node
         optional = {
             "cpus_per_task": s.cpus_per_task,
-            "slurm_partition": s.partition,
-            "slurm_account": s.account,
-            "slurm_qos": s.qos,
-            "slurm_constraint": s.constraint,
-            "slurm_mem": s.mem,
+            "partition": s.partition,
+            "account": s.account,
+            "qos": s.qos,
+            "constraint": s.constraint,
+            "mem": s.mem,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if s.exclusive:
-            params["slurm_exclusive"] = True
+            params["exclusive"] = True
         ex.update_parameters(**params)
         return ex
 
     def sbatch_script(self, job: TrainJob) -> str:
-        """The exact batch script `submit` hands to sbatch (its pickle name aside)."""
-        ex = self._executor()
-        inner = ex._executor
-        return inner._make_submission_file_text(inner._submitit_command_str, "<uid>")
+        """The exact batch script `submit` hands to sbatch (its pickle name aside); needs no
+        Slurm on this machine."""
+        ex = self._executor(render_only=True)
+        return ex._make_submission_file_text(ex._submitit_command_str, "<uid>")
 
-    def submit(self, job: TrainJob) -> str:
+    def submit(self, job: TrainJob, before_start: Callable[[], None] | None = None) -> str:
+        """Queue the job; its id. ``before_start`` (what changes the run directory: removing
+        stale checkpoints) runs only once sbatch has accepted the job, which is queued held
+        until it returns (a failure cancels the job: nothing changed unless the job exists)."""
+        require_slurm("sbatch", "srun", "scontrol", "scancel")
         RunLock(job.run_dir, job.checkpoint_dir).check_free()  # the job's rank 0 takes it when it starts
         job.max_requeues = self.slurm.max_requeues
         job.write()
@@ -144,10 +178,21 @@ class SlurmExecutor:
             workdir = self.container.workdir or os.getcwd()
             ensure_mount_points(self.container.image, [workdir, *(m.split(":", 1)[1] for m in self.container.mounts)])
         try:
-            submitted = self._executor().submit(SlurmTrainTask(str(job.spec_path.resolve())))
+            submitted = self._executor(hold=before_start is not None).submit(SlurmTrainTask(str(job.spec_path.resolve())))
         except Exception as exc:  # sbatch refused (bad partition, no cluster, ...)
             raise PipelineError(f"sbatch failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
-        return str(submitted.job_id)
+        job_id = str(submitted.job_id)
+        if before_start is not None:
+            try:
+                before_start()
+            except BaseException:
+                subprocess.run(["scancel", job_id], capture_output=True, text=True)
+                raise
+            r = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True)
+            if r.returncode != 0:
+                subprocess.run(["scancel", job_id], capture_output=True, text=True)
+                raise PipelineError(f"scontrol release {job_id} failed ({r.stderr.strip()}); the job was cancelled")
+        return job_id
 
     def log_paths(self, job_id: str, task: int = 0) -> tuple[Path, Path]:
         folder = Path(self.slurm.folder)
@@ -179,18 +224,21 @@ class SlurmExecutor:
         exit_code = int(code.split(":")[0]) if code and code.split(":")[0].isdigit() else (0 if ok else 1)
         return JobResult(ok, exit_code, str(stderr), message, job_id=job_id)
 
-    def run(self, job: TrainJob) -> JobResult:
-        job_id = self.submit(job)
+    def run(self, job: TrainJob, before_start: Callable[[], None] | None = None) -> JobResult:
+        job_id = self.submit(job, before_start)
         print(f"submitted slurm job {job_id} (logs: {self.log_paths(job_id)[0]})", flush=True)
         return self.wait(job_id)
 
 
 def job_state(job_id: str) -> tuple[str, str | None]:
     """(state, exit code "N:S") from scontrol, else sacct; UNKNOWN when neither knows it."""
+    require_slurm("scontrol")
     r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True)
     if r.returncode == 0 and "JobState=" in r.stdout:
         fields = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
         return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode")
+    if shutil.which("sacct") is None:
+        return "UNKNOWN", None
     r = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State,ExitCode"], capture_output=True, text=True)
     if r.returncode == 0 and r.stdout.strip():
         state, code = r.stdout.strip().splitlines()[0].split("|")
@@ -199,6 +247,7 @@ def job_state(job_id: str) -> tuple[str, str | None]:
 
 
 def cancel(job_id: str) -> None:
+    require_slurm("scancel")
     r = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True)
     if r.returncode != 0:
         raise PipelineError(f"scancel {job_id} failed: {r.stderr.strip()}")

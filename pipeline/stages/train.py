@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
+from pipeline.executors.slurm import require_slurm
 from pipeline.outputs import csv_header, json_keys_within, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import TRAIN_DIR, eval_curve, train_figures
@@ -86,8 +88,9 @@ def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
         check_host_memory(exp, world_size(cfg))
 
 
-def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True) -> TrainJob:
-    exp = check_train(cfg, resolve_data)
+def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, checked: ExperimentConfig | None = None) -> TrainJob:
+    """The job spec; ``checked``: the experiment `preflight` already checked (not checked twice)."""
+    exp = checked if checked is not None else check_train(cfg, resolve_data)
     uri = tracker.uri if tracker else None
     if uri and has_password(uri):  # job.json (a DVC output) keeps no password; jobs inherit it
         os.environ[SECRET_URI_ENV] = uri
@@ -111,30 +114,58 @@ def _eval_inputs(cfg: PipelineConfig, exp: ExperimentConfig) -> dict[str, Any] |
     return eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir)
 
 
-def prepare_run(job: TrainJob) -> str:
+def prepare_run(job: TrainJob, act: bool = True) -> str:
     """Under the run's lock: its directories hold only what runs write, and the checkpoints
-    there are resumed, extended or refused (pipeline.resume); never deleted unless stored."""
+    there are resumed, extended or refused (pipeline.resume); never deleted unless stored.
+    ``act=False`` checks and decides only (a Slurm job changes the directory once sbatch has
+    accepted it)."""
     check_run_dirs(job.run_dir, job.checkpoint_dir)
-    start = prepare_checkpoints(job.config)  # DVC keeps the run dir (persist); resume only the same config
-    if start in ("fresh", "restart") and job.metrics_path.is_file() and not job.metrics_path.is_symlink():
+    start = prepare_checkpoints(job.config, act)  # DVC keeps the run dir (persist); resume only the same config
+    if act and start in ("fresh", "restart") and job.metrics_path.is_file() and not job.metrics_path.is_symlink():
         job.metrics_path.unlink()  # our own history of a run whose checkpoints are gone; a resumed job keeps it
     return start
 
 
-def run_train(cfg: PipelineConfig, tracker=None) -> dict[str, Any]:
-    job = make_job(cfg, tracker)
+def prepare_slurm_run(job: TrainJob) -> tuple[str, Callable[[], None] | None]:
+    """(how the job starts, what to change once sbatch accepted it): nothing is removed here."""
+    start = prepare_run(job, act=False)
+    if start not in ("fresh", "restart"):
+        return start, None
+
+    def before_start() -> None:
+        with RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (the queued Slurm job's run directory)"):
+            prepare_run(job)
+
+    return start, before_start
+
+
+def preflight(cfg: PipelineConfig) -> ExperimentConfig:
+    """What `moe train` checks before it opens an MLflow run or touches the run directory:
+    Slurm present for the Slurm executor, the config against the data and the world."""
+    if cfg.executor.kind == "slurm":
+        require_slurm("sbatch", "srun", "scontrol", "scancel")
+    return check_train(cfg)
+
+
+def run_train(cfg: PipelineConfig, tracker=None, checked: ExperimentConfig | None = None) -> dict[str, Any]:
+    slurm = cfg.executor.kind == "slurm"
+    if slurm:
+        require_slurm("sbatch", "srun", "scontrol", "scancel")
+    job = make_job(cfg, tracker, checked=checked)
     check_local_memory(cfg, ExperimentConfig.from_dict(job.config))
-    holder = "local executor" if cfg.executor.kind == "local" else "preparing the Slurm job"
+    holder = "local executor" if not slurm else "preparing the Slurm job"
     lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} ({holder})")
     try:
-        start = prepare_run(job)
+        start, before_start = prepare_slurm_run(job) if slurm else (prepare_run(job), None)
         if tracker:
             tracker.set_tags({"train.start": start})
-        if tracker and cfg.executor.kind == "slurm":
+        if tracker and slurm:
             tracker.set_tags(container_tags(cfg))
-        if cfg.executor.kind == "slurm":
+        if slurm:
             lock.release()  # the job's rank 0 takes it on the cluster
-        result = build_executor(cfg).run(job)
+            result = build_executor(cfg).run(job, before_start)
+        else:
+            result = build_executor(cfg).run(job)
     finally:
         lock.release()
     if not result.ok:

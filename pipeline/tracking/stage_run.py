@@ -85,7 +85,7 @@ class Tracker:
             raise
         except Exception as exc:  # unreachable or hanging server, database down, bad URI
             check_local_store(self.uri, exc)  # a broken local store is an error, not offline
-            self.parent_id = None
+            self.parent_id, self._parent_before = None, None
             self.run_id = f"{OFFLINE_PREFIX}{uuid.uuid4().hex}"
             self._fail(exc)
             spool(self.fallback, {"run_id": self.run_id, "create": {"experiment": cfg.experiment, "tags": tags}})
@@ -95,7 +95,7 @@ class Tracker:
     def _connect(self, tags: dict[str, str]) -> None:
         self.client = mlflow_client(self.uri)
         self.experiment_id = self._experiment()
-        self.parent_id = self._parent()
+        self.parent_id, self._parent_before = self._parent()
         self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
         self.client.update_run(self.parent_id, status="RUNNING")
 
@@ -132,13 +132,14 @@ class Tracker:
         except Exception:  # created concurrently by another process
             return self.client.get_experiment_by_name(self.cfg.experiment).experiment_id
 
-    def _parent(self) -> str:
+    def _parent(self) -> tuple[str, str | None]:
+        """(the pipeline's parent run, its status before this stage; None: created here)."""
         key = pipeline_key(self.params_path)
         found = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`{PIPELINE_KEY_TAG}` = '{key}' and tags.`moe.stage` = 'pipeline'", max_results=1
         )
         if found:
-            return found[0].info.run_id
+            return found[0].info.run_id, found[0].info.status
         tags = {
             PIPELINE_KEY_TAG: key,
             "moe.stage": "pipeline",
@@ -151,7 +152,7 @@ class Tracker:
             self.client.log_artifact(run_id, str(redacted_copy(self.params_path)))
         # The parent spans the pipeline: RUNNING while a stage runs, ended (with the pipeline's
         # final metrics and plots) by each stage that finishes, FAILED if one fails.
-        return run_id
+        return run_id, None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -215,6 +216,24 @@ class Tracker:
                 finish_parent(self.client, self.parent_id)
 
         self._send(send, {"status": status})
+
+    def abandon(self) -> None:
+        """The stage never started (e.g. sbatch refused the job): its run is deleted and the
+        parent run is left as it was (deleted too if this stage created it), so a refused
+        command leaves no history behind."""
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):
+                within_deadline(self._monitor.finish, "system metrics", seconds=min(10.0, deadline_s()))
+            self._monitor = None
+
+        def send():
+            self.client.delete_run(self.run_id)
+            if self.parent_id and self._parent_before is None:
+                self.client.delete_run(self.parent_id)
+            elif self.parent_id:
+                self.client.update_run(self.parent_id, status=self._parent_before)
+
+        self._send(send, {"status": "FAILED"})
 
     def stop_system_metrics(self) -> None:
         """For a run this process hands over (``moe submit`` without --wait: the job ends it)."""

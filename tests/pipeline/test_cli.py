@@ -263,3 +263,23 @@ def test_convert_from_hf_refuses_gelu_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_act": "gelu"}))
     assert_one_error_line(moe("convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "ckpt")), 2, "hidden_act='gelu' is not supported")
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_mlflow_server_without_its_database_is_one_error_in_bounded_time(tmp_path):
+    """A backend that refuses connections: one `error:` naming the URI (no password) within
+    seconds, and no artifact directory created (issue 36: the server retried for ever)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"postgresql+psycopg2://mlflow@127.0.0.1:{port}/mlflow"
+    start = time.monotonic()
+    r = moe("mlflow-server", "--backend", uri, "--artifacts", str(tmp_path / "art"), env={"MOE_MLFLOW_BACKEND_PASSWORD": "s3cret"})
+    assert time.monotonic() - start < 60
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"127.0.0.1:{port}/mlflow" in errors[0], r.stderr
+    assert "s3cret" not in r.stderr + r.stdout
+    assert not (tmp_path / "art").exists()

@@ -373,3 +373,24 @@ def test_usr2_to_the_batch_shell_reaches_the_tasks(slurm_cluster, tokenized, lau
     assert "stop requested (signal 12)" in log and "resumed from runs/batch/ck/step_" in log
     assert json.loads(Path("runs/batch/summary.json").read_text())["steps"] == steps
     assert [json.loads(line)["step"] for line in Path("runs/batch/metrics.jsonl").read_text().splitlines()] == list(range(1, steps + 1))
+
+
+def test_a_refused_submission_leaves_the_mlflow_history_as_it_was(slurm_cluster, workspace):
+    """sbatch refuses the job (no such partition): no train run is left behind and the
+    pipeline's parent run, FINISHED by the tokenize stage, stays FINISHED (issue 36)."""
+    from mlflow.tracking import MlflowClient
+
+    r = moe("tokenize")
+    assert r.returncode == 0, r.stderr
+    client = MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("moe").experiment_id
+    before = {run.info.run_id: run.info.status for run in client.search_runs([experiment])}
+    assert sorted(before.values()) == ["FINISHED", "FINISHED"]  # the parent and the tokenize run
+    r = moe("submit", "--partition", "nosuchpartition")
+    assert r.returncode != 0
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        next(line for line in r.stderr.splitlines() if line.startswith("error: sbatch failed"))
+    ], r.stderr
+    after = {run.info.run_id: run.info.status for run in client.search_runs([experiment])}
+    assert after == before
+    assert not Path("runs/train/checkpoints").exists() or not any(Path("runs/train/checkpoints").iterdir())
