@@ -16,7 +16,7 @@ import yaml
 
 from moe.config import ConfigError, ExperimentConfig, apply_overrides
 from moe.config.base import Config, require
-from moe.config.sources import recipe_mismatch, value_sources
+from moe.config.sources import recipe_mismatch, recipe_overrides, value_sources
 from pipeline.hub import hub_id
 
 # A byte-level BPE with more entries than this is not a real tokenizer; far larger values
@@ -335,21 +335,53 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
 def load_params(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     try:
         data = apply_overrides(read_params_file(path), overrides)
-        return PipelineConfig.from_dict(data).validate()
+        cfg = PipelineConfig.from_dict(data)
+        return fit_short_run(cfg, _set_keys(overrides))[0].validate()
     except ConfigError as exc:
         text = str(exc)
+        key = text.split(":", 1)[0].strip()
+        if key in _set_keys(overrides) or any(key.startswith(k + ".") for k in _set_keys(overrides)):
+            raise ConfigError(f"--set {text}") from None  # the command line's value, not the file's
         raise ConfigError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None
+
+
+def _set_keys(overrides) -> set[str]:
+    return {o.split("=", 1)[0].lstrip("+") for o in overrides}
+
+
+def fit_short_run(cfg: PipelineConfig, explicit: set[str]) -> tuple[PipelineConfig, str | None]:
+    """A run shorter than the recipe's warm-up or the evaluation interval (the usual first try,
+    `--set train.max_steps=5`) gets a warm-up of a tenth of its steps and an evaluation at its
+    end, with one warning line, instead of a refusal; values set on the command line stay."""
+    tr, sched = cfg.train, cfg.schedule
+    steps = tr.max_steps
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return cfg, None  # validate() names the bad value
+    changes = []
+    if isinstance(sched.warmup_steps, int) and sched.warmup_steps > steps and "schedule.warmup_steps" not in explicit:
+        new = max(1, steps // 10)
+        changes.append(f"schedule.warmup_steps {sched.warmup_steps} -> {new}")
+        cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(sched, warmup_steps=new))
+    if isinstance(tr.eval_every, int) and tr.eval_every > steps and "train.eval_every" not in explicit:
+        changes.append(f"train.eval_every {tr.eval_every} -> {steps} (one evaluation, at the end)")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=steps))
+    if not changes:
+        return cfg, None
+    return cfg, f"train.max_steps={steps} is a short run: {', '.join(changes)}"
 
 
 def params_sources(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, str], str | None]:
     """(dotted key -> where its value came from: "params.yaml", "--set", "recipe NAME",
-    "preset NAME"; keys absent keep the default), and the recipe's warning line if any.
+    "preset NAME"; keys absent keep the default), and the warning lines if any (the recipe
+    outgrown, the params file overriding the recipe's scale keys, a short run fitted).
     Call after load_params (which reports bad input)."""
     written = read_params_file(path)
     data = apply_overrides(written, overrides)
     sources = value_sources(data)
-    set_keys = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    set_keys = _set_keys(overrides)
     for key, source in sources.items():
         if source == "params":
             sources[key] = "--set" if key in set_keys else Path(path).name
-    return sources, recipe_mismatch(data)
+    _, short = fit_short_run(PipelineConfig.from_dict(data), set_keys)
+    warnings = [w for w in (recipe_mismatch(data), recipe_overrides(data, set_keys), short) if w]
+    return sources, "\n".join(warnings) or None

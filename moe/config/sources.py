@@ -38,6 +38,22 @@ def value_sources(raw: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def recipe_overrides(raw: Mapping[str, Any], explicit: set[str] = frozenset()) -> str | None:
+    """One line when the params file (not the command line: ``explicit``) sets a scale-bound
+    key of the recipe to another value, e.g. the lr a `dvc exp run -S` left in params.yaml
+    when the recipe is then switched (issue 36)."""
+    name = raw.get("recipe")
+    if not name:
+        return None
+    written = flat_keys({k: v for k, v in raw.items() if k != "recipe"})
+    values = flat_keys(recipe(name))
+    differ = [k for k in SCALE_KEYS if k in written and k in values and k not in explicit and written[k] != values[k]]
+    if not differ:
+        return None
+    keys = ", ".join(f"{k}={written[k]} (recipe {name}: {values[k]})" for k in differ)
+    return f"the params file sets {keys}: these win over the recipe; remove them from the params file to train with the recipe's"
+
+
 def recipe_mismatch(raw: Mapping[str, Any]) -> str | None:
     """One line when the model preset is not one the recipe was made for and the recipe still
     supplies its scale-bound training values (the tiny recipe's lr on an OLMoE-width router)."""

@@ -74,7 +74,21 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentCon
 
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
+        check_precision_here(exp)
     return exp
+
+
+def check_precision_here(exp: ExperimentConfig) -> None:
+    """The precision recipe against this machine's device, as the trainer will check it (an
+    FP8 recipe on a CPU or an older GPU is refused by `moe params` and `moe train` at once)."""
+    import torch
+
+    from moe.precision import resolve_recipe
+
+    p = exp.precision
+    gpu = exp.train.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")  # the trainer's choice, without selecting a GPU here
+    resolve_recipe(p.recipe, device, emulate=p.emulate, fp8_min_dim=p.fp8_min_dim, fp8_dense=p.fp8_dense)
 
 
 def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
