@@ -4,7 +4,6 @@
     python -m bench.layer --shape 2048,1024,64,8 --tokens 4096 --peers ours,titan
     python -m bench.layer --peers ours,ours_fp8,ours_fp8_all   # FP8 rowwise against our bf16
     python -m bench.layer --peers ours,gemm,sonic   # and the grouped GEMMs alone: the ceiling
-    python -m bench.layer --peers ours,fused,gemm,sonic   # the fused expert MLP (model.moe.gemm: fused)
 
 SonicMoE (``sonic-moe`` 0.1.2, Python >= 3.12, Hopper) is optional: where it does not import,
 its row is skipped with a printed note and the run does not fail.
@@ -65,8 +64,8 @@ def make_weights(shape: Shape, device: torch.device, seed: int = 0) -> dict[str,
     }
 
 
-def build_ours(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype, gemm: str = "grouped_mm") -> nn.Module:
-    cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.h, gemm=gemm).validate()
+def build_ours(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    cfg = MoEConfig(num_experts=shape.experts, top_k=shape.top_k, expert_hidden=shape.h).validate()
     layer = MoELayer(shape.d, cfg).to(w["router"].device)
     with torch.no_grad():
         layer.router.weight.copy_(w["router"])
@@ -250,7 +249,6 @@ def build_sonic(shape: Shape, w: dict[str, torch.Tensor], dtype: torch.dtype) ->
 
 PEERS: dict[str, tuple[str, Callable[..., nn.Module]]] = {
     "ours": ("moe (this repo)", build_ours),
-    "fused": ("moe, gemm=fused (gather + SwiGLU in the GEMMs)", lambda s, w, d: build_ours(s, w, d, gemm="fused")),
     "ours_fp8": ("moe, fp8_rowwise (per-shape rule)", build_ours_fp8),
     "ours_fp8_all": ("moe, fp8_rowwise (every GEMM FP8)", lambda s, w, d: build_ours_fp8(s, w, d, min_dim=0)),
     "hf": ("transformers OlmoeSparseMoeBlock", build_hf),

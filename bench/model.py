@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=["fp32", "bf16"],
         help="optim.expert_grad_accum: where the expert weights' gradient accumulates over micro-batches",
     )
-    p.add_argument("--gemm", default="grouped_mm", choices=["grouped_mm", "fused"], help="model.moe.gemm (fused: gather + SwiGLU in the GEMMs)")
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--fp8-dense", action="store_true", help="precision.fp8_dense: the dense projections in FP8 too (fp8_rowwise)")
@@ -134,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
                     "moe": {
                         "routing": args.routing,
                         "num_experts": args.experts,
-                        "gemm": args.gemm,
                         **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {}),
                     },
                 },

@@ -35,7 +35,6 @@ GPU = {
     "python -m bench.ep --nproc 1 --parallel ep=1",
     "python -m bench.ep --nproc 2 --parallel ep=1,shard_optimizer=true,overlap_grad_reduce=true",
     "python -m bench.layer --peers ours,gemm,sonic",
-    "python -m bench.layer --peers ours,fused,gemm,sonic",
     "python -m bench.eval --requests core.json.gz --layers 16",
     "python -m bench.hf_parity --data data/tokens --layers 4 --steps 300",
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issues 36 (planner), 38 (fused expert GEMMs) and 39 (FP8 memory) on one H200, one part per call:
-#   bench/h200/issues36-39.sh fused     # the layer table, fused at its best tile (128x256x64, bench.tune_expert_mlp) vs default
+# Issues 36 (planner) and 39 (FP8 memory) on one H200, one part per call. (Its `fused` part, the
+# layer table of issue 38's fused expert MLP at its best tile, went with the fused path, whose
+# code last existed at commit dfdbf43: bench/NOTES.md.)
 #   bench/h200/issues36-39.sh plan      # moe plan against measured peaks at several accumulation counts and recompute modes
 #   bench/h200/issues36-39.sh memory    # what is live at the peak: planner config (olmoe-1b-7b, 4 layers, 8x4096, 2 micro-batches) and paper width bf16 vs FP8
 set -uo pipefail
@@ -16,12 +17,7 @@ run() {
   timeout 300 "$@" 2>&1 | grep -v -i 'warning' | tee -a "$LOG" || status=1
   find bench/results -name '*.json' -newer /tmp/run-start -exec cp {} "$OUT"/ \;
 }
-best_tiles='import sys, moe.kernels.expert_mlp as k; k.BLOCK_N = k.WGRAD_BLOCK_N = 256; k.WGRAD_BLOCK_K = 64; from bench.layer import main; sys.exit(main(sys.argv[1:]))'
 case "${1:-}" in
-  fused)
-    run python3 -c "$best_tiles" --tokens 65536 --peers ours,fused --iters 20 --shape 2048,1024,64,8
-    run python3 -c "$best_tiles" --tokens 16384 --peers ours,fused --iters 20 --shape 2048,768,128,8 --shape 2048,1408,64,6 --shape 2048,512,256,8
-    ;;
   memory)
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 --warmup 2 --steps 2 --peak-breakdown
     run python3 -m bench.model --width paper --layers 2 --micro 2 --accum 4 --warmup 2 --steps 2 --peak-breakdown
@@ -36,6 +32,6 @@ case "${1:-}" in
     run python3 -m bench.model --layers 6 --micro 4 --accum 2 $z --recompute full
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 --warmup 2 --steps 2
     ;;
-  *) echo "usage: $0 fused|memory|plan" >&2; exit 2 ;;
+  *) echo "usage: $0 memory|plan" >&2; exit 2 ;;
 esac
 exit $status

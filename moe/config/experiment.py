@@ -76,13 +76,6 @@ class ExperimentConfig(Config):
                 "parallel.grad_reduce_dtype",
                 "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
             )
-        if moe.gemm == "fused":
-            require(
-                self.precision.recipe not in ("fp8_rowwise", "mxfp8"),
-                "model.moe.gemm",
-                f"fused is the bf16 expert GEMM; precision.recipe={self.precision.recipe} brings its own (fp8_rowwise "
-                "reads token rows itself): use model.moe.gemm=grouped_mm",
-            )
         if self.precision.fp8_dense:
             # FSDP2 re-gathers weights into the same storage without a new version: the FP8
             # copies (keyed on the version) would go stale

@@ -39,10 +39,9 @@ class MoEConfig(Config):
     bias_update_rate: float = 0.0
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None
-    # The expert GEMM implementation (a seam: FP8/MXFP8 variants plug in here). ``fused``: Triton
-    # grouped GEMMs with the token gather and SwiGLU fused in (moe.layers.gemm_fused; not yet
-    # measured on hardware, so not the default).
-    gemm: Literal["grouped_mm", "fused"] = "grouped_mm"
+    # The expert GEMM implementation (a seam: FP8/MXFP8 variants plug in here). A Triton fused
+    # expert MLP was measured slower than torch's grouped GEMM and removed (bench/NOTES.md, issue 38).
+    gemm: Literal["grouped_mm"] = "grouped_mm"
 
     def _check(self, p: str) -> None:
         k = lambda name: f"{p}.{name}" if p else name  # noqa: E731

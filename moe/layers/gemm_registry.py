@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from moe.layers.gemm import ExpertGemm, GroupedMM
-from moe.layers.gemm_fused import FusedExpertMLP
 
-EXPERT_GEMMS: dict[str, type] = {"grouped_mm": GroupedMM, "fused": FusedExpertMLP}
+EXPERT_GEMMS: dict[str, type] = {"grouped_mm": GroupedMM}
 
 
 def build_expert_gemm(name: str) -> ExpertGemm:

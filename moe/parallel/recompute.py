@@ -12,8 +12,7 @@ is kept for backward depends on the mode:
                width, measured in bench/memory.py)
     full       keep only each block's input; recompute the whole block in backward
 
-The fused expert MLP's two forward GEMMs (``model.moe.gemm: fused``) are torch ops and kept
-like torch's grouped GEMM. Our other Triton kernels (fused RMSNorm, SwiGLU, token permutation) run inside autograd Functions
+Our Triton kernels (fused RMSNorm, SwiGLU, token permutation) run inside autograd Functions
 whose launches the policies do not see; the policies see only the torch ops around them (the
 ``aten.empty`` of their outputs, index ops), none of which they save, so the selective modes
 recompute these kernels (tests/kernels/rmsnorm_check.py counts the fused norm's forwards).
@@ -39,8 +38,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moe.layers.gemm_fused import FORWARD_OPS as FUSED_EXPERT_OPS
-
 RECOMPUTE_MODES = ("none", "matmuls", "selective", "full")
 
 _aten = torch.ops.aten
@@ -60,8 +57,7 @@ ATTENTION_OPS = _ops(
     "_flash_attention_forward",
     "_efficient_attention_forward",
 )
-# torch's grouped GEMMs and the fused expert MLP's forward GEMMs (model.moe.gemm: fused)
-EXPERT_GEMM_OPS = _ops("_grouped_mm", "_scaled_grouped_mm") | frozenset(FUSED_EXPERT_OPS)
+EXPERT_GEMM_OPS = _ops("_grouped_mm", "_scaled_grouped_mm")
 DENSE_MATMUL_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
 # The router's fp32-output GEMM on CUDA (mm with out_dtype): tiny, and keeps routing exact.
 ROUTER_OVERLOADS = frozenset(o for o in [getattr(_aten.mm, "dtype", None)] if o is not None)

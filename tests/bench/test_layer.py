@@ -61,16 +61,3 @@ def test_the_gemm_only_peer_runs_our_routing_group_sizes_and_checks_itself():
     assert peer.bench_flops(24) == 6 * 24 * SHAPE.top_k * 3 * SHAPE.d * SHAPE.h
     peer.last[1].add_(1.0)  # a corrupted output is caught
     assert peer.bench_check()[0] > 0.1
-
-
-def test_the_fused_peer_is_our_layer_on_the_fused_gemm():
-    """`--peers fused`: the same weights in our layer with model.moe.gemm=fused (torch's path on
-    CPU; the kernels are checked under the interpreter in tests/kernels)."""
-    from bench.layer import PEERS
-
-    w = make_weights(SHAPE, CPU)
-    fused = PEERS["fused"][1](SHAPE, w, torch.float32)
-    assert fused.experts.reads_token_rows
-    x = torch.randn(1, 10, SHAPE.d)
-    with torch.no_grad():
-        torch.testing.assert_close(fused(x), build_ours(SHAPE, w, torch.float32)(x), rtol=0, atol=0)

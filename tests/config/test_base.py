@@ -47,6 +47,16 @@ def test_invalid_values_name_the_key(override, message):
     assert "\n" not in str(info.value)
 
 
+def test_the_removed_fused_expert_gemm_is_refused_naming_the_key_and_the_allowed_values():
+    """`model.moe.gemm: fused` (issue 38: measured slower than grouped_mm and removed), in the
+    config's sections (as params.yaml gives them) and as an override."""
+    for make in (lambda: load(data={"model": {"moe": {"gemm": "fused"}}}), lambda: load("model.moe.gemm=fused")):
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert str(info.value) == "model.moe.gemm: 'fused' is not one of 'grouped_mm'"
+    assert load().model.moe.gemm == "grouped_mm"
+
+
 def test_section_must_be_a_mapping():
     with pytest.raises(ConfigError, match="model: expected a mapping"):
         ExperimentConfig.load({"model": 3})
