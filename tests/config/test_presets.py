@@ -68,13 +68,13 @@ def test_explicit_keys_win_over_the_preset_and_are_named():
     assert ModelConfig.from_dict({"preset": "tiny"}).preset_overrides == []
 
 
-def test_params_yaml_preset_switch_gives_the_presets_shape():
+def test_params_yaml_preset_switch_gives_the_presets_shape(tmp_path):
     """`--set model.preset=olmoe-1b-7b` on the shipped params.yaml is the real OLMoE shape."""
-    from pathlib import Path
-
     from pipeline.params import load_params
+    from tests.helpers import committed_params
 
-    params = Path(__file__).resolve().parents[2] / "params.yaml"
+    params = tmp_path / "params.yaml"
+    params.write_text(committed_params())
     cfg = load_params(params, ["model.preset=olmoe-1b-7b"])
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.moe.num_experts, cfg.model.vocab_size) == (2048, 16, 64, 50304)
     assert cfg.model.preset_overrides == []

@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from pipeline import expert_load
 from pipeline.stages.train import load_alarm_metrics
+from tests.helpers import committed_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_final_metrics_count_the_layers_that_fired():
 def test_default_params_run_is_quiet_and_draws_the_heatmap(tmp_path):
     """`moe tokenize` + `moe train` with the repository's params.yaml as shipped: the alarm stays
     quiet on this healthy run, and the heatmap data and PNG are written."""
-    shutil.copy2(REPO / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_text(committed_params())
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     moe = [sys.executable, "-m", "pipeline.cli"]
