@@ -53,12 +53,15 @@ def evaluate_suite(
     shard: int = 0,
     num_shards: int = 1,
     group=None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[int, float]]]:
     """(task -> metrics, task -> request index -> summed log-likelihood). Metrics hold the
-    primary type's numbers (``primary`` names it) and, for ranked tasks, both acc and len_norm."""
+    primary type's numbers (``primary`` names it) and, for ranked tasks, both acc and len_norm.
+    ``progress`` gets one line per finished task: documents/s and the time the rest will take."""
     results: dict[str, dict[str, float]] = {}
     all_scores: dict[str, dict[int, float]] = {}
-    for t in tasks:
+    began = time.perf_counter()
+    for i, t in enumerate(tasks):
         start = time.perf_counter()
         scores = score_requests(
             forward,
@@ -83,6 +86,11 @@ def evaluate_suite(
         metrics["seconds"] = time.perf_counter() - start
         results[t.name] = metrics
         all_scores[t.name] = scores
+        if progress is not None:
+            docs, took = len({r.doc_id for r in t.requests}), metrics["seconds"]
+            left = len(tasks) - i - 1
+            eta = (time.perf_counter() - began) / (i + 1) * left
+            progress(f"{t.name}: {docs} documents in {took:.1f} s ({docs / max(took, 1e-9):.0f}/s); {left} tasks left, about {eta:.0f} s")
     return results, all_scores
 
 

@@ -122,7 +122,10 @@ EVAL_METRIC_KEYS = {
     "step",
     "format",
 }
-recognise_metrics = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
+# evaluate.output (a DVC metric): the numbers a table shows; the rest beside it in _detail.json
+SUMMARY_KEYS = {"step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf", "suite", "tasks"}
+recognise_metrics = json_keys_within(SUMMARY_KEYS, "val_loss")
+recognise_detail = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
 
 
 def output_paths(cfg: PipelineConfig) -> tuple[Path, Path]:
@@ -130,10 +133,29 @@ def output_paths(cfg: PipelineConfig) -> tuple[Path, Path]:
     return out, out.with_name(out.stem + "_sample.txt")
 
 
+def detail_path(out: Path) -> Path:
+    return out.with_name(out.stem + "_detail.json")
+
+
 def recognise_sample(path: Path) -> bool:
-    """Our sample: the metrics file beside it records its sha256."""
-    metrics = path.with_name(path.name[: -len("_sample.txt")] + ".json")
-    return metrics.is_file() and json.loads(metrics.read_text()).get("sample_sha256") == sha256_file(path)
+    """Our sample: the detail file beside it records its sha256."""
+    detail = detail_path(path.with_name(path.name[: -len("_sample.txt")] + ".json"))
+    return detail.is_file() and json.loads(detail.read_text()).get("sample_sha256") == sha256_file(path)
+
+
+def summary_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What `dvc metrics show` and `dvc exp show` print: numbers only, one per column a reader
+    wants (per task its primary metric and bpb); everything else is in the detail file."""
+    out = {k: metrics[k] for k in ("step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf")}
+    out["suite"] = metrics["suite"]
+    out["tasks"] = {name: headline(r, r["primary"]) for name, r in metrics["tasks"].items()}
+    for r in out["tasks"].values():
+        r.pop("ce_loss", None)
+        primary = next(iter(r))
+        for other in ("acc", "len_norm"):
+            if other != primary:
+                r.pop(other, None)
+    return out
 
 
 def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
@@ -145,6 +167,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     hf_dir = Path(hf_dir or cfg.convert.output)
     out, sample_path = output_paths(cfg)
     check_output_file(out, "evaluate.output", recognise_metrics)  # before any work: never a user's file
+    check_output_file(detail_path(out), "evaluate.output (its _detail.json)", recognise_detail)
     check_output_file(sample_path, "evaluate.output (its _sample.txt)", recognise_sample)
     manifest = read_manifest(cfg.tokenize.output)
     tok_file = Path(cfg.tokenize.output) / "tokenizer.json"
@@ -217,8 +240,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     metrics["tasks"] = downstream
     metrics["suite"] = suite_summary(downstream)
     metrics["sample_sha256"] = hashlib.sha256((sample + "\n").encode()).hexdigest()
+    write_output_file(detail_path(out), json.dumps(metrics, indent=2) + "\n", "evaluate.output (its _detail.json)", recognise_detail)
     write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)
-    write_output_file(out, json.dumps(metrics, indent=2) + "\n", "evaluate.output", recognise_metrics)
+    write_output_file(out, json.dumps(summary_metrics(metrics), indent=2) + "\n", "evaluate.output", recognise_metrics)
     train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     downstream_figure(downstream)
@@ -226,6 +250,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         tracker.log_metrics(flat_metrics(metrics))
         tracker.log_artifact(sample_path)
         tracker.log_artifact(out)
+        tracker.log_artifact(detail_path(out))
     return {**metrics, "sample": sample}
 
 
@@ -236,8 +261,9 @@ def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.devic
     """Every task on both models; per task, ours must agree with transformers' within
     evaluate.max_rel_diff (the mean gold log-likelihood per byte, bpb)."""
     max_len = ours.cfg.max_seq_len
-    mine, _ = evaluate_suite(lambda x: ours(x), tasks, max_len=max_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad)
-    theirs, _ = evaluate_suite(lambda x: hf(x).logits, tasks, max_len=max_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad)
+    common = {"max_len": max_len, "device": device, "batch_tokens": cfg.evaluate.batch_tokens, "pad_id": pad}
+    mine, _ = evaluate_suite(lambda x: ours(x), tasks, **common, progress=_progress("ours"))
+    theirs, _ = evaluate_suite(lambda x: hf(x).logits, tasks, **common, progress=_progress("transformers"))
     out: dict[str, dict[str, Any]] = {}
     for t in tasks:
         m, h = mine[t.name], theirs[t.name]
@@ -249,6 +275,13 @@ def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.devic
             )
         out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": headline(h, t.metric), "hf_rel_diff": rel}
     return out
+
+
+def _progress(model: str):
+    def say(line: str) -> None:
+        print(f"  [{model}] {line}", flush=True)
+
+    return say
 
 
 def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:

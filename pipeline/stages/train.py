@@ -248,17 +248,22 @@ def final_metrics(summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[s
         "expert_load_min_over_mean": last.get("expert_load_min_over_mean"),
         "expert_load_cv": last.get("expert_load_cv"),
         "expert_load_entropy": last.get("expert_load_entropy"),
-        **load_alarm_metrics(rows),
-        **router_collapse_metrics(rows),
+        **_numbers_only(load_alarm_metrics(rows)),
+        **_numbers_only(router_collapse_metrics(rows)),
         "skipped_steps": last.get("skipped_steps", 0),
     }
     evaluated = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    if evaluated:  # the last in-loop evaluation (train.eval_every)
+    if evaluated:  # the last in-loop evaluation (train.eval_every); per task: plots/eval_curve.csv
         e = evaluated[-1]
-        out["eval"] = {"step": e["step"], **{k[len("eval/") :]: v for k, v in e.items() if k.startswith("eval/")}}
+        out["eval"] = {"step": e["step"], **({"val_loss": e["eval/val_loss"]} if "eval/val_loss" in e else {})}
     if any("mfu" in r for r in steady):
         out["mfu"] = mean("mfu")
     return out
+
+
+def _numbers_only(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A DVC metrics table shows numbers: a "never" step (None) is left out, not printed as null."""
+    return {k: v for k, v in metrics.items() if v is not None}
 
 
 def load_alarm_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:

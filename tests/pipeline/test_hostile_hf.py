@@ -174,7 +174,7 @@ def generation_capped_below(positions: int):
     """The sample was cut to fit `positions`, and both the metrics and the output say so."""
 
     def check(ws: Path, result) -> str | None:
-        metrics = json.loads((ws / "metrics/eval.json").read_text())
+        metrics = json.loads((ws / "metrics/eval_detail.json").read_text())
         said = "evaluate.generate_tokens=4096" in result.output
         capped = metrics.get("generation_capped") == 1.0 and 0 < metrics.get("generate_tokens", 0) < positions
         return None if said and capped else "silent"
