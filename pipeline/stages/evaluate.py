@@ -6,6 +6,7 @@ each of them: a curve over training, without a conversion."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from moe.data import TokenDataset
-from moe.eval.metrics import RANKED
+from moe.eval.metrics import RANKED, task_metrics
+from moe.eval.requests import TaskRequests
 from moe.eval.suite import evaluate_suite, headline
 from moe.model import Transformer
 from moe.parallel.env import pick_device
@@ -122,8 +124,8 @@ EVAL_METRIC_KEYS = {
     "step",
     "format",
 }
-# evaluate.output (a DVC metric): the numbers a table shows; the rest beside it in _detail.json
-SUMMARY_KEYS = {"step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf", "suite", "tasks"}
+# evaluate.output (a DVC metric): the few numbers a table shows; per task and the rest beside it in _detail.json
+SUMMARY_KEYS = {"step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf", "suite"}
 recognise_metrics = json_keys_within(SUMMARY_KEYS, "val_loss")
 recognise_detail = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
 
@@ -144,17 +146,11 @@ def recognise_sample(path: Path) -> bool:
 
 
 def summary_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """What `dvc metrics show` and `dvc exp show` print: numbers only, one per column a reader
-    wants (per task its primary metric and bpb); everything else is in the detail file."""
+    """What `dvc metrics show` and `dvc exp show` print: numbers only, a dozen columns (the
+    validation loss, the agreement with transformers, the suite's means); every task's numbers
+    are in the detail file, MLflow and the CLI's table."""
     out = {k: metrics[k] for k in ("step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf")}
-    out["suite"] = metrics["suite"]
-    out["tasks"] = {name: headline(r, r["primary"]) for name, r in metrics["tasks"].items()}
-    for r in out["tasks"].values():
-        r.pop("ce_loss", None)
-        primary = next(iter(r))
-        for other in ("acc", "len_norm"):
-            if other != primary:
-                r.pop(other, None)
+    out["suite"] = {k: v for k, v in metrics["suite"].items() if k != "seconds"}
     return out
 
 
@@ -258,23 +254,41 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
 
 
 def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.device, pad: int) -> dict[str, dict[str, Any]]:
-    """Every task on both models; per task, ours must agree with transformers' within
-    evaluate.max_rel_diff (the mean gold log-likelihood per byte, bpb)."""
+    """Every task on our model; transformers' on each task's first ``evaluate.compare_docs``
+    documents, where ours must agree with it within evaluate.max_rel_diff (the mean gold
+    log-likelihood per byte, bpb, over the same documents): a conversion check, so it need not
+    rescore every document."""
     max_len = ours.cfg.max_seq_len
     common = {"max_len": max_len, "device": device, "batch_tokens": cfg.evaluate.batch_tokens, "pad_id": pad}
-    mine, _ = evaluate_suite(lambda x: ours(x), tasks, **common, progress=_progress("ours"))
-    theirs, _ = evaluate_suite(lambda x: hf(x).logits, tasks, **common, progress=_progress("transformers"))
+    mine, scores = evaluate_suite(lambda x: ours(x), tasks, **common, progress=_progress("ours"))
+    subsets = [first_documents(t, cfg.evaluate.compare_docs) for t in tasks]
+    theirs, _ = evaluate_suite(lambda x: hf(x).logits, [sub for sub, _ in subsets], **common, progress=_progress("transformers"))
     out: dict[str, dict[str, Any]] = {}
-    for t in tasks:
+    for t, (sub, index) in zip(tasks, subsets, strict=True):
         m, h = mine[t.name], theirs[t.name]
-        rel = abs(m["bpb_v2"] - h["bpb_v2"]) / max(abs(h["bpb_v2"]), 1e-12)
+        same = task_metrics(sub.requests, {j: scores[t.name][i] for j, i in enumerate(index) if i in scores[t.name]}, sub.metric)
+        rel = abs(same["bpb_v2"] - h["bpb_v2"]) / max(abs(h["bpb_v2"]), 1e-12)
         if not rel <= cfg.evaluate.max_rel_diff:
             raise PipelineError(
-                f"task {t.name}: our bpb {m['bpb_v2']:.6f} and transformers' {h['bpb_v2']:.6f} differ by "
-                f"{rel:.2e} (> evaluate.max_rel_diff={cfg.evaluate.max_rel_diff}): the conversion is wrong"
+                f"task {t.name}: our bpb {same['bpb_v2']:.6f} and transformers' {h['bpb_v2']:.6f} over its first "
+                f"{h['docs']:.0f} documents differ by {rel:.2e} (> evaluate.max_rel_diff={cfg.evaluate.max_rel_diff}): the conversion is wrong"
             )
-        out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": headline(h, t.metric), "hf_rel_diff": rel}
+        hf_line = {**headline(h, t.metric), "docs": h["docs"]}
+        out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": hf_line, "hf_rel_diff": rel}
     return out
+
+
+def first_documents(task: TaskRequests, docs: int | None) -> tuple[TaskRequests, list[int]]:
+    """The task cut to its first ``docs`` documents (all: None), and each kept request's index."""
+    if docs is None:
+        return task, list(range(len(task.requests)))
+    keep: set[int] = set()
+    for r in task.requests:
+        if len(keep) == docs:
+            break
+        keep.add(r.doc_id)
+    index = [i for i, r in enumerate(task.requests) if r.doc_id in keep]
+    return dataclasses.replace(task, requests=tuple(task.requests[i] for i in index)), index
 
 
 def _progress(model: str):
