@@ -24,7 +24,7 @@ console = Console(stderr=True)
 
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
-NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow", metavar="")]
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan: h100, h200, b200 or b300")]
 
 

@@ -13,6 +13,7 @@ from pipeline.outputs import csv_header, write_output_file
 
 TRAIN_DIR = Path("plots/train")
 EVAL_DIR = Path("plots/eval")
+CHECKPOINT_CURVE_DIR = Path("plots/checkpoints")  # `moe evaluate --checkpoint`: not a DVC output
 LAYER_KEY = "expert_load_max_over_mean/layer_"
 
 
@@ -78,8 +79,9 @@ def train_figures(rows: list[dict[str, Any]], out: Path = TRAIN_DIR) -> list[Pat
     if x:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(x, y, label="tokens/s/device")
-        ax.set(xlabel="step", ylabel="tokens/s/device", title="throughput and MFU")
         mx, my = _series(rows, "mfu")
+        # MFU needs a GPU's peak: on the CPU there is none to divide by, and the title says so
+        ax.set(xlabel="step", ylabel="tokens/s/device", title="throughput and MFU" if mx else "throughput (no MFU: no GPU peak on this device)")
         if mx:
             ax2 = ax.twinx()
             ax2.plot(mx, [100 * v for v in my], color="tab:orange", label="MFU")
@@ -207,19 +209,22 @@ def downstream_figure(downstream: dict[str, dict[str, Any]], out: Path = EVAL_DI
     return path
 
 
-def checkpoint_curve_figure(points: list[dict[str, Any]], out: Path = EVAL_DIR) -> Path | None:
-    """`moe evaluate --checkpoint ...`: validation loss and each task's bpb by checkpoint step."""
+def checkpoint_curve_figure(points: list[dict[str, Any]], out: Path = CHECKPOINT_CURVE_DIR) -> Path | None:
+    """`moe evaluate --checkpoint ...`: validation loss and each task's bpb by checkpoint step
+    (outside the evaluate stage's DVC outputs, so `dvc status` stays clean)."""
     if not points:
         return None
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4), layout="constrained")
     steps = [p["step"] for p in points]
     ax1.plot(steps, [p["val_loss"] for p in points], marker="o")
     ax1.set(xlabel="step", ylabel="loss", title="validation loss by checkpoint")
-    for task in points[0]["tasks"]:
-        ax2.plot(steps, [p["tasks"][task]["bpb"] for p in points], marker="o", label=task)
+    tasks = list(points[0]["tasks"])
+    colours = plt.get_cmap("tab20")  # 20 distinct colours, and markers as well past that
+    for i, task in enumerate(tasks):
+        ax2.plot(steps, [p["tasks"][task]["bpb"] for p in points], marker="osD^v<>"[i // 20 % 7], color=colours(i % 20), label=task)
     ax2.set(xlabel="step", ylabel="bpb", title="downstream bpb by checkpoint")
-    ax2.legend(fontsize=6)
+    ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the curves, not over them
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     path = _save(fig, out / "checkpoints.png")

@@ -10,13 +10,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Run here as written.
 HERE = {
-    "moe submit --dry-run --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128",
+    ".venv/bin/moe submit --dry-run --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128",
     ".venv/bin/moe params --set model.preset=olmoe-1b-7b",
     ".venv/bin/moe params --set recipe=olmoe-1b-7b --set train.max_steps=20000",
     ".venv/bin/moe --version",
     ".venv/bin/moe tasks",
-    "moe plan --gpu h100",
-    "moe plan --gpu h200 --gpus 8 --set parallel.ep=8 --set train.global_batch_size=64 --json",
+    ".venv/bin/moe plan --gpu h100",
+    ".venv/bin/moe plan --gpu h200 --gpus 8 --set parallel.ep=8 --set train.global_batch_size=64 --json",
 }
 # GPU benchmarks: parsed here (--help), run on the GPU machine.
 GPU = {
@@ -55,13 +55,13 @@ ELSEWHERE = {
     "moe paper repro": "the paper pipeline at CPU scale on the local Slurm cluster: tests/pipeline/paper/test_pipeline.py",
     "moe paper repro --no-dvc": "the same stages without DVC; run on 1 and 2 H200s (bench/paper/NOTES.md)",
     "make ui": "a server: `moe ui` is started and stopped in tests/pipeline/test_cli.py",
-    "moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": (
+    ".venv/bin/moe submit --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": (
         "a 16-GPU Slurm job; submission runs on the local Slurm cluster in tests/pipeline/test_slurm.py"
     ),
-    "moe submit --wait --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": "as above",
-    "moe status 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
-    "moe logs 1234 --follow": "needs a Slurm job (tests/pipeline/test_slurm.py)",
-    "moe cancel 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
+    ".venv/bin/moe submit --wait --nodes 2 --gpus-per-node 8 --tasks-per-node 8 --partition gpu --set train.global_batch_size=128": "as above",
+    ".venv/bin/moe status 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
+    ".venv/bin/moe logs 1234 --follow": "needs a Slurm job (tests/pipeline/test_slurm.py)",
+    ".venv/bin/moe cancel 1234": "needs a Slurm job (tests/pipeline/test_slurm.py)",
     "make container": "a container builder and the NVIDIA base image (tests/containers/test_image.py builds the CPU variant)",
     "make container BASE_IMAGE=debian:bookworm LOCK=requirements/cpu.lock": "a container builder (tests/containers/test_image.py)",
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",

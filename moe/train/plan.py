@@ -466,13 +466,21 @@ def _knobs(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float, peak: float, 
     return sorted(out, key=lambda k: -k["saves_gib"])
 
 
+def count(n: int) -> str:
+    """A parameter count a reader can see at any scale: 1.884 B, 12.35 M, 98.3 K."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.4g} {unit}"
+    return str(n)
+
+
 def format_plan(plan: Plan) -> str:
     lay = plan.layout
     lines = [
         f"plan: {plan.gpus} x {GPUS[plan.gpu].name}; pp={lay['pp']} dp={lay['dp']} ep={lay['ep']} "
         f"zero1={str(lay['zero1']).lower()} {lay['data_parallel']}; micro-batch {lay['micro_batch_size']} x {lay['seq_len']} tokens, "
         f"{lay['grad_accum']} per step; recompute={lay['recompute']}",
-        f"parameters: {plan.params_total / 1e9:.3f} B total, {plan.params_active / 1e9:.3f} B active",
+        f"parameters: {count(plan.params_total)} total, {count(plan.params_active)} active",
         f"memory of rank {plan.worst_rank} (GiB; activations from {plan.calibration}):",
     ]
     width = max(len(k) for k in plan.memory_gib)

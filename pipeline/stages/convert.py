@@ -29,7 +29,7 @@ from moe.interop import (
     model_config_from_hf,
     to_hf,
 )
-from moe.train.checkpoint import CheckpointManager, read_meta, resolve_checkpoint
+from moe.train.checkpoint import CheckpointError, CheckpointManager, read_meta, resolve_checkpoint
 from moe.train.state import split_experts
 from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
@@ -41,11 +41,22 @@ MARKER = "moe_conversion.json"  # marks a directory as our conversion output (re
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def trained_checkpoint(checkpoint: str | Path) -> Path:
+    """The checkpoint a stage after training reads; where there is none yet, the error says
+    what makes one."""
+    try:
+        return resolve_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        if not str(exc).endswith("no complete checkpoint found"):
+            raise
+        raise CheckpointError(f"{exc}: train first (`moe train`, or `dvc repro` for the whole pipeline)") from None
+
+
 def check_checkpoint_tokenizer(checkpoint: str | Path, tokenizer: TokenizerInfo, tokenizer_file: str | Path | None = None) -> None:
     """A checkpoint meets only the tokenizer it was trained with (its meta.json's data.tokenizer_hash,
     when it records one: a conversion from HF does not), and never one with more tokens than its
     embedding has rows."""
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = trained_checkpoint(checkpoint)
     config = read_meta(ckpt).get("config") or {}
     recorded = (config.get("data") or {}).get("tokenizer_hash")
     vocab_size = ModelConfig.from_dict(config.get("model")).vocab_size
@@ -114,6 +125,7 @@ def convert_to_hf(
     gives its README.md (the model card)."""
     out = Path(out)
     check_own_output(out, MARKER, "convert.output (--out)")  # before any work
+    checkpoint = trained_checkpoint(checkpoint)
     if tokenizer:
         check_checkpoint_tokenizer(checkpoint, tokenizer, tokenizer_file)
     cfg, state, meta = load_checkpoint_weights(checkpoint)

@@ -81,3 +81,14 @@ def test_eval_every_beyond_max_steps_is_refused():
         ExperimentConfig.load({"train": {"max_steps": 10, "eval_every": 50}})
     with pytest.raises(ConfigError, match="train.eval_every: in-loop evaluation runs with parallel.pp=1"):
         ExperimentConfig.load({"train": {"eval_every": 5}, "parallel": {"pp": 2}, "model": {"n_layers": 2}})
+
+
+def test_the_readme_counts_the_task_labels_moe_tasks_lists():
+    import re
+    from pathlib import Path
+
+    from pipeline.eval.tasks import TASKS
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    (count,) = re.findall(r"the suites and the (\d+) task labels", readme)
+    assert int(count) == len(TASKS)

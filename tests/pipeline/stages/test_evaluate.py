@@ -83,7 +83,7 @@ def test_checkpoints_evaluated_without_conversion_give_a_curve(ws):
     curve = json.loads(Path("metrics/eval_checkpoints.json").read_text())
     assert [p["step"] for p in curve["points"]] == [4, 8]
     assert set(curve["points"][0]["tasks"]) == {"arc_easy", "piqa"} and "bpb" in curve["points"][0]["tasks"]["piqa"]
-    assert Path("plots/eval/checkpoints.png").read_bytes().startswith(b"\x89PNG")
+    assert Path("plots/checkpoints/checkpoints.png").read_bytes().startswith(b"\x89PNG")
     assert not Path("metrics/eval.json").exists()  # the stage's own output is untouched
     client = MlflowClient("sqlite:///mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("moe").experiment_id], "tags.`moe.stage` = 'evaluate-checkpoints'")[0]
