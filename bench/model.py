@@ -123,40 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         total_steps = args.warmup + args.steps + 2  # + the sync-check step and a profiled one
         # the data (and so the batches every step sees) must not depend on --profile
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
-        cfg = ExperimentConfig.load(
-            {
-                "model": {
-                    "preset": "olmoe-1b-7b",
-                    "n_layers": args.layers,
-                    "max_seq_len": args.seq,
-                    **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
-                    "moe": {
-                        "routing": args.routing,
-                        "num_experts": args.experts,
-                        **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {}),
-                    },
-                },
-                "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
-                "train": {
-                    "global_batch_size": args.micro * args.accum,
-                    "micro_batch_size": args.micro,
-                    "max_steps": total_steps,
-                    "log_every": 1000,
-                    "device": "cuda",
-                    "loss_chunk_tokens": args.loss_chunk,
-                    "recompute": args.recompute,
-                    "logit_z_loss_weight": args.logit_z_loss,
-                },
-                "schedule": {"warmup_steps": 1},
-                "optim": {"expert_grad_accum": args.expert_grad_accum},
-                "checkpoint": {"dir": str(Path(tmp) / "ck")},
-                "precision": {
-                    "recipe": args.recipe,
-                    **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {}),
-                    **({"fp8_dense": True} if args.fp8_dense else {}),
-                },
-            }
-        )
+        cfg = build_config(args, data, Path(tmp) / "ck", total_steps)
         trainer = Trainer(cfg)
         sdpa = contextlib.nullcontext()
         if args.sdpa != "default":
@@ -168,6 +135,44 @@ def main(argv: list[str] | None = None) -> int:
             sdpa = sdpa_kernel([backend])
         with sdpa:
             return _measure(args, cfg, trainer, peak_measured, tmp)
+
+
+def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: int) -> ExperimentConfig:
+    """The benchmark's training config from its arguments (tests rebuild it from a result's JSON)."""
+    return ExperimentConfig.load(
+        {
+            "model": {
+                "preset": "olmoe-1b-7b",
+                "n_layers": args.layers,
+                "max_seq_len": args.seq,
+                **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
+                "moe": {
+                    "routing": args.routing,
+                    "num_experts": args.experts,
+                    **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {}),
+                },
+            },
+            "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
+            "train": {
+                "global_batch_size": args.micro * args.accum,
+                "micro_batch_size": args.micro,
+                "max_steps": total_steps,
+                "log_every": 1000,
+                "device": "cuda",
+                "loss_chunk_tokens": args.loss_chunk,
+                "recompute": args.recompute,
+                "logit_z_loss_weight": args.logit_z_loss,
+            },
+            "schedule": {"warmup_steps": 1},
+            "optim": {"expert_grad_accum": args.expert_grad_accum},
+            "checkpoint": {"dir": str(ckpt)},
+            "precision": {
+                "recipe": args.recipe,
+                **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {}),
+                **({"fp8_dense": True} if args.fp8_dense else {}),
+            },
+        }
+    )
 
 
 def _planned_peak(cfg) -> float | None:

@@ -537,6 +537,9 @@ app.add_typer(paper_app, name="paper")
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
+    from pipeline.redact import install_log_redaction
+
+    install_log_redaction()
     app()
 
 

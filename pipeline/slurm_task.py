@@ -33,6 +33,9 @@ class SlurmTrainTask:
         from pipeline import worker
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout, force=True)
+        from pipeline.redact import install_log_redaction
+
+        install_log_redaction()
         for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(var, None)  # never inherit the submitting shell's
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

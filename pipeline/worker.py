@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
+    from pipeline.redact import install_log_redaction
+
+    install_log_redaction()
     stop = None
     slurm = bool(os.environ.get("SLURM_JOB_ID")) and not os.environ.get(PARENT_PID_ENV)
     if slurm:

@@ -78,6 +78,9 @@ class ConsoleSink:
             if k in metrics:
                 v = metrics[k]
                 parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+        if "eta_s" in metrics:
+            minutes, seconds = divmod(int(round(metrics["eta_s"])), 60)
+            parts.append(f"eta={minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
         log.info("  ".join(parts))
 
     def close(self, summary: dict[str, Any]) -> None:

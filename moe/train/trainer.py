@@ -364,6 +364,8 @@ class Trainer:
             )
             if tp.mfu is not None:
                 metrics["mfu"] = tp.mfu
+            # the time the remaining steps take at this interval's pace (the console shows it)
+            metrics["eta_s"] = max(0, self.cfg.train.max_steps - steps_and_losses[-1][0]) * elapsed / steps
         if self.device.type == "cuda":
             metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             # Between steps: weights, masters, optimizer states (peak minus this ~ activations).

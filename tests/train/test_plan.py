@@ -157,3 +157,34 @@ def test_calibration_table_names_its_device_and_torch():
     table = json.loads(CALIBRATION.read_text())
     assert table["device"] and table["torch"] and table["git_commit"]
     assert set(table["layer_factor"]) == {"none", "matmuls", "selective", "full"}
+
+
+# Measured on one H200 on 2026-12-02 (bench/h200/issues36-39.sh plan): 1-4 micro-batches,
+# recompute none/selective/full, the olmoe-1b-7b recipe's logit z-loss on and off.
+HELD_OUT = sorted(
+    p
+    for p in (Path(__file__).resolve().parents[2] / "bench/results").glob("model-NVIDIA-H200-20261202T01*.json")
+    if json.loads(p.read_text())["result"].get("plan_peak_gib") is not None
+)
+
+
+@pytest.mark.parametrize("path", HELD_OUT, ids=lambda p: p.stem)
+def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
+    """A plan that says "fits" must fit: the predicted peak is at or above the peak measured on
+    the GPU (torch.cuda.max_memory_allocated), and not more than 5% above it."""
+    import argparse
+
+    from bench.model import build_config
+    from moe.train.plan import make_plan
+
+    record = json.loads(path.read_text())
+    args = argparse.Namespace(**{k: v for k, v in record["config"].items() if k != "flops_per_token"})
+    cfg = build_config(args, tmp_path / "tokens", tmp_path / "ck", 10)
+    planned = make_plan(cfg, "h200", 1, knobs=False).peak_gib
+    measured = record["result"]["peak_mem_gb"]  # GiB despite its name (max_memory_allocated / 2**30)
+    assert planned == pytest.approx(record["result"]["plan_peak_gib"], rel=1e-6)  # what the run itself printed
+    assert measured <= planned <= 1.05 * measured, (planned, measured)
+
+
+def test_there_are_held_out_measurements():
+    assert len(HELD_OUT) >= 6

@@ -26,9 +26,11 @@ def test_short_run_learns(tmp_path, corpus):
         "expert_load_max_over_mean",
         "expert_load_max_over_mean/layer_0",
         "peak_rss_gb",
+        "eta_s",
     ):
         assert key in m, key
     assert m["expert_load_max_over_mean"] >= 1.0
+    assert m["eta_s"] == 0.0  # the last log point: nothing left
 
 
 def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, corpus):
@@ -159,3 +161,13 @@ def test_bf16_expert_gradient_accumulation_keeps_loss_parity_over_300_steps(tmp_
     assert mean32 < fp32[1] - 1.0, "the tiny model must learn for the comparison to mean anything"
     assert mean32 > 1.0, "a loss near zero would make the relative bar meaningless"
     assert abs(mean16 - mean32) / mean32 < 0.01, (mean32, mean16)
+
+
+def test_the_console_line_shows_the_time_left(caplog):
+    import logging
+
+    from moe.train.sinks import ConsoleSink
+
+    with caplog.at_level(logging.INFO, logger="moe.train"):
+        ConsoleSink().log(10, {"loss": 3.0, "lr": 1e-3, "eta_s": 3725.4})
+    assert "eta=1:02:05" in caplog.text
