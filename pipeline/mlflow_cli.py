@@ -90,19 +90,35 @@ def mlflow_sync(
 ) -> None:
     """Upload what a job or stage could not send (the tracking server was unreachable)."""
     from pipeline.params import MlflowConfig, load_params
+    from pipeline.project import project_root
     from pipeline.redact import redact
     from pipeline.tracking.client import tracking_uri
     from pipeline.tracking.spool import STAGE_FALLBACK, sync_fallback
 
+    if not run_dir.is_dir():
+        fail(f"{run_dir}: not a directory (the run directory holding mlflow-fallback.jsonl)", 2)
+    # the project that owns the spool, wherever this runs from: its params, store and stage spool
+    here = run_dir.resolve()
+    owner = next((d for d in (here, *here.parents) if (d / ".dvc").is_dir() or (d / "params.yaml").is_file()), None)
+    root = project_root(owner) if owner else project_root()
+    if not params.is_file() and params == Path("params.yaml") and (root / "params.yaml").is_file():
+        params = root / "params.yaml"
     cfg = load_params(params, []) if params.is_file() else None
-    uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig())
+    uri = tracking_uri(cfg.mlflow if cfg else MlflowConfig(), root)
+    spools = list(dict.fromkeys(p.resolve() for p in (root / STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl")))
+    if not any(p.is_file() for p in spools):
+        console.print(f"nothing to sync: no mlflow-fallback.jsonl in {run_dir} or {root}", highlight=False, soft_wrap=True)
+        return
     try:
-        n = sync_fallback([STAGE_FALLBACK, run_dir / "mlflow-fallback.jsonl"], uri)
+        n = sync_fallback(spools, uri)
     except PipelineError:
         raise
     except Exception as exc:  # unreachable or unsupported store: keep the spool, say so in one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PipelineError(f"cannot upload to {uri} ({first[:300]}); the spool files are kept, sync again later") from None
+        raise PipelineError(
+            f"cannot upload to {redact(uri)} ({redact(first[:300])}); the spool files are kept: sync again later "
+            "(values already sent are not sent twice)"
+        ) from None
     console.print(f"uploaded {n} metric values to {redact(uri)}", highlight=False, soft_wrap=True)
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,51 +44,75 @@ def check_spooled_runs_exist(client, rows: list[dict[str, Any]], uri: str) -> No
 
 def sync_fallback(paths: Path | list[Path], uri: str) -> int:
     """Send what jobs and stages spooled (metrics, params, tags, final status; runs created
-    offline) to the tracking server; rename each file ``*.synced`` after. Returns the number
-    of metric values sent."""
+    offline) to the tracking server; rename each file ``*.synced`` only once every value was
+    accepted. Returns the number of metric values sent.
+
+    Everything is checked before anything is written (every row a JSON object naming a run
+    that exists in the store or is created by the spool), and a rerun after a failure sends
+    nothing twice: each value keeps a fixed timestamp (the spool file's), which the store
+    deduplicates, and a run created offline is found again by its ``moe.synced_from`` tag."""
     from mlflow.entities import Metric, Param
 
     files = [p for p in ([paths] if isinstance(paths, Path) else paths) if p.is_file()]
     if not files:
         return 0
-    rows = []
+    rows: list[tuple[dict[str, Any], int]] = []
     for path in files:
+        stamp = int(path.stat().st_mtime * 1000)
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except ValueError:
-                    raise PipelineError(f"{path}:{lineno}: not a JSON line; fix or remove it and sync again") from None
+                    row = None
+                if not isinstance(row, dict) or not isinstance(row.get("run_id"), str):
+                    raise PipelineError(f"{path}:{lineno}: not a spool row (a JSON object with a run_id); fix or remove it and sync again")
+                rows.append((row, int(row.get("time_ms", stamp))))
+    created = {r["run_id"] for r, _ in rows if "create" in r}
+    orphans = sorted({r["run_id"] for r, _ in rows if r["run_id"].startswith(OFFLINE_PREFIX)} - created)
+    if orphans:
+        raise PipelineError(
+            f"the spool holds values of run {orphans[0]}, created offline, but not its creation row: nothing was uploaded "
+            "and the spool is kept (remove that run's rows to send the rest)"
+        )
     client = mlflow_client(uri)
-    check_spooled_runs_exist(client, rows, uri)
+    check_spooled_runs_exist(client, [r for r, _ in rows], uri)
     ids: dict[str, str] = {}
-    for row in rows:  # runs that were created offline first
+    for row, _ in rows:  # runs that were created offline first (once, also over reruns)
         if "create" in row:
-            name = row["create"].get("experiment", "moe")
-            exp = client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp else client.create_experiment(name)
-            ids[row["run_id"]] = client.create_run(exp_id, tags={**row["create"].get("tags", {}), "moe.synced_from": row["run_id"]}).info.run_id
-    now = int(time.time() * 1000)
+            ids[row["run_id"]] = _synced_run(client, row)
     metrics: dict[str, list] = {}
-    n = 0
-    for row in rows:
+    expected = 0
+    for row, stamp in rows:
         run_id = ids.get(row["run_id"], row["run_id"])
-        if run_id.startswith(OFFLINE_PREFIX):
-            continue  # its creation row was lost; nothing to attach it to
         if "metrics" in row:
-            metrics.setdefault(run_id, []).extend(Metric(k, float(v), now, row.get("step", 0)) for k, v in row["metrics"].items())
+            items = [Metric(k, float(v), stamp, row.get("step", 0)) for k, v in row["metrics"].items()]
+            metrics.setdefault(run_id, []).extend(items)
+            expected += len(items)
         if "params" in row:
             log_batched(client, run_id, params=[Param(k, v) for k, v in row["params"].items()])
         for k, v in (row.get("tags") or {}).items():
             client.set_tag(run_id, k, v)
+    n = 0
     for run_id, items in metrics.items():
         log_batched(client, run_id, metrics=items)
         n += len(items)
-    for row in rows:
+    if n != expected:  # never mark a spool synced that did not all go
+        raise PipelineError(f"sent {n} of {expected} metric values; the spool is kept, sync again")
+    for row, _ in rows:
         if "status" in row:
-            run_id = ids.get(row["run_id"], row["run_id"])
-            if not run_id.startswith(OFFLINE_PREFIX):
-                client.set_terminated(run_id, row["status"])
+            client.set_terminated(ids.get(row["run_id"], row["run_id"]), row["status"])
     for path in files:
         path.rename(path.with_suffix(path.suffix + ".synced"))
     return n
+
+
+def _synced_run(client, row: dict[str, Any]) -> str:
+    """The store's run for a run created offline: the one an earlier sync made, else a new one."""
+    name = row["create"].get("experiment", "moe")
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name)
+    found = client.search_runs([exp_id], filter_string=f"tags.`moe.synced_from` = '{row['run_id']}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    return client.create_run(exp_id, tags={**row["create"].get("tags", {}), "moe.synced_from": row["run_id"]}).info.run_id

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.params import MlflowConfig
@@ -83,3 +84,65 @@ def test_default_store_is_sqlite_at_the_root_and_env_overrides(tmp_path, monkeyp
     assert tracking_uri(MlflowConfig(), tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://example:5000")
     assert tracking_uri(MlflowConfig(), tmp_path) == "http://example:5000"
+
+
+def test_sync_finds_the_spools_project_from_anywhere_and_never_sends_twice(tmp_path):
+    """`moe mlflow-sync DIR` from another directory uploads to the store of the project that
+    holds DIR; a second sync of the same spool (a rename that did not happen, a rerun after a
+    failure) adds no value twice and creates no second offline run (issue 37)."""
+    import os
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    project = tmp_path / "project"
+    (project / ".dvc").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("moe")).info.run_id
+    spool = project / "runs/train/mlflow-fallback.jsonl"
+    spool.parent.mkdir(parents=True)
+    rows = [
+        {"run_id": run, "step": 1, "metrics": {"loss": 1.0}},
+        {"run_id": run, "step": 2, "metrics": {"loss": 0.5}},
+        {"run_id": "offline-abc", "create": {"experiment": "moe", "tags": {"moe.stage": "train"}}},
+        {"run_id": "offline-abc", "step": 1, "metrics": {"loss": 2.0}},
+        {"run_id": "offline-abc", "status": "FINISHED"},
+    ]
+    spool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MOE_PROJECT_ROOT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+
+    def sync():
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "mlflow-sync", str(project / "runs/train")],
+            cwd=tmp_path / "elsewhere",
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    r = sync()
+    assert r.returncode == 0, r.stderr
+    assert "uploaded 3 metric values" in r.stdout + r.stderr
+    assert not (tmp_path / "elsewhere/mlflow.db").exists() and not spool.exists()
+    spool.with_suffix(".jsonl.synced").rename(spool)  # the same spool again
+    assert sync().returncode == 0
+    assert [(m.step, m.value) for m in client.get_metric_history(run, "loss")] == [(1, 1.0), (2, 0.5)]
+    offline = client.search_runs([client.get_experiment_by_name("moe").experiment_id], "tags.`moe.synced_from` = 'offline-abc'")
+    assert len(offline) == 1 and offline[0].info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(offline[0].info.run_id, "loss")] == [2.0]
+
+
+def test_sync_refuses_values_of_an_offline_run_without_its_creation(tmp_path):
+    from pipeline.errors import PipelineError
+    from pipeline.tracking.spool import sync_fallback
+
+    spool = tmp_path / "mlflow-fallback.jsonl"
+    spool.write_text(json.dumps({"run_id": "offline-zzz", "step": 1, "metrics": {"loss": 1.0}}) + "\n")
+    with pytest.raises(PipelineError, match="offline-zzz.*nothing was uploaded"):
+        sync_fallback(spool, f"sqlite:///{tmp_path / 'm.db'}")
+    assert spool.is_file()
