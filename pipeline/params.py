@@ -302,11 +302,37 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):  # `? [a, b]` or `{a: 1}: x`: no setting is named so
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain name, not a list or a mapping", key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# Numbers as YAML 1.2 reads them (its core schema), not YAML 1.1: `1:20` is the string "1:20",
+# not 80 (base 60), and `012` is twelve, not octal ten.
+_INT_12 = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$")
+_FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9_]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", _INT_12, list("-+0123456789"))
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+
+
+def _construct_int_12(loader, node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text, 10)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int_12)
 
 
 def parse_params_text(text: str, source: str) -> Any:

@@ -40,6 +40,11 @@ class OptimizerConfig(Config):
         require(self.expert_grad_accum in ("fp32", "bf16"), _k(p, "expert_grad_accum"), f"must be fp32 or bf16, got {self.expert_grad_accum!r}")
 
 
+# Numbers no run means (2**63 steps trained "without end" at a constant lr): refused with the limit.
+MAX_STEPS = 10**9
+MAX_BATCH = 2**24
+
+
 @dataclasses.dataclass
 class ScheduleConfig(Config):
     """Linear warmup, then cosine or linear decay to ``min_lr_ratio * lr`` at the last step."""
@@ -50,6 +55,7 @@ class ScheduleConfig(Config):
 
     def _check(self, p: str) -> None:
         require(self.warmup_steps >= 0, _k(p, "warmup_steps"), "must be >= 0")
+        require(self.warmup_steps <= MAX_STEPS, _k(p, "warmup_steps"), f"{self.warmup_steps} is beyond any real run (at most {MAX_STEPS})")
         require(0 <= self.min_lr_ratio <= 1, _k(p, "min_lr_ratio"), "must lie in [0, 1]")
 
 
@@ -122,6 +128,8 @@ class TrainConfig(Config):
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):  # first: eval_every is checked against max_steps
             require(getattr(self, name) >= 1, _k(p, name), f"must be >= 1, got {getattr(self, name)}")
+        for name, limit in (("max_steps", MAX_STEPS), ("global_batch_size", MAX_BATCH), ("micro_batch_size", MAX_BATCH)):
+            require(getattr(self, name) <= limit, _k(p, name), f"{getattr(self, name)} is beyond any real run (at most {limit})")
         require(self.loss_chunk_tokens >= 0, _k(p, "loss_chunk_tokens"), f"must be >= 0 (0: off), got {self.loss_chunk_tokens}")
         require(self.eval_every >= 0, _k(p, "eval_every"), f"must be >= 0 (0: no in-loop evaluation), got {self.eval_every}")
         require(

@@ -36,3 +36,32 @@ def test_invalid_yaml_and_missing_file(workspace):
     (workspace / "params.yaml").unlink()
     with pytest.raises(ConfigError, match="params.yaml: params file not found"):
         load()
+
+
+def test_params_files_read_numbers_as_yaml_1_2():
+    """No base 60 (`1:20` is not 80), no implicit octal (`012` is twelve), `1e-3` is a number
+    (issue 37: YAML 1.1 read a schedule typo as a step count)."""
+    from pipeline.params import parse_params_text
+
+    got = parse_params_text("a: 1:20\nb: 012\nc: 0x1f\nd: 1e-3\ne: 1_000\nf: .inf\ng: -5\nh: true\n", "p.yaml")
+    assert got == {"a": "1:20", "b": 12, "c": 31, "d": 0.001, "e": 1000, "f": float("inf"), "g": -5, "h": True}
+
+
+@pytest.mark.parametrize("text", ["? [a, b]\n: 1\n", "{a: 1}: 2\n"])
+def test_a_complex_key_is_one_error(text):
+    from moe.config import ConfigError
+    from pipeline.params import parse_params_text
+
+    with pytest.raises(ConfigError, match="p.yaml: line 1 .*a key must be a plain name"):
+        parse_params_text(text, "p.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "limit"), [("train.max_steps=9223372036854775808", "1000000000"), ("schedule.warmup_steps=10000000000", "1000000000")]
+)
+def test_numbers_no_run_means_are_refused_with_the_limit(workspace, override, limit):
+    from moe.config import ConfigError
+    from pipeline.params import load_params
+
+    with pytest.raises(ConfigError, match=f"--set {override.split('=')[0]}: .*at most {limit}"):
+        load_params("params.yaml", [override, "train.max_steps=1000"] if "warmup" in override else [override])
