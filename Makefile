@@ -34,9 +34,10 @@ setup-gpu:
 repro: setup
 	$(BIN)/moe repro
 
-# Every test, the slow end-to-end suites included (what CI runs).
+# Every test, the slow end-to-end suites included (what CI runs), on two workers: a module's
+# tests stay together, the Slurm suites share one worker (tests/conftest.py).
 test: setup
-	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60
+	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60 -n 2 --dist loadgroup
 
 # Without the slow suites (a few minutes).
 test-fast: setup

@@ -38,7 +38,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit", metavar="")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
 ) -> None:
     """The `moe` command line: pipeline stages, benchmarks and tools."""
 
@@ -177,15 +177,15 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
 def submit(
     params: ParamsOpt = Path("params.yaml"),
     set_: SetOpt = None,
-    wait: Annotated[bool, typer.Option("--wait", help="block until the job ends, streaming rank 0's log", metavar="")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the exact sbatch script; submit nothing", metavar="")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="block until the job ends, streaming rank 0's log")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the exact sbatch script; submit nothing")] = False,
     nodes: Annotated[int | None, typer.Option(help="slurm.nodes")] = None,
     tasks_per_node: Annotated[int | None, typer.Option(help="slurm.tasks_per_node")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="slurm.gpus_per_node")] = None,
     partition: Annotated[str | None, typer.Option(help="slurm.partition")] = None,
     time_min: Annotated[int | None, typer.Option(help="slurm.time_min")] = None,
     gpu: GpuOpt = "h200",
-    ignore_plan: Annotated[bool, typer.Option("--ignore-plan", help="submit even when the plan predicts it does not fit", metavar="")] = False,
+    ignore_plan: Annotated[bool, typer.Option("--ignore-plan", help="submit even when the plan predicts it does not fit")] = False,
     no_mlflow: NoTrackOpt = False,
 ) -> None:
     """Submit the training job to Slurm (submitit); prints the job id. GPU jobs are planned
@@ -266,7 +266,7 @@ def plan(
         int | None, typer.Option(help="GPUs of the job (default: slurm.nodes x slurm.tasks_per_node for executor.kind=slurm, else executor.nprocs)")
     ] = None,
     mfu: Annotated[float, typer.Option(help="model FLOPs utilisation for the predicted step time")] = 0.4,
-    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON", metavar="")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
     """Parameters, per-GPU memory, FLOPs and step time of a config; does it fit, and what helps."""
     from moe.train.plan import format_plan, make_plan
@@ -322,7 +322,7 @@ def logs(
     job_id: Annotated[str, typer.Argument(help="Slurm job id")],
     params: ParamsOpt = Path("params.yaml"),
     task: Annotated[int, typer.Option(help="task (global rank)")] = 0,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep streaming until the job ends", metavar="")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep streaming until the job ends")] = False,
 ) -> None:
     """Print a task's log (stdout and stderr) of a submitted job."""
     from pipeline.executors.slurm import SlurmExecutor
@@ -508,7 +508,7 @@ def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None
 @app.command()
 @handle_errors
 def repro(
-    force: Annotated[bool, typer.Option("--force", "-f", help="rerun every stage", metavar="")] = False,
+    force: Annotated[bool, typer.Option("--force", "-f", help="rerun every stage")] = False,
     args: Annotated[list[str] | None, typer.Argument(help="extra `dvc repro` arguments (after --)")] = None,
 ) -> None:
     """`dvc repro` with one MLflow parent run for this invocation."""

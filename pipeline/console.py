@@ -22,9 +22,25 @@ from pipeline.redact import redact
 
 console = Console(stderr=True)
 
+
+def _flags_show_no_type() -> None:
+    """typer (0.29) prints a type beside every option in --help, flags too (`--dry-run <bool>`,
+    `--help <bool>`), though a flag takes no value: show none for them."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and not getattr(self, "metavar", None) else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
+
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. model.moe.num_experts=16 (repeatable)")]
-NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow", metavar="")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan: h100, h200, b200 or b300")]
 
 

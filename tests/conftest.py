@@ -1,6 +1,10 @@
+import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +28,49 @@ def _deterministic():
     yield
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The hostile-input tables and their counts (tests/pipeline/hostile.py), when any ran."""
-    import sys
+# Test workers (`make test` runs pytest-xdist with --dist loadgroup): a module's tests stay on
+# one worker (its module fixtures are built once), and every module that uses the one local
+# Slurm cluster (with its PostgreSQL and container store) shares a single worker.
+SHARED_CLUSTER = "slurm-cluster"
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return getattr(getattr(item, "module", None), "__name__", item.nodeid.split("::")[0])
+
+    clustered = {module(item) for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_CLUSTER if module(item) in clustered else module(item)))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
+        config.hostile_dir = tempfile.mkdtemp(prefix="moe-hostile-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["hostile_dir"] = node.config.hostile_dir
+
+
+def pytest_sessionfinish(session):
+    """A worker hands its hostile-input rows to the controller, which prints the tables."""
+    worker = getattr(session.config, "workerinput", None)
+    hostile = sys.modules.get("tests.pipeline.hostile")
+    if worker and hostile is not None and hostile.RESULTS:
+        Path(worker["hostile_dir"], f"{worker['workerid']}.json").write_text(json.dumps(hostile.RESULTS))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The hostile-input tables and their counts (tests/pipeline/hostile.py), when any ran."""
+    files = sorted(Path(getattr(config, "hostile_dir", "/nonexistent")).glob("*.json"))
+    if files:
+        from tests.pipeline import hostile
+
+        for f in files:
+            for table, rows in json.loads(f.read_text()).items():
+                hostile.RESULTS.setdefault(table, {}).update({cid: tuple(v) for cid, v in rows.items()})
     hostile = sys.modules.get("tests.pipeline.hostile")
     if hostile is not None:
         for line in hostile.summary_lines():

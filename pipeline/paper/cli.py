@@ -18,7 +18,7 @@ paper_app = typer.Typer(no_args_is_help=True, help="Reproduce the paper's system
 
 ParamsOpt = Annotated[Path, typer.Option("--params", "-p", help="params file (the paper pipeline's)")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="override, e.g. paper.steps=10 (repeatable)")]
-NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow", metavar="")]
+NoTrackOpt = Annotated[bool, typer.Option("--no-mlflow", help="do not log to MLflow")]
 
 
 def _tracker(params, stage: str, enabled: bool):
@@ -129,7 +129,7 @@ def _log_parent_metrics(tracker, results: Path) -> None:
 
 @paper_app.command("repro")
 def repro_cmd(
-    no_dvc: Annotated[bool, typer.Option("--no-dvc", help="run the stages in order here, without DVC (e.g. in a GPU image)", metavar="")] = False,
+    no_dvc: Annotated[bool, typer.Option("--no-dvc", help="run the stages in order here, without DVC (e.g. in a GPU image)")] = False,
     set_: SetOpt = None,
     no_mlflow: NoTrackOpt = False,
 ) -> None:

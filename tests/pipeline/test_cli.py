@@ -41,6 +41,7 @@ def test_help_everywhere(cmd):
     r = moe(*cmd, "--help")
     assert r.returncode == 0, r.stderr
     assert "Usage" in r.stdout
+    assert "<bool>" not in r.stdout  # a flag takes no value: none is shown
 
 
 @pytest.mark.parametrize("cmd, flag", [("layer", "--tokens"), ("experts", "--tokens"), ("model", "--layers")])

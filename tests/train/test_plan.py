@@ -188,3 +188,9 @@ def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
 
 def test_there_are_held_out_measurements():
     assert len(HELD_OUT) >= 6
+
+
+def test_parameter_counts_read_at_any_scale():
+    from moe.train.plan import count
+
+    assert [count(n) for n in (1_884_000_000, 12_345_678, 98_304, 512)] == ["1.884 B", "12.35 M", "98.3 K", "512"]
