@@ -3,6 +3,7 @@
 # layer table of issue 38's fused expert MLP at its best tile, went with the fused path, whose
 # code last existed at commit dfdbf43: bench/NOTES.md.)
 #   bench/h200/issues36-39.sh plan      # moe plan against measured peaks at several accumulation counts and recompute modes
+#   bench/h200/issues36-39.sh fp8mem    # where FP8's extra memory is: paper width at micro-batch 1 (bf16 and FP8), OLMoE width FP8
 #   bench/h200/issues36-39.sh memory    # what is live at the peak: planner config (olmoe-1b-7b, 4 layers, 8x4096, 2 micro-batches) and paper width bf16 vs FP8
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -32,6 +33,11 @@ case "${1:-}" in
     run python3 -m bench.model --layers 6 --micro 4 --accum 2 $z --recompute full
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 --warmup 2 --steps 2
     ;;
-  *) echo "usage: $0 memory|plan" >&2; exit 2 ;;
+  fp8mem)  # issue 39: where FP8's extra memory is (paper width at micro-batch 1, where both fit; OLMoE width)
+    run python3 -m bench.model --width paper --layers 2 --micro 1 --accum 4 --warmup 2 --steps 2 --peak-breakdown
+    run python3 -m bench.model --width paper --layers 2 --micro 1 --accum 4 --warmup 2 --steps 2 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 --warmup 2 --steps 2 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
+    ;;
+  *) echo "usage: $0 memory|plan|fp8mem" >&2; exit 2 ;;
 esac
 exit $status
