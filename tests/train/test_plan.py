@@ -164,8 +164,8 @@ def test_calibration_table_names_its_device_and_torch():
 HELD_OUT = sorted(
     p
     for p in (Path(__file__).resolve().parents[2] / "bench/results").glob("model-NVIDIA-H200-20261202T01*.json")
-    if json.loads(p.read_text())["result"].get("plan_peak_gib") is not None
-)
+    if json.loads(p.read_text())["result"].get("plan_peak_gib") is not None and json.loads(p.read_text())["result"].get("recipe") == "bf16"
+)  # FP8 is not modelled: its weight copies are not in the plan (issue 39)
 
 
 @pytest.mark.parametrize("path", HELD_OUT, ids=lambda p: p.stem)
