@@ -28,7 +28,9 @@ def _flags_show_no_type() -> None:
     `--help <bool>`), though a flag takes no value: show none for them."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # an older typer prints no type for flags anyway
+        return
 
     def display_type_rich(self, ctx):
         return None if getattr(self, "is_flag", False) and not getattr(self, "metavar", None) else shown(self, ctx)

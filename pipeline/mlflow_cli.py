@@ -38,12 +38,13 @@ def mlflow_server(
     from pipeline.redact import read_password, redact, with_password
 
     password = read_password("MOE_MLFLOW_BACKEND_PASSWORD", password_file)
+    given = backend
     if password is not None:
         try:
             backend = with_password(backend, password)
         except ValueError as exc:
             fail(f"--backend: {exc}", 2)
-    check_backend(backend)
+    check_backend(backend, shown=given, secret=password)
     artifacts.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -64,10 +65,11 @@ def mlflow_server(
     raise typer.Exit(_serve(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": backend}))
 
 
-def check_backend(uri: str, timeout_s: int = 10) -> None:
+def check_backend(uri: str, timeout_s: int = 10, shown: str | None = None, secret: str | None = None) -> None:
     """One connection to the backend store, bounded in time, before the server starts: the
-    server itself retries a database that is down for ever (issue 36)."""
-    from pipeline.redact import redact
+    server itself retries a database that is down for ever (issue 36). The error names the URI
+    as the user gave it (``shown``, before the password was added) and never the password."""
+    from pipeline.redact import MASK, redact
 
     try:
         import sqlalchemy
@@ -81,7 +83,9 @@ def check_backend(uri: str, timeout_s: int = 10) -> None:
             engine.dispose()
     except Exception as exc:  # refused, unknown host, bad credentials, bad URI, missing driver
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        fail(f"--backend: cannot connect to the backend store {redact(uri)}: {redact(detail)}", 2)
+        if secret:
+            detail = detail.replace(secret, MASK)
+        fail(f"--backend: cannot connect to the backend store {redact(shown or uri)}: {redact(detail)}", 2)
 
 
 def mlflow_sync(
@@ -95,10 +99,10 @@ def mlflow_sync(
     from pipeline.tracking.client import tracking_uri
     from pipeline.tracking.spool import STAGE_FALLBACK, sync_fallback
 
-    if not run_dir.is_dir():
+    if not run_dir.is_dir() and run_dir != Path("runs/train"):  # the default may not exist yet (a stage's spool alone)
         fail(f"{run_dir}: not a directory (the run directory holding mlflow-fallback.jsonl)", 2)
     # the project that owns the spool, wherever this runs from: its params, store and stage spool
-    here = run_dir.resolve()
+    here = run_dir.resolve() if run_dir.is_dir() else Path.cwd().resolve()
     owner = next((d for d in (here, *here.parents) if (d / ".dvc").is_dir() or (d / "params.yaml").is_file()), None)
     root = project_root(owner) if owner else project_root()
     if not params.is_file() and params == Path("params.yaml") and (root / "params.yaml").is_file():

@@ -345,6 +345,8 @@ def parse_params_text(text: str, source: str) -> Any:
         raise ConfigError(f"{source}:{where} not valid YAML ({getattr(exc, 'problem', exc)})") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
+    except (ValueError, TypeError) as exc:  # a scalar its tag cannot read (`!!int 1:20`, `0x_`)
+        raise ConfigError(f"{source}: not valid YAML ({exc})") from None
 
 
 def read_params_file(path: str | Path) -> dict[str, Any]:

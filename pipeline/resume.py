@@ -100,8 +100,7 @@ def prepare_checkpoints(config: dict[str, Any], act: bool = True) -> str:
             log.info("resuming from %s (same training config)", latest)
         return "resume"
     if set(diffs) == {"train.max_steps"} and config["train"]["max_steps"] > step:
-        if act:
-            _say(extension_note(saved, config, step))
+        _say(extension_note(saved, config, step))  # a statement, not a change: said when deciding too
         return "extend"
     if init_from and _inside(Path(init_from), root):
         raise PipelineError(

@@ -32,6 +32,7 @@ def _deterministic():
 # one worker (its module fixtures are built once), and every module that uses the one local
 # Slurm cluster (with its PostgreSQL and container store) shares a single worker.
 SHARED_CLUSTER = "slurm-cluster"
+CLUSTER_MODULES = ("tests.containers.",)  # start the cluster themselves (slurm/local/start.sh)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -40,6 +41,7 @@ def pytest_collection_modifyitems(config, items):
         return getattr(getattr(item, "module", None), "__name__", item.nodeid.split("::")[0])
 
     clustered = {module(item) for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())}
+    clustered |= {module(item) for item in items if module(item).startswith(CLUSTER_MODULES)}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(SHARED_CLUSTER if module(item) in clustered else module(item)))
 

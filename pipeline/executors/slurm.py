@@ -188,7 +188,11 @@ class SlurmExecutor:
             except BaseException:
                 subprocess.run(["scancel", job_id], capture_output=True, text=True)
                 raise
-            r = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True)
+            try:
+                r = subprocess.run(["scontrol", "release", job_id], capture_output=True, text=True)
+            except BaseException:  # interrupted: no held job is left behind
+                subprocess.run(["scancel", job_id], capture_output=True, text=True)
+                raise
             if r.returncode != 0:
                 subprocess.run(["scancel", job_id], capture_output=True, text=True)
                 raise PipelineError(f"scontrol release {job_id} failed ({r.stderr.strip()}); the job was cancelled")

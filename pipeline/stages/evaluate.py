@@ -236,8 +236,8 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     metrics["tasks"] = downstream
     metrics["suite"] = suite_summary(downstream)
     metrics["sample_sha256"] = hashlib.sha256((sample + "\n").encode()).hexdigest()
+    write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)  # first: the detail vouches for it
     write_output_file(detail_path(out), json.dumps(metrics, indent=2) + "\n", "evaluate.output (its _detail.json)", recognise_detail)
-    write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)
     write_output_file(out, json.dumps(summary_metrics(metrics), indent=2) + "\n", "evaluate.output", recognise_metrics)
     train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)

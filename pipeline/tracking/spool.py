@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ def spool(path: Path, row: dict[str, Any]) -> None:
     from pipeline.outputs import open_for_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open_for_write(path, append=True) as f:
-        f.write(json.dumps(row) + "\n")
+    with open_for_write(path, append=True) as f:  # its time: a rerun of the sync sends the same value, deduplicated
+        f.write(json.dumps({"time_ms": int(time.time() * 1000), **row}) + "\n")
 
 
 def check_spooled_runs_exist(client, rows: list[dict[str, Any]], uri: str) -> None:
@@ -68,6 +69,8 @@ def sync_fallback(paths: Path | list[Path], uri: str) -> int:
                 if not isinstance(row, dict) or not isinstance(row.get("run_id"), str):
                     raise PipelineError(f"{path}:{lineno}: not a spool row (a JSON object with a run_id); fix or remove it and sync again")
                 rows.append((row, int(row.get("time_ms", stamp))))
+    abandoned = {r["run_id"] for r, _ in rows if r.get("abandoned")}  # a refused command's run: never sent
+    rows = [(r, t) for r, t in rows if r["run_id"] not in abandoned]
     created = {r["run_id"] for r, _ in rows if "create" in r}
     orphans = sorted({r["run_id"] for r, _ in rows if r["run_id"].startswith(OFFLINE_PREFIX)} - created)
     if orphans:

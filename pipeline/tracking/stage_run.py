@@ -233,7 +233,7 @@ class Tracker:
             elif self.parent_id:
                 self.client.update_run(self.parent_id, status=self._parent_before)
 
-        self._send(send, {"status": "FAILED"})
+        self._send(send, {"abandoned": True})  # offline: `moe mlflow-sync` drops this run's rows
 
     def stop_system_metrics(self) -> None:
         """For a run this process hands over (``moe submit`` without --wait: the job ends it)."""

@@ -277,10 +277,10 @@ def test_mlflow_server_without_its_database_is_one_error_in_bounded_time(tmp_pat
         port = s.getsockname()[1]
     uri = f"postgresql+psycopg2://mlflow@127.0.0.1:{port}/mlflow"
     start = time.monotonic()
-    r = moe("mlflow-server", "--backend", uri, "--artifacts", str(tmp_path / "art"), env={"MOE_MLFLOW_BACKEND_PASSWORD": "s3cret"})
+    r = moe("mlflow-server", "--backend", uri, "--artifacts", str(tmp_path / "art"), env={"MOE_MLFLOW_BACKEND_PASSWORD": "s3 cr/et@x"})
     assert time.monotonic() - start < 60
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"127.0.0.1:{port}/mlflow" in errors[0], r.stderr
-    assert "s3cret" not in r.stderr + r.stdout
+    assert "s3 cr/et@x" not in r.stderr + r.stdout and "cr/et" not in r.stderr + r.stdout
     assert not (tmp_path / "art").exists()

@@ -47,12 +47,15 @@ def test_params_files_read_numbers_as_yaml_1_2():
     assert got == {"a": "1:20", "b": 12, "c": 31, "d": 0.001, "e": 1000, "f": float("inf"), "g": -5, "h": True}
 
 
-@pytest.mark.parametrize("text", ["? [a, b]\n: 1\n", "{a: 1}: 2\n"])
-def test_a_complex_key_is_one_error(text):
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [("? [a, b]\n: 1\n", "a key must be a plain name"), ("{a: 1}: 2\n", "a key must be a plain name"), ("a: !!int 1:20\n", "not valid YAML")],
+)
+def test_a_complex_key_or_an_unreadable_tagged_number_is_one_error(text, said):
     from moe.config import ConfigError
     from pipeline.params import parse_params_text
 
-    with pytest.raises(ConfigError, match="p.yaml: line 1 .*a key must be a plain name"):
+    with pytest.raises(ConfigError, match=f"p.yaml: .*{said}"):
         parse_params_text(text, "p.yaml")
 
 

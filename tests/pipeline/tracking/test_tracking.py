@@ -146,3 +146,23 @@ def test_sync_refuses_values_of_an_offline_run_without_its_creation(tmp_path):
     with pytest.raises(PipelineError, match="offline-zzz.*nothing was uploaded"):
         sync_fallback(spool, f"sqlite:///{tmp_path / 'm.db'}")
     assert spool.is_file()
+
+
+def test_sync_sends_nothing_of_a_run_a_refused_command_abandoned(tmp_path):
+    """Offline, a refused `moe submit` spools its run's creation and then `abandoned`: the sync
+    creates no run for it (issue 36: a refused submission leaves no history)."""
+    from pipeline.tracking.spool import sync_fallback
+
+    spool = tmp_path / "mlflow-fallback.jsonl"
+    rows = [
+        {"run_id": "offline-ab", "create": {"experiment": "moe", "tags": {"moe.stage": "train"}}},
+        {"run_id": "offline-ab", "abandoned": True},
+        {"run_id": "offline-ok", "create": {"experiment": "moe", "tags": {"moe.stage": "tokenize"}}},
+        {"run_id": "offline-ok", "step": 0, "metrics": {"x": 1.0}},
+    ]
+    spool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert sync_fallback(spool, uri) == 1
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("moe").experiment_id])
+    assert [r.data.tags["moe.synced_from"] for r in runs] == ["offline-ok"]
