@@ -35,9 +35,9 @@ repro: setup
 	$(BIN)/moe repro
 
 # Every test, the slow end-to-end suites included (what CI runs), on two workers: a module's
-# tests stay together, the Slurm suites share one worker (tests/conftest.py).
+# tests stay together, one module at a time uses the local Slurm cluster (tests/conftest.py).
 test: setup
-	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60 -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60 -n 2 --dist loadfile
 
 # Without the slow suites (a few minutes).
 test-fast: setup

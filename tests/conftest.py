@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -28,22 +29,51 @@ def _deterministic():
     yield
 
 
-# Test workers (`make test` runs pytest-xdist with --dist loadgroup): a module's tests stay on
-# one worker (its module fixtures are built once), and every module that uses the one local
-# Slurm cluster (with its PostgreSQL and container store) shares a single worker.
-SHARED_CLUSTER = "slurm-cluster"
+# Test workers (`make test` runs pytest-xdist with --dist loadfile: a module's tests stay on one
+# worker, so its module fixtures are built once). The one local Slurm cluster (with its
+# PostgreSQL and container store) is used by one module at a time, whichever worker runs it: a
+# module that uses it holds an exclusive lock while it runs (and the cluster is started under the
+# same lock). (xdist's --dist loadgroup does not group on pytest 9: it sets a nodeid attribute
+# pytest no longer reads.)
 CLUSTER_MODULES = ("tests.containers.",)  # start the cluster themselves (slurm/local/start.sh)
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / "moe-tests-slurm-cluster.lock"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    def module(item) -> str:
-        return getattr(getattr(item, "module", None), "__name__", item.nodeid.split("::")[0])
+_TURNS = [0]  # this process's holds of the lock (re-entrant: a module's hold covers its fixtures)
 
-    clustered = {module(item) for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())}
-    clustered |= {module(item) for item in items if module(item).startswith(CLUSTER_MODULES)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_CLUSTER if module(item) in clustered else module(item)))
+
+@contextlib.contextmanager
+def cluster_turn():
+    import fcntl
+
+    if _TURNS[0]:
+        _TURNS[0] += 1
+        try:
+            yield
+        finally:
+            _TURNS[0] -= 1
+        return
+    with open(CLUSTER_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        _TURNS[0] = 1
+        try:
+            yield
+        finally:
+            _TURNS[0] = 0
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_module_on_the_cluster_at_a_time(request):
+    name = request.module.__name__
+    uses = name.startswith(CLUSTER_MODULES) or any(
+        "slurm_cluster" in getattr(item, "fixturenames", ()) for item in request.session.items if getattr(item, "module", None) is request.module
+    )
+    if not uses:
+        yield
+        return
+    with cluster_turn():
+        yield
 
 
 def pytest_configure(config):
@@ -116,7 +146,8 @@ def slurm_cluster():
         need_slurm("Slurm is not installed (apt-get install slurmctld slurmd slurm-client munge)")
     if os.geteuid() != 0 and subprocess.run(["sinfo"], capture_output=True).returncode != 0:
         need_slurm("no running Slurm cluster and not root to start one")
-    r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
+    with cluster_turn():  # not two workers' start.sh at once
+        r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         need_slurm(f"could not start the local Slurm cluster: {r.stderr[-500:]}")
     return True
