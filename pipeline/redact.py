@@ -80,6 +80,12 @@ def install_log_redaction() -> None:
         clean = redact(message)
         if clean != message:
             record.msg, record.args = clean, ()
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            import traceback
+
+            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+            if redact(text) != text:  # a traceback naming a URL: the formatter prints this text instead
+                record.exc_text = redact(text)
         return record
 
     factory.redacts = True  # type: ignore[attr-defined]

@@ -41,3 +41,26 @@ def test_a_query_token_never_reaches_the_output_or_any_file(workspace):
     for path in Path(workspace).rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
+
+
+def test_log_records_and_their_tracebacks_are_masked():
+    import logging
+
+    from pipeline.redact import install_log_redaction
+
+    install_log_redaction()
+    stream = __import__("io").StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("moe-test-redaction")
+    log.addHandler(handler)
+    try:
+        log.warning("retrying %s", "http://h/?token=abc123")
+        try:
+            raise ConnectionError("GET http://u:pw123@h/x?sig=zzz failed")
+        except ConnectionError:
+            log.exception("request failed")
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "abc123" not in text and "pw123" not in text and "zzz" not in text
+    assert "token=***" in text and "sig=***" in text
