@@ -20,6 +20,21 @@ from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden" / "sbatch_dry_run.txt"
+# the golden script's command (tests/pipeline/test_without_slurm.py runs it without Slurm too)
+DRY_RUN_ARGS = (
+    "submit",
+    "--dry-run",
+    "--nodes",
+    "2",
+    "--partition",
+    "debug",
+    "--time-min",
+    "30",
+    "--set",
+    "slurm.extra_sbatch=[--comment=golden]",
+    "--set",
+    "slurm.setup=[export MOE_X=1]",
+)
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -50,20 +65,7 @@ def release_requeued(job_id) -> None:
 
 
 def test_dry_run_prints_the_exact_sbatch_script(workspace):
-    r = moe(
-        "submit",
-        "--dry-run",
-        "--nodes",
-        "2",
-        "--partition",
-        "debug",
-        "--time-min",
-        "30",
-        "--set",
-        "slurm.extra_sbatch=[--comment=golden]",
-        "--set",
-        "slurm.setup=[export MOE_X=1]",
-    )
+    r = moe(*DRY_RUN_ARGS)
     assert r.returncode == 0, r.stderr
     text = r.stdout.replace(str(workspace.resolve()), "<CWD>").replace(sys.executable, "<PYTHON>")
     if os.environ.get("MOE_UPDATE_GOLDEN"):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import moe
+from tests.pipeline.test_slurm import DRY_RUN_ARGS, GOLDEN
 
 SLURM_COMMANDS = {"sbatch", "srun", "scontrol", "scancel", "sacct", "squeue", "sinfo", "salloc", "slurmctld", "slurmd"}
-GOLDEN = Path(__file__).parent / "golden" / "sbatch_dry_run.txt"
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +41,7 @@ def _one_error_line(stderr: str, needle: str) -> None:
 
 
 def test_dry_run_prints_the_same_script_without_slurm(workspace, path_without_slurm):
-    r = moe(
-        "submit",
-        "--dry-run",
-        "--nodes",
-        "2",
-        "--partition",
-        "debug",
-        "--time-min",
-        "30",
-        "--set",
-        "slurm.extra_sbatch=[--comment=golden]",
-        "--set",
-        "slurm.setup=[export MOE_X=1]",
-        env=_no_slurm(path_without_slurm),
-    )
+    r = moe(*DRY_RUN_ARGS, env=_no_slurm(path_without_slurm))
     assert r.returncode == 0, r.stderr
     text = r.stdout.replace(str(workspace.resolve()), "<CWD>").replace(sys.executable, "<PYTHON>")
     assert text == GOLDEN.read_text()
