@@ -112,7 +112,8 @@ def _tracker(cfg, stage: str, params: Path, enabled: bool):
 
 
 class _Stage:
-    """Context for one stage's MLflow run: FINISHED on success, FAILED on any error."""
+    """Context for one stage's MLflow run: FINISHED on success, FAILED on any error; deleted
+    (the parent left as it was) when the scheduler refused the job, which then never ran."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -121,7 +122,11 @@ class _Stage:
         return self.tracker
 
     def __exit__(self, exc_type, exc, tb):
-        if self.tracker:
+        from pipeline.errors import SubmissionRefused
+
+        if self.tracker and exc_type is not None and issubclass(exc_type, SubmissionRefused):
+            self.tracker.abandon()
+        elif self.tracker:
             self.tracker.end(ok=exc_type is None)
         return False
 

@@ -9,6 +9,10 @@ class PipelineError(MoeError, RuntimeError):
     """Bad input or a failed stage; the message names the key, file or job at fault."""
 
 
+class SubmissionRefused(PipelineError):
+    """The scheduler refused the job (sbatch failed): nothing ran, so no run history is kept."""
+
+
 class JobFailed(PipelineError):
     """A training job (local processes or Slurm) ended in failure. A worker's own exit code
     for bad input (2), a non-finite loss (3) or a checkpoint problem (4) is passed on, and

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SubmissionRefused
 from pipeline.executors.base import JobResult, TrainJob
 from pipeline.params import ContainerConfig, SlurmConfig
 from pipeline.run_lock import RunLock
@@ -180,7 +180,7 @@ class SlurmExecutor:
         try:
             submitted = self._executor(hold=before_start is not None).submit(SlurmTrainTask(str(job.spec_path.resolve())))
         except Exception as exc:  # sbatch refused (bad partition, no cluster, ...)
-            raise PipelineError(f"sbatch failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
+            raise SubmissionRefused(f"sbatch failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}") from None
         job_id = str(submitted.job_id)
         if before_start is not None:
             try:

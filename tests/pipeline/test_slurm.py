@@ -388,11 +388,15 @@ def test_a_refused_submission_leaves_the_mlflow_history_as_it_was(slurm_cluster,
     experiment = client.get_experiment_by_name("moe").experiment_id
     before = {run.info.run_id: run.info.status for run in client.search_runs([experiment])}
     assert sorted(before.values()) == ["FINISHED", "FINISHED"]  # the parent and the tokenize run
-    r = moe("submit", "--partition", "nosuchpartition")
-    assert r.returncode != 0
-    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
-        next(line for line in r.stderr.splitlines() if line.startswith("error: sbatch failed"))
-    ], r.stderr
+    for command in (
+        ["submit", "--partition", "nosuchpartition"],
+        ["train", "--set", "executor.kind=slurm", "--set", "slurm.partition=nosuchpartition"],
+    ):
+        r = moe(*command)
+        assert r.returncode != 0, command
+        assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+            next(line for line in r.stderr.splitlines() if line.startswith("error: sbatch failed"))
+        ], r.stderr
     after = {run.info.run_id: run.info.status for run in client.search_runs([experiment])}
     assert after == before
     assert not list(Path("runs/train").glob("checkpoints/step_*"))
