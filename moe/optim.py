@@ -63,6 +63,8 @@ class MasterWeightAdamW:
         self.params: list[MasterParam] = []
         # parameters whose bf16 gradient waits for the last micro-batch (expert_grad_accum bf16)
         self.deferred: list[MasterParam] = []
+        # parameters whose own low-precision values were dropped (release_weight): never written
+        self.released: set[int] = set()
         self._fold_now = False
         if cfg.expert_grad_accum == "bf16" and not master_weights:
             raise ConfigError("optim.expert_grad_accum: bf16 needs bf16 weights with fp32 masters (precision.recipe bf16 or an fp8 recipe)")
@@ -150,9 +152,10 @@ class MasterWeightAdamW:
             self.inner.step()
         finally:
             self.inner.found_inf = self.inner.grad_scale = None
-        copies = [(p.param, p.master) for p in self.params if p.owned and p.param is not p.master]
+        copies = [(p.param, p.master) for p in self._mirrored()]
         if copies:
             torch._foreach_copy_([a for a, _ in copies], [b for _, b in copies])
+        self._bump_released()
 
     def ensure_state(self) -> None:
         """Create zeroed AdamW state for every owned master (so a checkpoint can load into it)."""
@@ -174,9 +177,34 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def sync_params_from_masters(self) -> None:
+        for p in self._mirrored():
+            p.param.copy_(p.master)
+        self._bump_released()
+
+    def _bump_released(self) -> None:
+        """The fused AdamW kernel writes the masters without bumping their version counters (nor
+        may a checkpoint load): bump those of the released parameters' masters, which the weight
+        caches key on, so no cached copy outlives the weights it was made from."""
         for p in self.params:
-            if p.owned and p.param is not p.master:
-                p.param.copy_(p.master)
+            if id(p.param) in self.released:
+                torch.autograd.graph.increment_version(p.master)
+
+    def _mirrored(self) -> list[MasterParam]:
+        """The parameters that hold a low-precision copy of their master."""
+        return [p for p in self.params if p.owned and p.param is not p.master and id(p.param) not in self.released]
+
+    def release_weight(self, param: nn.Parameter) -> torch.Tensor:
+        """Drop ``param``'s own values and return its fp32 master, which from now on is the only
+        copy of them (the step no longer writes the parameter; whoever reads its values reads
+        the master, e.g. an FP8 weight cache). The parameter keeps its shape and dtype (it still
+        receives gradients) but holds one element. Refused for a parameter this rank does not
+        own, or one without a separate master."""
+        entry = next((p for p in self.params if p.param is param), None)
+        if entry is None or not entry.owned or entry.master is param:
+            raise ValueError("release_weight: the parameter has no fp32 master on this rank")
+        param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+        self.released.add(id(param))
+        return entry.master
 
 
 def _fold(p: MasterParam) -> None:

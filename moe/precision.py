@@ -64,6 +64,28 @@ class PrecisionRecipe:
                 self.dense_fp8(module)
         return model
 
+    def attach_optimizer(self, model: nn.Module, opt, *, shards_optimizer: bool) -> int:
+        """FP8 expert GEMMs: the expert weights' bf16 copies are dropped and their FP8 copies made
+        from the optimizer's fp32 masters (moe.layers.gemm_fp8.WeightCache), so the FP8 pair
+        replaces the bf16 weight instead of adding to it. Not where ZeRO-1 shards the optimizer
+        (an owner broadcasts the bf16 parameter itself to its group). Returns how many expert
+        weights were released."""
+        from moe.layers.experts import GroupedExperts
+
+        if shards_optimizer or not self.master_weights or self.expert_gemm is None:
+            return 0
+        released = 0
+        for module in model.modules():
+            cache = getattr(getattr(module, "gemm", None), "cache", None)
+            if not isinstance(module, GroupedExperts) or not hasattr(cache, "read_from"):
+                continue
+            for param in (module.gate_up, module.down):
+                if param.dtype != torch.bfloat16 or type(param) is not nn.Parameter or not param.requires_grad:
+                    continue  # (a DTensor or an fp32 weight keeps its values)
+                cache.read_from(param, opt.release_weight(param))
+                released += 1
+        return released
+
     @contextlib.contextmanager
     def autocast(self, device: torch.device) -> Iterator[None]:
         if self.autocast_dtype is None:

@@ -65,3 +65,55 @@ def test_fp8_recipes_install_their_expert_gemm_from_outside_the_model():
     model = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0).prepare(Transformer(cfg))
     gemm = next(m for m in model.modules() if isinstance(m, GroupedExperts)).gemm
     assert gemm.emulate and gemm.rule.min_dim == 0
+
+
+def _train_losses(release: bool, min_dim: int, steps: int = 3) -> tuple[list[float], Transformer]:
+    from moe.config import OptimizerConfig
+    from moe.optim import MasterWeightAdamW
+
+    cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
+    torch.manual_seed(0)
+    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=min_dim)
+    model = recipe.prepare(Transformer(cfg))
+    opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2), recipe.master_weights)
+    if release:
+        assert recipe.attach_optimizer(model, opt, shards_optimizer=False) == 2 * cfg.n_layers
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        for _ in range(2):  # two micro-batches: the second reads the copies the first made
+            with recipe.autocast(CPU):
+                logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("min_dim", [0, 1 << 20], ids=["every-gemm-fp8", "rule-keeps-bf16"])
+def test_fp8_expert_weights_are_made_from_the_masters_without_a_bf16_copy(min_dim):
+    """Issue 39: under fp8_rowwise the expert weights' bf16 values are dropped and their FP8 (or,
+    where the rule keeps bf16, bf16) copies made from the fp32 masters: the same bits as the
+    copies of the bf16 weights the optimizer used to write, and the bf16 weights hold nothing."""
+    kept, _ = _train_losses(release=False, min_dim=min_dim)
+    released, model = _train_losses(release=True, min_dim=min_dim)
+    assert released == kept
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            for param in (module.gate_up, module.down):
+                assert param.untyped_storage().nbytes() == param.element_size()
+
+
+def test_zero1_keeps_the_bf16_expert_weights():
+    from moe.config import OptimizerConfig
+    from moe.optim import MasterWeightAdamW
+
+    cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
+    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0)
+    model = recipe.prepare(Transformer(cfg))
+    opt = MasterWeightAdamW(model, OptimizerConfig(), recipe.master_weights)
+    assert recipe.attach_optimizer(model, opt, shards_optimizer=True) == 0
+    assert resolve_recipe("bf16", CPU).attach_optimizer(model, opt, shards_optimizer=False) == 0
+    assert not opt.released

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.kernels.fp8 import Fp8Rule, Plan, gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
+from moe.kernels.fp8 import E4M3, Fp8Rule, Plan, gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
@@ -77,40 +77,100 @@ def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
 class WeightCache:
     """FP8 copies of expert weights, made once per weight version.
 
-    Weights change only at the optimizer step (which bumps the parameter's version counter), so
-    the micro-batches of a step (gradient accumulation, pipeline micro-batches) share one
-    rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
-    shape and version: no host sync, never stale. Costs 2 bytes per expert parameter."""
+    Weights change only at the optimizer step (which bumps the version counter of the tensor it
+    writes), so the micro-batches of a step (gradient accumulation, pipeline micro-batches) share
+    one rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
+    shape and version: no host sync, never stale.
+
+    A parameter registered with :meth:`read_from` has no bf16 values of its own (the optimizer
+    dropped them, :meth:`moe.optim.MasterWeightAdamW.release_weight`): its copies are made from
+    its fp32 master, rounded to bf16 first (so they are bitwise the copies of the bf16 weight the
+    optimizer would have written) a few experts at a time, and the FP8 pair replaces the bf16
+    weight instead of sitting beside it (2 bytes per expert parameter instead of 4). A GEMM the
+    rule keeps in bf16 reads :meth:`dense`, a bf16 copy made from the master once per version."""
+
+    # experts per quantisation chunk are chosen so the bf16 transient stays near this many elements
+    CHUNK_ELEMENTS = 1 << 26
 
     def __init__(self) -> None:
         self._rows: dict = {}
         self._cols: dict = {}
+        self._dense: dict = {}
+        self._sources: dict[int, torch.Tensor] = {}
+
+    def read_from(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Make ``param``'s copies from ``master`` (same shape, any float dtype)."""
+        if tuple(master.shape) != tuple(param.shape):
+            raise ValueError(f"master {tuple(master.shape)} and parameter {tuple(param.shape)} differ in shape")
+        self._sources[id(param)] = master
+
+    def reads_master(self, w: torch.Tensor) -> bool:
+        return id(w) in self._sources
+
+    def _source(self, w: torch.Tensor) -> torch.Tensor:
+        return self._sources.get(id(w), w)
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple:
         return (w.data_ptr(), tuple(w.shape), w._version)
 
+    def _lookup(self, table: dict, w: torch.Tensor, make) -> tuple:
+        src = self._source(w)
+        key = self._key(src)
+        hit = table.get(id(w))
+        if hit is None or hit[0] != key:
+            table.pop(id(w), None)  # the stale copy goes before the new one is made
+            hit = (key, *make(src))
+            table[id(w)] = hit
+        return hit[1:]
+
+    def _chunks(self, src: torch.Tensor):
+        """(first expert, bf16 [g, M, K]) over src's experts, a few at a time when src is not bf16."""
+        if src.dtype == torch.bfloat16:
+            yield 0, src
+            return
+        groups, m, k = src.shape
+        step = max(1, self.CHUNK_ELEMENTS // max(1, m * k))
+        for g in range(0, groups, step):
+            yield g, src[g : g + step].to(torch.bfloat16)
+
     def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 [G, M, K], decode scales [G, M]), scales along K."""
-        key = self._key(w)
-        hit = self._rows.get(key[0])
-        if hit is None or hit[0] != key:
-            groups, m, k = w.shape
-            wq, sw = quantize_rows(w.reshape(groups * m, k))
-            hit = (key, wq.view(groups, m, k), sw.view(groups, m))
-            self._rows[key[0]] = hit
-        return hit[1], hit[2]
+
+        def make(src):
+            groups, m, k = src.shape
+            wq = torch.empty(groups, m, k, dtype=E4M3, device=src.device)
+            sw = torch.empty(groups, m, dtype=torch.float32, device=src.device)
+            for g, part in self._chunks(src):
+                q, s = quantize_rows(part.reshape(-1, k))
+                n = part.shape[0]
+                wq.view(torch.uint8)[g : g + n] = q.view(torch.uint8).view(n, m, k)
+                sw[g : g + n] = s.view(n, m)
+            return wq, sw
+
+        return self._lookup(self._rows, w, make)
 
     def cols(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(e4m3 [G, K, M], decode scales [G, K]), scales along M."""
-        key = self._key(w)
-        hit = self._cols.get(key[0])
-        if hit is None or hit[0] != key:
-            groups, m, k = w.shape
-            wt, swt, _ = quantize_cols_grouped(w.reshape(groups * m, k), _uniform_ends(groups, m, w.device), pad=False)
-            hit = (key, wt, swt)
-            self._cols[key[0]] = hit
-        return hit[1], hit[2]
+
+        def make(src):
+            groups, m, k = src.shape
+            wt = torch.empty(groups, k, m, dtype=E4M3, device=src.device)
+            swt = torch.empty(groups, k, dtype=torch.float32, device=src.device)
+            for g, part in self._chunks(src):
+                n = part.shape[0]
+                q, s, _ = quantize_cols_grouped(part.reshape(n * m, k), _uniform_ends(n, m, src.device), pad=False)
+                wt.view(torch.uint8)[g : g + n] = q.view(torch.uint8)
+                swt[g : g + n] = s
+            return wt, swt
+
+        return self._lookup(self._cols, w, make)
+
+    def dense(self, w: torch.Tensor) -> torch.Tensor:
+        """w's values in bf16, for the GEMMs the rule keeps in bf16."""
+        if not self.reads_master(w):
+            return w
+        return self._lookup(self._dense, w, lambda src: (src.to(torch.bfloat16),))[0]
 
 
 def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
@@ -121,7 +181,7 @@ def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
 def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None = None):
     """grad [N, M] @ w[g] [M, K] -> [N, K]."""
     if not fp8:
-        return _grouped_mm(grad, w, offs=offsets)
+        return _grouped_mm(grad, (cache or WeightCache()).dense(w), offs=offsets)
     gq, sg = quantize_rows(grad)
     wt, swt = (cache or WeightCache()).cols(w)
     return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
@@ -148,7 +208,7 @@ class _Fp8Linear(torch.autograd.Function):
         if plan.fwd:
             xq, sx = quantize_rows(x)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
-        return _grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return _grouped_mm(x, cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -172,7 +232,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
         if plan.fwd:
             xq, sx = gather_quantized_rows(*quantize_rows(tokens), row_index)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
-        return _grouped_mm(tokens.index_select(0, row_index), w.transpose(-2, -1), offs=offsets)
+        return _grouped_mm(tokens.index_select(0, row_index), cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -207,7 +267,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
             aq, sa = swiglu_quantize(h)
             y = _forward_fp8(aq, sa, w, offsets, emulate, cache)
         else:
-            y = _grouped_mm(swiglu(h), w.transpose(-2, -1), offs=offsets)
+            y = _grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
         top_k = weights.shape[1]
         out = gather_reduce(y, inverse, weights, top_k)
         ctx.save_for_backward(h, w, offsets, order, inverse, weights, y)
@@ -233,7 +293,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
             wt, swt = cache.cols(w)
             grad_a = scaled_grouped_mm(gq, wt.transpose(-2, -1), sg * row_weight, swt, offsets, emulate)
         else:
-            grad_a = _grouped_mm(rows_bf16, w, offs=offsets)
+            grad_a = _grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
         grad_w = None
         if ctx.needs_input_grad[1]:
             if plan.wgrad:
@@ -257,7 +317,7 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
         if plan.fwd:
             aq, sa = swiglu_quantize(h)
             return _forward_fp8(aq, sa, w, offsets, emulate, cache)
-        return _grouped_mm(swiglu(h), w.transpose(-2, -1), offs=offsets)
+        return _grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -292,7 +352,7 @@ class Fp8GroupedGemm:
         cache = self._cache_for(w)
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(x, w)
-        if not plan.any:
+        if not plan.any and not cache.reads_master(w):
             return _GroupedLinear.apply(x, w, offsets)
         return _Fp8Linear.apply(x, w, offsets, plan, self.emulate, cache)
 
@@ -341,7 +401,7 @@ class Fp8GroupedGemm:
         cache = self._cache_for(w)
         h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(h, w)
-        if not plan.any:
+        if not plan.any and not cache.reads_master(w):
             return _GroupedLinear.apply(swiglu(h), w, offsets)
         return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate, cache)
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 39 (FP8 on Hopper) on one H200, one part per call.
+#   bench/h200/issue39.sh parity   # 300-step loss parity bf16 vs fp8_rowwise at both widths, on real tokens
+#   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/lib.sh"
+case "${1:-}" in
+  parity)
+    # The corpus: 8 MB of the Python standard library's source, a 4,096-entry BPE (bench/NOTES.md).
+    if [ ! -f /tmp/ptok/manifest.json ]; then
+      (cd bench/paper && python3 -m pipeline.cli paper tokenize --set tokenize.vocab_size=4096 \
+        --set tokenize.max_bytes=8000000 --set tokenize.output=/tmp/ptok 2>&1 | tail -2)
+    fi
+    for width in paper olmoe; do
+      if [ "$width" = paper ]; then shape=(--preset paper-8l --layers 2); else shape=(--preset olmoe-1b-7b --layers 8); fi
+      for recipe in bf16 fp8_rowwise; do
+        rm -rf "/tmp/parity/$width-$recipe"
+        run python3 -m bench.parity run --recipe "$recipe" "${shape[@]}" --data /tmp/ptok --out "/tmp/parity/$width-$recipe"
+        cp "/tmp/parity/$width-$recipe/metrics.jsonl" "$OUT/parity-$width-$recipe.jsonl" 2>/dev/null
+        cp "/tmp/parity/$width-$recipe/run.json" "$OUT/parity-$width-$recipe.run.json" 2>/dev/null
+      done
+    done
+    ;;
+  memory)  # peak memory and tokens/s, every expert GEMM in FP8 (--fp8-min-dim 0), FP8 first (the question)
+    common=(--warmup 2 --steps 3)
+    fp8=(--recipe fp8_rowwise --fp8-min-dim 0)
+    run python3 -m bench.model --width paper --layers 2 --micro 1 --accum 4 "${fp8[@]}" "${common[@]}"
+    run python3 -m bench.model --width paper --layers 2 --micro 1 --accum 4 "${common[@]}"
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 "${fp8[@]}" "${common[@]}"
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 "${common[@]}"
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 "${fp8[@]}" "${common[@]}"
+    run python3 -m bench.model --layers 8 --micro 4 --accum 4 "${common[@]}"
+    ;;
+  *) echo "usage: $0 parity|memory" >&2; exit 2 ;;
+esac
+exit $status

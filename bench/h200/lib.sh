@@ -1,0 +1,11 @@
+# Shared by the bench/h200 scripts (sourced): run one command with a time limit, log it to
+# $OUT/run.log, and copy the JSON results it wrote to $OUT. Sets status=1 on any failure.
+LOG="$OUT/run.log"
+status=0
+touch /tmp/run-start
+run() {
+  echo "+ $*" | tee -a "$LOG"
+  timeout "${RUN_TIMEOUT:-300}" "$@" 2>&1 | grep -v -i 'warning' | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  find bench/results -name '*.json' -newer /tmp/run-start -exec cp {} "$OUT"/ \;
+}
