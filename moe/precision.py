@@ -5,10 +5,12 @@ autocast context wraps forward and backward, and (FP8) which expert GEMM the MoE
 Router logits and the loss are computed in fp32 by the model and trainer whatever the recipe.
 
 fp8_rowwise and mxfp8 are bf16 plus FP8 expert GEMMs (moe.layers.gemm_fp8 says which tensors
-and which scaling, and why): weights stay bf16 parameters with fp32 masters, so a checkpoint
+and which scaling, and why): weights are bf16 parameters with fp32 masters (in training the
+expert weights' bf16 values are dropped for FP8 copies made from the masters:
+:meth:`PrecisionRecipe.attach_optimizer`), so a checkpoint
 written under one recipe loads under any other. The dense projections (attention, dense and
 shared-expert MLPs) stay bf16 unless ``precision.fp8_dense`` (fp8_rowwise; moe.nn.fp8_linear,
-torch._scaled_mm, by the same per-shape rule; not timed on a GPU yet); the LM head and the router
+torch._scaled_mm, by the same per-shape rule); the LM head and the router
 never take FP8. Both FP8 recipes are refused before anything runs
 where they cannot: fp8_rowwise needs compute capability >= 9.0 (torch._scaled_grouped_mm),
 mxfp8 >= 10.0 (an MX kernel launched on sm90 once broke the CUDA context of the process).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 39 (FP8 on Hopper) on one H200, one part per call.
+# Issue 39 (FP8 on Hopper) on one H200, one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
 #   bench/h200/issue39.sh parity   # 300-step loss parity bf16 vs fp8_rowwise at both widths, on real tokens
 #   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
 set -uo pipefail

@@ -10,14 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
-LOG="$OUT/run.log"
-touch /tmp/run-start
-status=0
-run() {
-  echo "+ $*" | tee -a "$LOG"
-  timeout 300 "$@" 2>&1 | grep -v -i 'warning' | tee -a "$LOG" || status=1
-  find bench/results -name '*.json' -newer /tmp/run-start -exec cp {} "$OUT"/ \;
-}
+source "$(dirname "$0")/lib.sh"
 case "${1:-}" in
   memory)
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 --warmup 2 --steps 2 --peak-breakdown

@@ -9,3 +9,7 @@ run() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   find bench/results -name '*.json' -newer /tmp/run-start -exec cp {} "$OUT"/ \;
 }
+# The device machine's copy of the checkout carries stale git metadata: name the commit that ran.
+if [ -z "${MOE_GIT_COMMIT:-}" ]; then
+  echo "warning: MOE_GIT_COMMIT is not set; the JSON records will name the device copy's stale git metadata" >&2
+fi

@@ -26,14 +26,15 @@ saved; the down projection and the combine share one backward that quantises gra
 token (routing weight folded into the row scale) and its columns through the indices, so the
 combine's [N, D] gradient is never stored. Not fused yet: the wgrad operands' column passes
 (two reads each), dSwiGLU's output (quantised by the up projection's backward), and the weight
-copies (one pass per optimizer step). None of this has been timed on a GPU yet
-(bench/h200/kernels.sh); the earlier measurements are in bench/NOTES.md.
+copies (one pass per optimizer step). Measured on one H200: bench/NOTES.md.
 
 Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
 thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
 rest run in bf16 through torch's grouped GEMM. The router, norms, softmax, loss and optimizer
-never see FP8; weights stay bf16 parameters with fp32 master copies in the optimizer, so
-checkpoints do not depend on the recipe.
+never see FP8. The optimizer keeps fp32 masters of every weight; in training the expert
+weights' own bf16 values are dropped and their FP8 copies made from the masters
+(:meth:`WeightCache.read_from`), so the FP8 pair replaces the bf16 weight (2 bytes per expert
+parameter, not 4). Checkpoints hold the masters and do not depend on the recipe.
 
 ``mxfp8`` (Blackwell, compute capability >= 10) quantises with 32-element e8m0 blocks
 (moe.kernels.mxfp8). Its native MX grouped GEMM has not been run on sm100 hardware here, so
