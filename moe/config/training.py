@@ -113,11 +113,16 @@ class TrainConfig(Config):
     logit_z_loss_weight: float = 0.0
     # In-loop evaluation every this many steps (0: none): validation loss and eval_tasks
     # (task names of pipeline/eval: a suite like "core", or labels like "arc_easy",
-    # "mmlu_stem_mc_5shot"), each on its first eval_limit documents (null: all of them),
-    # sharded over the data-parallel ranks (moe.eval.callback).
+    # "mmlu_stem_mc_5shot"), each on a random sample of eval_limit documents (null: all of
+    # them) stratified by the task's source/subject, the same for the same eval_seed (and the
+    # same as evaluate.limit's for equal seeds and limits), sharded over the data-parallel
+    # ranks (moe.eval.callback). eval_truncation: a context longer than model.max_seq_len is
+    # "cut" from the left (counted, warned about) or its document is "drop"ped.
     eval_every: int = 0
     eval_tasks: list[str] = dataclasses.field(default_factory=list)
     eval_limit: int | None = 100
+    eval_seed: int = 0
+    eval_truncation: Literal["cut", "drop"] = "cut"
     eval_val_batches: int = 8  # validation micro-batches for eval/val_loss (0: none)
     eval_batch_tokens: int = 16384  # padded tokens per scoring batch
     # Run this step (counted from 1) under torch.profiler and log where its time went as
@@ -145,6 +150,7 @@ class TrainConfig(Config):
             _k(p, "profile_step"),
             f"must lie in [0, train.max_steps={self.max_steps}] (0: no profile), got {self.profile_step}",
         )
+        require(0 <= self.eval_seed < 2**63, _k(p, "eval_seed"), f"must be >= 0 (and < 2**63), got {self.eval_seed}")
         require(self.eval_val_batches >= 0, _k(p, "eval_val_batches"), "must be >= 0")
         require(self.eval_batch_tokens >= 1, _k(p, "eval_batch_tokens"), "must be >= 1")
         require(0 <= self.seed < 2**63, _k(p, "seed"), f"must be >= 0 (and < 2**63), got {self.seed}")

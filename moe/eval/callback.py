@@ -4,8 +4,10 @@ training processes, every N steps, logged with that step.
 The work is sharded over the data-parallel ranks (each scores every ``dp``-th batch, with the
 same number of forward calls, as expert parallelism and FSDP need), and the scores gathered;
 the model runs in eval mode under the run's precision recipe. Metrics: ``eval/val_loss``,
-``eval/<task>/<metric>`` (the primary metric, acc and len_norm for ranked tasks, bpb), and
-``eval/seconds`` with ``eval/time_fraction``, the share of the run's wall time spent here.
+``eval/<task>/<metric>`` (the primary metric, acc and len_norm for ranked tasks, bpb) with
+``eval/<task>/<metric>/stderr`` beside each (its standard error over the documents: a
+difference between two evaluations smaller than that is noise), and ``eval/seconds`` with
+``eval/time_fraction``, the share of the run's wall time spent here.
 """
 
 from __future__ import annotations

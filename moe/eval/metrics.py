@@ -14,6 +14,11 @@ lengths, ``_v1`` does not (``acc``/``len_norm`` v1 and v2 are the same number, a
 ai2-olmo-eval's ICLMetric, whose definitions these are: tests/eval checks them against it).
 A ``bpb`` or ``ce_loss`` task scores the gold continuation only. A document missing any of its
 continuations is left out, as ICLMetric does.
+
+Beside every mean, ``<key>/stderr``: how far it would move on another draw of as many
+documents. Accuracies (0/1 per document) get the binomial sqrt(p(1 - p) / n); the continuous
+per-document values (bpb, ce_loss, soft) the sample standard error std / sqrt(n) (ddof 1).
+Either is 0 below two documents (nothing to estimate it from).
 """
 
 from __future__ import annotations
@@ -82,9 +87,30 @@ def task_metrics(requests: Sequence[Request], scores: Mapping[int, float], metri
         add("ce_loss_v2", -gold / gold_req.cont_chars)
         add("bpb_v1", -gold / max(1, gold_req.cont_bytes_no_space) * LOG2_E)
         add("bpb_v2", -gold / gold_req.cont_bytes * LOG2_E)
-    result = {k: sum(v) / len(v) for k, v in out.items()}
+    result: dict[str, float] = {}
+    for k, v in out.items():
+        result[k] = sum(v) / len(v)
+        result[f"{k}/stderr"] = stderr(v, binary=k.startswith(RANKED))
     result["docs"] = float(len(docs))
     return result
+
+
+def stderr(values: Sequence[float], *, binary: bool) -> float:
+    """The standard error of the mean of per-document ``values``: binomial for 0/1 outcomes
+    (accuracy), the sample standard error otherwise; 0 for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    if binary:
+        return math.sqrt(max(0.0, mean * (1.0 - mean)) / n)
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n)
+
+
+def combined_stderr(errors: Sequence[float]) -> float:
+    """The standard error of an unweighted mean of independent estimates (a suite's mean over
+    its tasks): sqrt(sum se_i^2) / k."""
+    return math.sqrt(sum(e * e for e in errors)) / len(errors) if errors else 0.0
 
 
 def chance(requests: Sequence[Request]) -> float:

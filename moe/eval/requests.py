@@ -13,6 +13,7 @@ import dataclasses
 import gzip
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from moe.errors import ConfigError
@@ -30,6 +31,10 @@ class Request:
     cont_chars_no_space: int  # the same without the first character (OLMo's "v1" normalisation)
     cont_bytes_no_space: int
 
+    def cut(self, max_len: int) -> int:
+        """Context tokens ``query`` drops to fit ``max_len`` (0: the whole context is read)."""
+        return max(0, len(self.ctx) + len(self.cont) - 1 - max_len)
+
     def query(self, max_len: int) -> tuple[tuple[int, ...], int]:
         """(input ids, index of the first continuation token's prediction): ``ctx + cont[:-1]``
         cut from the left to ``max_len`` tokens, as OLMo's evaluator does."""
@@ -43,6 +48,24 @@ class TaskRequests:
     metric: str  # the primary metric (acc, len_norm, bpb, ce_loss)
     requests: tuple[Request, ...]
     docs_total: int  # documents of the task before any limit
+    # the documents a limit sampled (None: every document), and those of them left out because
+    # their context would have been cut (evaluate.truncation=drop)
+    sample: tuple[int, ...] | None = None
+    dropped: tuple[int, ...] = ()
+
+
+def truncation(requests: Sequence[Request], max_len: int) -> dict[str, float]:
+    """How much context the model's window cuts (from the left, as OLMo's evaluator does):
+    documents and requests cut, and the tokens lost, at most and in all. A cut context can
+    change a task's numbers without any error, so the evaluation counts and reports it."""
+    cuts = [(r.doc_id, r.cut(max_len)) for r in requests]
+    cut = [(d, c) for d, c in cuts if c > 0]
+    return {
+        "truncated_docs": float(len({d for d, _ in cut})),
+        "truncated_requests": float(len(cut)),
+        "truncated_tokens_max": float(max((c for _, c in cut), default=0)),
+        "truncated_tokens_total": float(sum(c for _, c in cut)),
+    }
 
 
 FORMAT = "moe-eval-requests/1"
@@ -57,7 +80,14 @@ def dump_task_requests(tasks: list[TaskRequests], meta: dict) -> bytes:
         **meta,
         "fields": _FIELDS,
         "tasks": [
-            {"name": t.name, "metric": t.metric, "docs_total": t.docs_total, "requests": [[getattr(r, f) for f in _FIELDS] for r in t.requests]}
+            {
+                "name": t.name,
+                "metric": t.metric,
+                "docs_total": t.docs_total,
+                "sample": None if t.sample is None else list(t.sample),
+                "dropped": list(t.dropped),
+                "requests": [[getattr(r, f) for f in _FIELDS] for r in t.requests],
+            }
             for t in tasks
         ],
     }
@@ -82,7 +112,17 @@ def load_task_requests(path: str | os.PathLike) -> tuple[list[TaskRequests], dic
                 if not (values["ctx"] and values["cont"]) or not all(isinstance(i, int) and i >= 0 for i in values["ctx"] + values["cont"]):
                     raise ValueError(f"task {t['name']}: a request with empty or non-integer token ids")
                 requests.append(Request(**values))
-            tasks.append(TaskRequests(str(t["name"]), str(t["metric"]), tuple(requests), int(t["docs_total"])))
+            sample = t.get("sample")  # absent from files written before the sampled limit
+            tasks.append(
+                TaskRequests(
+                    str(t["name"]),
+                    str(t["metric"]),
+                    tuple(requests),
+                    int(t["docs_total"]),
+                    None if sample is None else tuple(int(d) for d in sample),
+                    tuple(int(d) for d in t.get("dropped", ())),
+                )
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: damaged tokenised-requests file ({exc})") from None
     return tasks, {k: v for k, v in body.items() if k not in ("tasks", "fields")}

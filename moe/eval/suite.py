@@ -1,5 +1,7 @@
-"""A suite of tokenised tasks scored on one model: per task, OLMo's metrics, the number of
-documents, chance level and the time it took; sharded over data-parallel ranks when asked.
+"""A suite of tokenised tasks scored on one model: per task, OLMo's metrics with their standard
+errors, the number of documents, chance level, how much context the model's window cut (or
+how many documents were dropped instead) and the time it took; sharded over data-parallel
+ranks when asked.
 
 Torch only: the evaluate stage and the trainer's in-loop evaluation (moe.eval.callback) share
 it, with the requests built by pipeline.eval from the task data.
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe.eval.metrics import RANKED, chance, task_metrics
-from moe.eval.requests import TaskRequests
+from moe.eval.requests import TaskRequests, truncation
 from moe.eval.scoring import Forward, score_requests
 
 
@@ -83,6 +85,8 @@ def evaluate_suite(
             metrics["chance"] = chance(t.requests)
         metrics["docs_total"] = float(t.docs_total)
         metrics["requests"] = float(len(t.requests))
+        metrics.update(truncation(t.requests, max_len))
+        metrics["dropped_docs"] = float(len(t.dropped))
         metrics["seconds"] = time.perf_counter() - start
         results[t.name] = metrics
         all_scores[t.name] = scores
@@ -95,13 +99,17 @@ def evaluate_suite(
 
 
 def headline(metrics: dict[str, float], metric: str) -> dict[str, float]:
-    """The few numbers a curve or a table shows: the primary metric, accuracy, bpb."""
-    out = {}
+    """The few numbers a curve or a table shows: the primary metric, accuracy, bpb; each with
+    its standard error beside it (``<name>/stderr``, where the metrics carry one)."""
+    names = {}
     if metric in RANKED:
-        out[metric] = metrics[f"{metric}_v2"]
-        out["acc"] = metrics["acc_v2"]
-        out["len_norm"] = metrics["len_norm_v2"]
-    out["bpb"] = metrics["bpb_v2"]
+        names.update({metric: f"{metric}_v2", "acc": "acc_v2", "len_norm": "len_norm_v2"})
+    names["bpb"] = "bpb_v2"
     if "ce_loss_v2" in metrics:
-        out["ce_loss"] = metrics["ce_loss_v2"]
+        names["ce_loss"] = "ce_loss_v2"
+    out = {}
+    for short, key in names.items():
+        out[short] = metrics[key]
+        if f"{key}/stderr" in metrics:
+            out[f"{short}/stderr"] = metrics[f"{key}/stderr"]
     return out

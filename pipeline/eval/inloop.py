@@ -24,7 +24,15 @@ def prepare_in_loop(cfg: ExperimentConfig, inputs: dict[str, Any], key: str = "t
     """The tokenised tasks (every check made: names, data, tokenizer, lengths)."""
     info = load_tokenizer(inputs["tokenizer"])
     return prepare_tasks(
-        cfg.train.eval_tasks, info, limit=cfg.train.eval_limit, data_dir=inputs.get("data_dir"), key=key, max_len=cfg.model.max_seq_len
+        cfg.train.eval_tasks,
+        info,
+        limit=cfg.train.eval_limit,
+        data_dir=inputs.get("data_dir"),
+        key=key,
+        max_len=cfg.model.max_seq_len,
+        seed=cfg.train.eval_seed,
+        truncation_mode=cfg.train.eval_truncation,
+        truncation_key="train.eval_truncation",
     ), info
 
 

@@ -1,16 +1,30 @@
 """Tasks -> tokenised requests, with every check made before any model runs: the task names,
 the data, the tokenizer's ability to encode the text (no unknown-token fallbacks, no empty
-encodings) and the model's context length."""
+encodings) and the model's context length.
+
+A limit takes a seeded random sample of each task's documents, stratified by the task's own
+source/subject field (Doc.group), not the first documents in file order: those are often one
+subject or one source (MMLU's rows run subject by subject), so a prefix measures a different
+task. Contexts the model's window would cut are counted, warned about, and either cut from
+the left (OLMo's evaluator does) or, with ``truncation="drop"``, left out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import logging
+import random
 from pathlib import Path
 
-from moe.eval.requests import Request, TaskRequests
+from moe.eval.requests import Request, TaskRequests, truncation
 from pipeline.errors import PipelineError
 from pipeline.eval.data import data_root
 from pipeline.eval.tasks import Doc, Task, resolve_tasks
 from pipeline.tokenizer import TokenizerInfo
+
+log = logging.getLogger("pipeline.eval")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "<|beginoftext|>")
 
 
 def _encoder(info: TokenizerInfo):
@@ -23,9 +37,24 @@ def _encoder(info: TokenizerInfo):
     return tok, unk
 
 
+def bos_id(tok) -> int | None:
+    """The tokenizer's beginning-of-sequence token, or None: the special token its post-processor
+    puts before the text, else a special token under a BOS name (a vocabulary entry that merely
+    spells ``<s>`` does not count)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
+        return full[0]
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return next((special[name] for name in _BOS_NAMES if name in special), None)
+
+
 def tokenize_task(task: Task, docs: list[Doc], info: TokenizerInfo, key: str) -> list[Request]:
-    """Context and continuation are tokenised separately (OLMo's evaluator), without special tokens."""
+    """Context and continuation are tokenised separately (OLMo's evaluator), without special
+    tokens; the tokenizer's BOS token, where it has one, starts every context (as OLMo's
+    evaluator prepends it: a model trained with it expects it first)."""
     tok, unk = _encoder(info)
+    bos = bos_id(tok)
     texts: list[str] = []
     for d in docs:
         texts += list(d.contexts) + list(d.continuations)
@@ -37,6 +66,8 @@ def tokenize_task(task: Task, docs: list[Doc], info: TokenizerInfo, key: str) ->
             ctx_ids, cont_ids = ids[d.context(cont_id)], ids[cont]
             if not ctx_ids or not cont_ids:
                 raise PipelineError(f"{key}: task {task.name}, document {d.doc_id}: the tokenizer ({info.sha256[:12]}) encodes its text to nothing")
+            if bos is not None and ctx_ids[0] != bos:
+                ctx_ids = (bos, *ctx_ids)
             if unk is not None and (unk in ctx_ids or unk in cont_ids):
                 raise PipelineError(
                     f"{key}: task {task.name}, document {d.doc_id}: the tokenizer ({info.sha256[:12]}) cannot "
@@ -50,8 +81,52 @@ def tokenize_task(task: Task, docs: list[Doc], info: TokenizerInfo, key: str) ->
     return requests
 
 
-def prepare_tasks(names: list[str], info: TokenizerInfo, *, limit: int | None, data_dir: str | None, key: str, max_len: int) -> list[TaskRequests]:
-    """Every named task (or suite) built and tokenised; ``limit``: the first documents of each."""
+def _rng(seed: int, task: str) -> random.Random:
+    """One generator per (seed, task), from sha256: the same sample in every process and run
+    (never Python's salted hash), and different tasks not sampled in lockstep."""
+    return random.Random(int.from_bytes(hashlib.sha256(f"{seed}/{task}".encode()).digest()[:8], "big"))
+
+
+def sample_documents(docs: list[Doc], limit: int | None, seed: int, task: str) -> list[Doc]:
+    """``limit`` documents drawn at random (all of them: None or more than there are), in file
+    order. Stratified by Doc.group: each group gets its proportional share, floored, and the
+    documents left over go to the largest remainders (ties drawn at random), so a sample keeps
+    the task's mix of subjects; within a group, a uniform draw without replacement."""
+    if limit is None or limit >= len(docs):
+        return docs
+    rng = _rng(seed, task)
+    strata: dict[str, list[int]] = {}
+    for i, d in enumerate(docs):
+        strata.setdefault(d.group or "", []).append(i)
+    names = sorted(strata)
+    take = {g: limit * len(strata[g]) // len(docs) for g in names}
+    remainder = {g: limit * len(strata[g]) % len(docs) for g in names}  # integers: no float ties
+    ties = {g: rng.random() for g in names}
+    for g in sorted(names, key=lambda g: (-remainder[g], ties[g]))[: limit - sum(take.values())]:
+        take[g] += 1
+    chosen: list[int] = []
+    for g in names:
+        chosen += rng.sample(strata[g], take[g])
+    return [docs[i] for i in sorted(chosen)]
+
+
+def prepare_tasks(
+    names: list[str],
+    info: TokenizerInfo,
+    *,
+    limit: int | None,
+    data_dir: str | None,
+    key: str,
+    max_len: int,
+    seed: int = 0,
+    truncation_mode: str = "cut",
+    truncation_key: str = "evaluate.truncation",
+) -> list[TaskRequests]:
+    """Every named task (or suite) built and tokenised; ``limit``: a seeded, stratified sample of
+    each (sample_documents). Documents whose context does not fit ``max_len`` get one warning
+    line per task, and are cut (``truncation_mode="cut"``) or left out (``"drop"``)."""
+    if truncation_mode not in ("cut", "drop"):
+        raise PipelineError(f"{truncation_key}: must be cut or drop, got {truncation_mode!r}")
     tasks = resolve_tasks(names, key)
     if not tasks:
         return []
@@ -61,7 +136,7 @@ def prepare_tasks(names: list[str], info: TokenizerInfo, *, limit: int | None, d
         docs = task.build(root)
         if not docs:
             raise PipelineError(f"{key}: task {task.name} has no documents in {root}")
-        kept = docs[:limit] if limit else docs
+        kept = sample_documents(docs, limit, seed, task.name)
         requests = tokenize_task(task, kept, info, key)
         too_long = [r for r in requests if len(r.cont) > max_len]
         if too_long:
@@ -69,5 +144,36 @@ def prepare_tasks(names: list[str], info: TokenizerInfo, *, limit: int | None, d
             raise PipelineError(
                 f"{key}: task {task.name}, document {r.doc_id}: a continuation of {len(r.cont)} tokens does not fit model.max_seq_len={max_len}"
             )
-        out.append(TaskRequests(task.name, task.metric, tuple(requests), len(docs)))
+        sample = tuple(d.doc_id for d in kept) if len(kept) < len(docs) else None
+        task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample)
+        cut = truncation(requests, max_len)
+        if cut["truncated_docs"]:
+            task_requests = _report_cut(task_requests, cut, len(kept), max_len, truncation_mode, truncation_key)
+        out.append(task_requests)
     return out
+
+
+def _report_cut(t: TaskRequests, cut: dict[str, float], docs: int, max_len: int, mode: str, key: str) -> TaskRequests:
+    """The warning line for a task whose contexts do not fit; with ``mode="drop"``, the task
+    without those documents (refused when none would be left)."""
+    what = "those documents are left out" if mode == "drop" else "their context is cut from the left"
+    hint = f"{key}=cut cuts them instead" if mode == "drop" else f"{key}=drop leaves them out"
+    log.warning(
+        "task %s: %d of %d documents (%d requests) do not fit model.max_seq_len=%d by up to %d tokens (%d in all): %s; %s",
+        t.name,
+        cut["truncated_docs"],
+        docs,
+        cut["truncated_requests"],
+        max_len,
+        cut["truncated_tokens_max"],
+        cut["truncated_tokens_total"],
+        what,
+        hint,
+    )
+    if mode != "drop":
+        return t
+    dropped = sorted({r.doc_id for r in t.requests if r.cut(max_len)})
+    if len(dropped) == docs:
+        raise PipelineError(f"{key}=drop: every document of task {t.name} is longer than model.max_seq_len={max_len}; nothing would be left")
+    gone = set(dropped)
+    return dataclasses.replace(t, requests=tuple(r for r in t.requests if r.doc_id not in gone), dropped=tuple(dropped))

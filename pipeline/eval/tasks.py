@@ -36,6 +36,9 @@ class Doc:
     contexts: tuple[str, ...]  # one for all continuations, or one per continuation (WinoGrande)
     continuations: tuple[str, ...]
     label: int
+    # the task's own source/subject field (HellaSwag's activity label, MMLU's subject), which a
+    # limited evaluation stratifies its sample by; None where the data has none
+    group: str | None = None
 
     def context(self, cont_id: int) -> str:
         return self.contexts[cont_id] if len(self.contexts) > 1 else self.contexts[0]
@@ -63,12 +66,12 @@ def _arc_label(answer: str) -> int:
     return "ABCDE".index(answer)
 
 
-def _one_context(rows: list[dict[str, Any]], text, continuations, label) -> list[Doc]:
-    return [Doc(i, (text(r),), tuple(continuations(r)), label(r)) for i, r in enumerate(rows)]
+def _one_context(rows: list[dict[str, Any]], text, continuations, label, group=None) -> list[Doc]:
+    return [Doc(i, (text(r),), tuple(continuations(r)), label(r), group(r) if group else None) for i, r in enumerate(rows)]
 
 
-def _zero_shot(path: str, name: str | None, text, continuations, label) -> Callable[[Path], list[Doc]]:
-    return lambda root: _one_context(read_arrow_split(root, path, name, "validation"), text, continuations, label)
+def _zero_shot(path: str, name: str | None, text, continuations, label, group=None) -> Callable[[Path], list[Doc]]:
+    return lambda root: _one_context(read_arrow_split(root, path, name, "validation"), text, continuations, label, group)
 
 
 def _winogrande(root: Path) -> list[Doc]:
@@ -99,6 +102,7 @@ IN_LOOP = {
             lambda r: _hellaswag_clean(r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()),
             lambda r: [" " + _hellaswag_clean(e) for e in r["endings"]],
             lambda r: int(r["label"]),
+            lambda r: r["activity_label"],
         ),
         "HellaSwag, sentence completion",
     ),
@@ -269,9 +273,9 @@ def _mmlu(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
                         text = prefix + text
                     choices = [" A", " B", " C", " D"] if spec["mc_labels"] else [" " + c for c in row["choices"]]
                     if gold_only:
-                        docs.append(Doc(len(docs), (text,), (choices[row["answer"]],), 0))
+                        docs.append(Doc(len(docs), (text,), (choices[row["answer"]],), 0, subject))
                     else:
-                        docs.append(Doc(len(docs), (text,), tuple(choices), row["answer"]))
+                        docs.append(Doc(len(docs), (text,), tuple(choices), row["answer"], subject))
         return docs
 
     return build

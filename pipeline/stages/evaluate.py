@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moe.data import TokenDataset
-from moe.eval.metrics import RANKED, task_metrics
+from moe.eval.metrics import RANKED, combined_stderr, task_metrics
 from moe.eval.requests import TaskRequests
 from moe.eval.suite import evaluate_suite, headline
 from moe.model import Transformer
@@ -154,6 +154,22 @@ def summary_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def eval_tasks(cfg: PipelineConfig, tok_info, max_len: int) -> list[TaskRequests]:
+    """evaluate.tasks tokenised: evaluate.limit's seeded sample, evaluate.truncation's choice."""
+    e = cfg.evaluate
+    return prepare_tasks(
+        e.tasks,
+        tok_info,
+        limit=e.limit,
+        data_dir=e.data_dir,
+        key="evaluate.tasks",
+        max_len=max_len,
+        seed=e.seed,
+        truncation_mode=e.truncation,
+        truncation_key="evaluate.truncation",
+    )
+
+
 def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
     try:
         device = pick_device(cfg.evaluate.device, key="evaluate.device")
@@ -173,9 +189,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     check_checkpoint_tokenizer(checkpoint, tok_info, tok_file)  # the data is that tokenizer's (TokenDataset checks)
 
     ours = load_model(checkpoint, device)
-    tasks = prepare_tasks(
-        cfg.evaluate.tasks, tok_info, limit=cfg.evaluate.limit, data_dir=cfg.evaluate.data_dir, key="evaluate.tasks", max_len=ours.cfg.max_seq_len
-    )  # every check before a model runs
+    tasks = eval_tasks(cfg, tok_info, ours.cfg.max_seq_len)  # every check before a model runs
     hf = load_hf_model(hf_dir, device)
 
     seq_len = min(cfg.data.seq_len, ours.cfg.max_seq_len)
@@ -275,6 +289,10 @@ def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.devic
             )
         hf_line = {**headline(h, t.metric), "docs": h["docs"]}
         out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": hf_line, "hf_rel_diff": rel}
+        if t.sample is not None:  # evaluate.limit's sample: which documents, so a reader can rescore them
+            out[t.name].update(sample_seed=cfg.evaluate.seed, doc_ids=list(t.sample))
+        if t.dropped:
+            out[t.name]["dropped_doc_ids"] = list(t.dropped)
     return out
 
 
@@ -299,7 +317,8 @@ def _progress(model: str):
 
 
 def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Means over the tasks of the primary metric (where it is an accuracy), of chance, and of bpb."""
+    """Means over the tasks of the primary metric (where it is an accuracy), of chance, and of
+    bpb; the means' standard errors from the tasks' (independent samples: sqrt(sum se^2) / k)."""
     ranked = [r for r in downstream.values() if r["primary"] in RANKED]
     out = {
         "tasks": float(len(downstream)),
@@ -308,18 +327,21 @@ def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
     if ranked:
         out["primary_mean"] = sum(r[f"{r['primary']}_v2"] for r in ranked) / len(ranked)
+        out["primary_mean/stderr"] = combined_stderr([r[f"{r['primary']}_v2/stderr"] for r in ranked])
         out["chance_mean"] = sum(r["chance"] for r in ranked) / len(ranked)
     if downstream:
         out["bpb_mean"] = sum(r["bpb_v2"] for r in downstream.values()) / len(downstream)
+        out["bpb_mean/stderr"] = combined_stderr([r["bpb_v2/stderr"] for r in downstream.values()])
     return out
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """eval.json as MLflow metrics: task/<name>/<metric>, suite/<figure>, the rest as they are."""
+    """eval.json as MLflow metrics: task/<name>/<metric> (a standard error as
+    task/<name>/<metric>/stderr), suite/<figure>, the rest as they are."""
     flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for name, r in metrics.get("tasks", {}).items():
         for k, v in r.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "sample_seed":
                 flat[f"task/{name}/{k}"] = v
         for k, v in r.get("hf", {}).items():
             flat[f"task/{name}/hf_{k}"] = v
@@ -342,7 +364,7 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
         raise PipelineError("--checkpoint: two of the checkpoints are at the same step; name each step once")
     checkpoints = [by_step[s] for s in sorted(by_step)]  # MLflow's history in step order
     first = read_meta(checkpoints[0])["config"]["model"]["max_seq_len"]
-    tasks = prepare_tasks(cfg.evaluate.tasks, tok_info, limit=cfg.evaluate.limit, data_dir=cfg.evaluate.data_dir, key="evaluate.tasks", max_len=first)
+    tasks = eval_tasks(cfg, tok_info, first)
     pad = tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id
     points = []
     for c in checkpoints:

@@ -4,10 +4,10 @@ ai2-olmo-eval's own task classes and ICLMetric, on a checkpoint of ours.
     python olmo_eval_reference.py SPEC.json OUT.json
 
 SPEC: {"checkpoint": dir, "tokenizer": tokenizer.json, "eos_id": n, "pad_id": n, "max_len": n,
-       "labels": [...], "limit": n}. The model is the moe library's (torch only, on PYTHONPATH),
+       "labels": [...], "doc_ids": {label: [doc ids]}}. The model is the moe library's (torch only, on PYTHONPATH),
 so the logits are the same function of the same token ids; everything about the tasks
 (prompts, tokenisation, batching, metric arithmetic) is ai2-olmo-eval's. OUT: per label, the
-samples (doc_id, cont_id, ctx, continuation, label) of the first ``limit`` documents, their
+samples (doc_id, cont_id, ctx, continuation, label) of the documents ``doc_ids`` names, their
 summed log-likelihoods, and ICLMetric's results for acc, len_norm (ranked tasks) or the task's
 own metric type.
 """
@@ -36,8 +36,8 @@ def main(spec_path: str, out_path: str) -> None:
     out = {}
     for label in spec["labels"]:
         task = build_task(label, tokenizer, model_ctx_len=spec["max_len"])
-        first = set(sorted({x["doc_id"] for x in task.samples})[: spec["limit"]])
-        keep = [s for s in task.samples if s["doc_id"] in first]
+        chosen = set(spec["doc_ids"][label])
+        keep = [s for s in task.samples if s["doc_id"] in chosen]
         types = ["acc", "len_norm"] if task.metric_type in ("acc", "len_norm") else [task.metric_type]
         metrics = {t: ICLMetric(metric_type=t) for t in types}
         scores = []

@@ -51,6 +51,16 @@ def test_downstream_tasks_in_eval_json_with_transformers_beside(in_trained):
     assert Path("plots/eval/downstream.png").read_bytes().startswith(b"\x89PNG")
     flat = flat_metrics(m)
     assert "task/arc_easy/bpb_v2" in flat and "task/arc_easy/hf_bpb" in flat and "suite/bpb_mean" in flat
+    # issue 40: a standard error beside every metric, the sampled documents, the truncation counts
+    n, p = arc["docs"], arc["acc_v2"]
+    assert arc["acc_v2/stderr"] == __import__("pytest").approx((p * (1 - p) / n) ** 0.5)
+    assert arc["bpb_v2/stderr"] > 0 and "bpb_mean/stderr" in summary["suite"] and "primary_mean/stderr" in summary["suite"]
+    assert "task/arc_easy/acc_v2/stderr" in flat and "task/arc_easy/hf_bpb/stderr" in flat and "suite/bpb_mean/stderr" in flat
+    assert arc["sample_seed"] == 0 and len(arc["doc_ids"]) == 8 and arc["doc_ids"] == sorted(arc["doc_ids"])
+    assert arc["doc_ids"] != list(range(8))  # a random sample, not the first documents
+    mmlu = written["tasks"]["mmlu_stem_mc_5shot"]
+    assert mmlu["truncated_docs"] >= 1 and mmlu["truncated_tokens_max"] >= 1 and mmlu["dropped_docs"] == 0  # 5-shot vs 32 positions
+    assert arc["truncated_requests"] <= arc["requests"]
 
 
 def test_evaluate_defaults_to_the_whole_split():
