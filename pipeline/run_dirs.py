@@ -1,12 +1,18 @@
 """What a training run writes into its run directory and checkpoint directory, and the check
 that a directory given as one holds nothing else (a user's folder is never written into).
 
-The check reads what is there: every entry must be a name a run writes, not merely a marker.
+The check reads what is there: every entry must be a name a run writes, and the files a run
+rewrites (its job spec, summary, metrics, logs, lock) must read as ours: a user's folder that
+happens to hold a ``summary.json`` or ``logs/rank0.log`` of its own is refused, not overwritten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import json
+import re
+import stat
 from pathlib import Path
 
 from moe.train.checkpoint import STEP_DIR_NAME
@@ -31,6 +37,105 @@ RUN_DIR_NAMES = (
 )
 # The checkpoint directory: complete steps, the pointer to the newest, temporaries of saves.
 CHECKPOINT_DIR_NAMES = ("latest", ".lock", ".tmp-step_*", ".tmp-old-step_*", ".latest.tmp-*")
+
+
+# The first line of every worker log (pipeline.executors.local writes it): how a run knows its own logs.
+LOG_HEADER = "# moe worker log"
+_LOG_NAME = re.compile(r"rank\d+\.log")
+_JSON_LIMIT = 64 << 20  # a job spec or summary larger than this is not one of ours
+_SCAN = 1 << 20  # metrics.jsonl: the first and the last MiB are read
+
+
+def _json_object(path: Path) -> dict | None:
+    if path.stat().st_size > _JSON_LIMIT:
+        return None
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_job_spec(path: Path) -> bool:
+    from pipeline.executors.base import TrainJob
+
+    data = _json_object(path)
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
+    return data is not None and {"config", "run_dir"} <= data.keys() <= fields and isinstance(data["config"], dict)
+
+
+def _is_summary(path: Path) -> bool:
+    from moe.train.trainer import TrainSummary
+
+    data = _json_object(path)
+    fields = {f.name for f in dataclasses.fields(TrainSummary)} | {"already_finished"}
+    return data is not None and {"steps", "final_loss"} <= data.keys() <= fields
+
+
+def _metric_row(line: bytes) -> bool | None:
+    """True: a metrics row (a JSON object with an integer step and numbers); False: JSON that is
+    not one; None: not JSON at all (a line a crash tore)."""
+    try:
+        row = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return False
+    return all(v is None or type(v) in (int, float) for v in row.values())
+
+
+def _is_metrics(path: Path) -> bool:
+    """Every JSON line read (all of a small file; the first and last MiB of a large one) is a
+    metrics row, and at least one is (an empty file holds nothing to lose). Lines that are not
+    JSON at all (a write torn by a crash) are tolerated: the readers skip them with a warning."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= 2 * _SCAN:
+            lines = f.read().split(b"\n")
+        else:
+            head = f.read(_SCAN)
+            f.seek(size - _SCAN)
+            lines = head.split(b"\n")[:-1] + f.read().split(b"\n")[1:]  # drop the lines the cut splits
+    kinds = [_metric_row(line) for line in lines if line.strip()]
+    return not kinds or (False not in kinds and True in kinds)
+
+
+def _is_log_dir(path: Path) -> bool:
+    for entry in path.iterdir():
+        if not _LOG_NAME.fullmatch(entry.name) or entry.is_symlink() or not entry.is_file():
+            return False
+        with open(entry, "rb") as f:
+            start = f.read(len(LOG_HEADER))
+        if start and start != LOG_HEADER.encode():  # (an empty log holds nothing to lose)
+            return False
+    return True
+
+
+def _is_lock(path: Path) -> bool:
+    if not stat.S_ISREG(path.lstat().st_mode) or path.stat().st_size > 4096:
+        return False
+    text = path.read_bytes().strip()
+    return not text or _json_object(path) is not None
+
+
+# Entries whose content is checked (the rest are written only through the output ledger, or
+# are directories of our own whose names are checked).
+_CONTENT = {
+    "job.json": _is_job_spec,
+    "summary.json": _is_summary,
+    "metrics.jsonl": _is_metrics,
+    "logs": _is_log_dir,
+    ".lock": _is_lock,
+}
+
+
+def _not_ours(p: Path) -> bool:
+    check = _CONTENT.get(p.name)
+    if check is None:
+        return False
+    if p.name == "logs":
+        return not p.is_dir() or not check(p)
+    return not p.is_file() or not check(p)
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -62,7 +167,15 @@ def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path) -> None:
     if not run.is_dir():
         return
     for p in sorted(run.iterdir()):
-        if p.resolve() == ckpt.resolve() or _matches(p.name, RUN_DIR_NAMES) and not p.is_symlink():
+        if p.resolve() == ckpt.resolve():
+            continue
+        if _matches(p.name, RUN_DIR_NAMES) and not p.is_symlink():
+            if _not_ours(p):
+                hint = f" (a run directory of a version before worker logs began with {LOG_HEADER!r}: remove its logs/)" if p.name == "logs" else ""
+                raise PipelineError(
+                    f"executor.run_dir: {run} holds {p.name}, whose content is not what a training run writes there; "
+                    f"refusing to overwrite it: choose another directory{hint}"
+                )
             continue
         if p.is_dir() and not p.is_symlink() and _foreign_in_checkpoint_dir(p) is None:
             continue  # an earlier run's checkpoint directory (checkpoint.dir changed since)

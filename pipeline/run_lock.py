@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -63,11 +64,15 @@ class RunLock:
             return
         directory.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            # O_NONBLOCK: a FIFO planted at the name must not block the open
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError:
             if path.is_symlink():
                 raise PipelineError(f"{path}: is a symlink; a run's lock file must be a plain file (remove the link)") from None
             raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PipelineError(f"{path}: is not a plain file; a run's lock file must be one (remove it)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.executors.base import JobResult, TrainJob
 from pipeline.outputs import open_for_write
+from pipeline.run_dirs import LOG_HEADER
 from pipeline.run_lock import RunLock, command_line
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -34,6 +35,7 @@ def last_error_line(log_path: Path) -> str:
         lines = log_path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
+    lines = [line for line in lines if not line.startswith(LOG_HEADER)]
     for line in reversed(lines):
         if line.startswith("error:") or "Error" in line:
             return line.strip()
@@ -71,6 +73,8 @@ class LocalExecutor:
             }
             log_path = logs / f"rank{rank}.log"
             log_file = open_for_write(log_path)  # refuses a symlink planted there, before anything starts
+            log_file.write(f"{LOG_HEADER}: rank {rank} of {job.nprocs}\n")  # how a later run knows it is ours
+            log_file.flush()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.worker", str(spec)],
                 env=env,

@@ -490,6 +490,27 @@ def _user_run_dir(ws):
     user_dir(ws / "mydir")
 
 
+def _user_files_with_run_names(ws):
+    """Issue 37: a user's experiment folder holding files under the names a run writes."""
+    d = ws / "myexp"
+    (d / "logs").mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"accuracy": 0.91, "notes": "my baseline"}))
+    (d / "metrics.jsonl").write_text('{"val_loss": 3.2}\n{"val_loss": 3.1}\n')
+    (d / "logs/rank0.log").write_text("my own notes about rank 0\n")
+
+
+def _user_files_through_symlink(ws):
+    _user_files_with_run_names(ws)
+    (ws / "runs").mkdir(exist_ok=True)
+    (ws / "runs/linked").symlink_to(ws / "myexp")
+
+
+def _lock_fifo(ws):
+    d = ws / "runs/fifo"
+    d.mkdir(parents=True)
+    os.mkfifo(d / ".lock")
+
+
 # ---------------------------------------------------------------- 13: mismatches
 
 
@@ -660,6 +681,21 @@ CASES = [
         setup=_user_run_dir,
         keep=("mydir/*",),
     ),
+    Case(
+        "run-dir-user-files-named-like-ours",
+        11,
+        [*TRAIN, "--set", "executor.run_dir=myexp", "--set", "checkpoint.dir=runs/x/ck"],
+        setup=_user_files_with_run_names,
+        keep=("myexp/*", "myexp/logs/*"),
+    ),
+    Case(
+        "run-dir-user-files-through-symlink",
+        11,
+        [*TRAIN, "--set", "executor.run_dir=runs/linked", "--set", "checkpoint.dir=runs/y/ck"],
+        setup=_user_files_through_symlink,
+        keep=("myexp/*", "myexp/logs/*"),
+    ),
+    Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
     Case("set-container-runtime-none", 11, ["params", "--set", "container.runtime=none"], expect="ok"),
     # 13: mismatches
