@@ -5,11 +5,14 @@ configuration (the scaling rule's notes beside the figure), and the ratio of the
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import PipelineError
+from pipeline.outputs import check_output_file, write_output_file
 from pipeline.paper.claims import CLAIMS, STAGES
 from pipeline.tracking.provenance import git_info
 
@@ -225,6 +228,9 @@ def projection_lines(stage: str, derived: dict[str, Any]) -> list[str]:
     return lines
 
 
+PLOT_NAMES = ("experts.png", "fp8.png", "resident.png", "recompute.png", "ep.png", "gerrymander.png")
+
+
 def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -234,11 +240,12 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     made = []
 
     def save(fig, name: str) -> None:
-        path = out / name
+        assert name in PLOT_NAMES, name  # (checked before any work)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
-        made.append(path)
+        made.append(write_output_file(out / name, buf.getvalue(), "paper report", _is_matplotlib_png))
 
     def ok(stage: str) -> list[dict[str, Any]]:
         return [v for v in results.get(stage, {}).get("variants", []) if v.get("status") == "ok"]
@@ -296,13 +303,19 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
 
 def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
     results_dir, out_dir = Path(results_dir), Path(out_dir)
+    check_report_dir(out_dir)
     results = {}
     for stage in STAGES:
         path = results_dir / f"{stage}.json"
         if path.is_file():
-            results[stage] = json.loads(path.read_text())
+            results[stage] = load_stage_result(path)
     missing = [s for s in STAGES if s not in results]
     plots_dir = out_dir / "plots"
+    if plots_dir.is_symlink():
+        raise PipelineError(f"paper report: {plots_dir} is a symlink; refusing to write plots through it")
+    check_output_file(out_dir / "REPORT.md", "paper report", _is_our_report)
+    for name in PLOT_NAMES:
+        check_output_file(plots_dir / name, "paper report", _is_matplotlib_png)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots = _plots(results, plots_dir)
     hw = sorted({r["hardware"]["describe"] for r in results.values()})
@@ -367,8 +380,72 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         lines += [f"Stages without results: {', '.join(missing)}.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
-    report = out_dir / "REPORT.md"
-    tmp = report.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    tmp.replace(report)
-    return report
+    return write_output_file(out_dir / "REPORT.md", "\n".join(lines), "paper report", _is_our_report)
+
+
+# ---------------------------------------------------------------- what is read and what is written
+
+REPORT_TITLE = "# Reproducing the paper's system claims"
+_RESULT_LIMIT = 64 << 20
+
+
+def _is_our_report(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.readline().rstrip(b"\r\n") == REPORT_TITLE.encode()
+
+
+def _is_matplotlib_png(path: Path) -> bool:
+    """Our plots are matplotlib PNGs (it names itself in a tEXt chunk near the start)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Software\x00Matplotlib" in head
+
+
+def check_report_dir(out_dir: Path) -> None:
+    """The report goes beside the results folder, which must lie inside this project (the
+    working directory): ``paper.results=/etc`` would otherwise write /REPORT.md."""
+    here = Path.cwd().resolve()
+    where = out_dir.resolve()
+    if where != here and here not in where.parents:
+        raise PipelineError(
+            f"paper.results: the report goes to its parent folder, {out_dir}, which is outside this project ({here}); "
+            "choose a results folder inside it"
+        )
+
+
+def load_stage_result(path: Path) -> dict[str, Any]:
+    """A stage's result file, checked for what the report reads (one error naming the file and
+    the field, before anything is written)."""
+
+    def bad(field: str, what: str) -> PipelineError:
+        return PipelineError(f"{path}: {field} {what} (not a `moe paper stage` result file)")
+
+    if path.stat().st_size > _RESULT_LIMIT:
+        raise bad("the file", f"is larger than {_RESULT_LIMIT >> 20} MiB")
+    try:
+        r = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad("the file", f"is not JSON ({exc})") from None
+    if not isinstance(r, dict):
+        raise bad("the top level", f"is a {type(r).__name__}, not an object")
+    for key in ("hardware", "scaling"):
+        if not isinstance(r.get(key), dict):
+            raise bad(key, "is missing or not an object")
+    if not isinstance(r["hardware"].get("describe"), str):
+        raise bad("hardware.describe", "is missing or not text")
+    if not isinstance(r["scaling"].get("shape"), str):
+        raise bad("scaling.shape", "is missing or not text")
+    if not isinstance(r.get("derived", {}), dict):
+        raise bad("derived", "is not an object")
+    variants = r.get("variants")
+    if not isinstance(variants, list):
+        raise bad("variants", "is missing or not a list")
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict) or not isinstance(v.get("name"), str):
+            raise bad(f"variants[{i}]", "is not an object with a name")
+        if v.get("status") != "ok":
+            continue
+        for key in ("tokens_per_s_per_device", "tflops_per_device", "step_time_s"):
+            if type(v.get(key)) not in (int, float):
+                raise bad(f"variants[{i}].{key}", "is missing or not a number")
+    return r

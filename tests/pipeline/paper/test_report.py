@@ -1,0 +1,82 @@
+"""`moe paper report` writes only what it owns, inside the project, from result files it has
+checked (issue 37): the committed H200 results are the input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import PipelineError
+from pipeline.paper.report import PLOT_NAMES, write_report
+
+REPO = Path(__file__).resolve().parents[3]
+H200 = REPO / "bench/paper/h200x1/results"
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    shutil.copytree(H200, tmp_path / "h200/results")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_report_and_its_plots_are_written_and_rewritten(project):
+    report = write_report("h200/results", "h200")
+    assert report == Path("h200/REPORT.md") and report.read_text().startswith("# Reproducing the paper's system claims")
+    assert sorted(p.name for p in Path("h200/plots").glob("*.png")) == sorted(PLOT_NAMES)
+    write_report("h200/results", "h200")  # its own outputs are replaced
+
+
+def test_a_users_report_and_a_planted_plot_link_are_refused(project):
+    (project / "h200/REPORT.md").write_text("# my notes\n")
+    with pytest.raises(PipelineError, match="REPORT.md exists and was not written by this stage"):
+        write_report("h200/results", "h200")
+    assert (project / "h200/REPORT.md").read_text() == "# my notes\n" and not (project / "h200/plots").exists()
+
+    (project / "h200/REPORT.md").unlink()
+    (project / "h200/plots").mkdir()
+    (project / "precious.png").write_bytes(b"precious")
+    (project / "h200/plots/experts.png").symlink_to(project / "precious.png")
+    with pytest.raises(PipelineError, match="symlink"):
+        write_report("h200/results", "h200")
+    assert (project / "precious.png").read_bytes() == b"precious" and not (project / "h200/REPORT.md").exists()
+
+
+def test_results_outside_the_project_are_refused(project, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("elsewhere")
+    shutil.copytree(H200, outside / "results")
+    with pytest.raises(PipelineError, match="outside this project"):
+        write_report(outside / "results", outside)
+    assert not (outside / "REPORT.md").exists() and not (outside / "plots").exists()
+
+
+@pytest.mark.parametrize(
+    "content,field",
+    [
+        ("[1, 2]", "the top level is a list"),
+        ('{"hardware": {"describe": "x"}, "variants": []}', "scaling is missing"),
+        ('{"hardware": {"describe": "x"}, "scaling": {"shape": "s"}, "variants": [{"name": "a", "status": "ok"}]}', r"variants\[0\].tokens_per_s_per_device"),
+        ("{broken", "the file is not JSON"),
+    ],
+    ids=["list", "no-scaling", "variant-without-numbers", "broken-json"],
+)
+def test_a_result_file_that_is_not_one_is_one_error_naming_it(project, content, field):
+    (project / "h200/results/fp8.json").write_text(content)
+    with pytest.raises(PipelineError, match=rf"fp8.json: {field}"):
+        write_report("h200/results", "h200")
+    assert not (project / "h200/REPORT.md").exists()
+
+
+def test_the_cli_refuses_a_results_folder_at_the_root(project):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    params = json.loads(json.dumps({"paper": {"results": "/etc"}}))
+    (project / "params.yaml").write_text(json.dumps(params))
+    result = CliRunner().invoke(app, ["paper", "report", "--no-mlflow"])
+    assert result.exit_code != 0 and "outside this project" in result.output, result.output
+    assert not Path("/REPORT.md").exists()
