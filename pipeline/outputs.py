@@ -7,10 +7,12 @@ exactly the files its record lists, unchanged; anything else (a user's folder th
 hold a file of the same name, an output a user has edited or added to) is refused before any
 work, naming the key and the first file that does not belong.
 
-Single files (metrics, plots, samples): the sha256 of what we wrote is kept in the directory's
-ledger ``.moe-outputs.json``; an existing file is overwritten only when its content is what
-the ledger recorded, or when a recogniser that reads its content says it is this stage's
-format (a fresh clone that carries the outputs but not the ledger). Every write goes to a
+Single files (metrics, plots, samples): the sha256 of what we wrote, and which writer (the
+config key or output name) wrote it, are kept in the directory's ledger ``.moe-outputs.json``;
+an existing file is overwritten only when the ledger says this writer wrote exactly this
+content (another stage's output in the same folder is not this one's), or when a recogniser
+that reads its content says it is this writer's format (a fresh clone that carries the
+outputs but not the ledger). Every write goes to a
 temporary name in the same directory and is renamed over the target, which replaces a
 symlink itself instead of writing through it; a symlink where an output belongs is refused.
 """
@@ -89,19 +91,29 @@ def _ledger_path(path: Path) -> Path:
     return path.parent / LEDGER
 
 
-def _read_ledger(directory: Path) -> dict[str, str]:
+def _read_ledger(directory: Path) -> dict[str, dict[str, str]]:
+    """name -> {"sha256": ..., "by": writer}; an entry of the older form (a bare sha256) names
+    no writer and so vouches for nothing (the recogniser decides)."""
     try:
         data = json.loads((directory / LEDGER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    out = {}
+    for name, entry in data.items():
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("by"), str):
+            out[name] = {"sha256": entry["sha256"], "by": entry["by"]}
+    return out
 
 
-def is_own_file(path: Path, recognise: Recognise | None = None) -> bool:
+def is_own_file(path: Path, recognise: Recognise | None = None, key: str | None = None) -> bool:
+    """Whether ``path`` is an output of the writer ``key``: the ledger records this writer and
+    this content, or ``recognise`` reads it as this writer's format."""
     if path.is_symlink() or not path.is_file():
         return False
     recorded = _read_ledger(path.parent).get(path.name)
-    if recorded is not None and recorded == sha256_file(path):
+    if recorded is not None and recorded["by"] == key and recorded["sha256"] == sha256_file(path):
         return True
     if recognise is None:
         return False
@@ -120,7 +132,7 @@ def check_output_file(path: str | os.PathLike, key: str, recognise: Recognise | 
         return
     if not path.is_file():
         raise PipelineError(f"{key}: {path} exists and is not a file this stage wrote; refusing to replace it")
-    if not is_own_file(path, recognise):
+    if not is_own_file(path, recognise, key):
         raise PipelineError(
             f"{key}: {path} exists and was not written by this stage (or was changed since); "
             "refusing to overwrite it: choose another path or move the file away"
@@ -133,23 +145,28 @@ def write_output_file(path: str | os.PathLike, data: str | bytes, key: str, reco
     path = Path(path)
     check_output_file(path, key, recognise)
     write_atomic(path, data)
-    record_output_file(path)
+    record_output_file(path, key)
     return path
 
 
-def record_output_file(path: Path) -> None:
-    """Enter a file just written (by us, e.g. through matplotlib) into its directory's ledger."""
+def record_output_file(path: Path, key: str) -> None:
+    """Enter a file just written by the writer ``key`` into its directory's ledger."""
     ledger = _read_ledger(path.parent)
-    ledger[path.name] = sha256_file(path)
+    ledger[path.name] = {"sha256": sha256_file(path), "by": key}
     write_atomic(_ledger_path(path), json.dumps(ledger, indent=2, sort_keys=True) + "\n")
 
 
-def json_keys_within(allowed: set[str], required: str) -> Recognise:
-    """A recogniser for our JSON metrics files: an object holding ``required`` and no key of another schema."""
+def json_keys_within(allowed: set[str], required: str | set[str]) -> Recognise:
+    """A recogniser for our JSON metrics files: an object holding every ``required`` key and no
+    key of another schema (require all the keys the writer always writes: a user's
+    ``{"val_loss": 3.2}`` must not pass for a file with a dozen)."""
+    needed = {required} if isinstance(required, str) else set(required)
 
     def recognise(path: Path) -> bool:
+        if path.stat().st_size > 64 << 20:
+            return False
         data = json.loads(path.read_text())
-        return isinstance(data, dict) and required in data and set(data) <= allowed
+        return isinstance(data, dict) and needed <= set(data) <= allowed
 
     return recognise
 

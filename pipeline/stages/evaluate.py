@@ -126,8 +126,15 @@ EVAL_METRIC_KEYS = {
 }
 # evaluate.output (a DVC metric): the few numbers a table shows; per task and the rest beside it in _detail.json
 SUMMARY_KEYS = {"step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf", "suite"}
-recognise_metrics = json_keys_within(SUMMARY_KEYS, "val_loss")
-recognise_detail = json_keys_within(EVAL_METRIC_KEYS, "val_loss")
+recognise_metrics = json_keys_within(SUMMARY_KEYS, SUMMARY_KEYS)  # summary_metrics writes every one
+DETAIL_FORMAT = "moe-eval/1"
+
+
+def recognise_detail(path: Path) -> bool:
+    """Our detail file names its format (and holds no key of another schema)."""
+    if not json_keys_within(EVAL_METRIC_KEYS, {"val_loss", "format"})(path):
+        return False
+    return json.loads(path.read_text()).get("format") == DETAIL_FORMAT
 
 
 def output_paths(cfg: PipelineConfig) -> tuple[Path, Path]:
@@ -245,7 +252,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "generate_tokens": new_tokens,
         "generation_capped": float(capped),
     }
-    metrics["format"] = "moe-eval/1"
+    metrics["format"] = DETAIL_FORMAT
     metrics["step"] = int(read_meta(checkpoint)["step"])
     metrics["tasks"] = downstream
     metrics["suite"] = suite_summary(downstream)

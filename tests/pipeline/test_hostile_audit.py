@@ -505,6 +505,18 @@ def _user_files_through_symlink(ws):
     (ws / "runs/linked").symlink_to(ws / "myexp")
 
 
+def _user_baseline(ws):
+    (ws / "res").mkdir()
+    (ws / "res/baseline.json").write_text('{"val_loss": 3.2}\n')
+
+
+def _names(fragment):
+    def check(ws, result):
+        return None if fragment in result.output else "silent"
+
+    return check
+
+
 def _lock_fifo(ws):
     d = ws / "runs/fifo"
     d.mkdir(parents=True)
@@ -694,6 +706,21 @@ CASES = [
         [*TRAIN, "--set", "executor.run_dir=runs/linked", "--set", "checkpoint.dir=runs/y/ck"],
         setup=_user_files_through_symlink,
         keep=("myexp/*", "myexp/logs/*"),
+    ),
+    Case(
+        "evaluate-output-users-val-loss-json",
+        11,
+        ["evaluate", "--no-mlflow", "--set", "evaluate.output=res/baseline.json"],
+        setup=_user_baseline,
+        check=_names("res/baseline.json exists and was not written by this stage"),
+        keep=("res/baseline.json",),
+    ),
+    Case(
+        "evaluate-output-is-the-train-stages-metrics",
+        11,
+        ["evaluate", "--no-mlflow", "--set", "evaluate.output=metrics/train.json"],
+        check=_names("metrics/train.json exists and was not written by this stage"),
+        keep=("metrics/train.json",),
     ),
     Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
