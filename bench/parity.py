@@ -182,7 +182,8 @@ def report(args: argparse.Namespace) -> int:
         "wall_s": [ma.get("wall_s"), mb.get("wall_s")],
         "result": result,
         "curves": {na: a, nb: b},
-        "artifacts": [str(png.resolve())],
+        # (moe bench log uploads an artifact only from the JSON's own folder)
+        "artifacts": [png.name] if png.resolve().parent == (Path(args.results_dir) if args.results_dir else ROOT / "bench/results").resolve() else [],
         "mlflow": {"experiment": args.experiment, "run_name": "fp8-loss-parity"},
     }
     if not args.no_save:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
 from pipeline.tracking.client import mlflow_client, tracking_uri
 from pipeline.tracking.provenance import flatten
@@ -49,13 +50,58 @@ def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
     return found[0].info.run_id if found else None
 
 
+RESULT_LIMIT = 64 << 20
+
+
+def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
+    """A benchmark result file, checked for everything ``log_result`` reads (one error naming
+    the file and the field). ``artifacts`` are looked up by file name in the result's own
+    folder: a result file never makes us upload a file from anywhere else."""
+
+    def bad(field: str, what: str) -> PipelineError:
+        return PipelineError(f"{path}: {field} {what} (not a bench/results JSON file)")
+
+    path = Path(path)
+    if path.stat().st_size > RESULT_LIMIT:
+        raise bad("the file", f"is larger than {RESULT_LIMIT >> 20} MiB")
+    data = path.read_bytes()
+    try:
+        payload = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad("the file", f"is not JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise bad("the top level", f"is a {type(payload).__name__}, not an object")
+    for key in ("environment", "config", "mlflow", "result", "curves"):
+        if key in payload and not isinstance(payload[key], dict):
+            raise bad(key, "is not an object")
+    results = payload.get("results")
+    if results is not None and not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
+        raise bad("results", "is not a list of objects")
+    experiment = (payload.get("mlflow") or {}).get("experiment")
+    if experiment is not None and not (isinstance(experiment, str) and experiment.strip()):
+        raise bad("mlflow.experiment", "is not a name")
+    artifacts = payload.get("artifacts", [])
+    if not isinstance(artifacts, list) or not all(isinstance(a, str) and Path(a).name for a in artifacts):
+        raise bad("artifacts", "is not a list of file names")
+    for a in artifacts:
+        local = path.parent / Path(a).name
+        if local.is_symlink() or not local.is_file():
+            raise bad("artifacts", f"names {Path(a).name}, which is not a file beside it")
+    for name, curve in (payload.get("curves") or {}).items():
+        ok = isinstance(curve, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) in (int, float) for x in p) for p in curve
+        )
+        if not ok:
+            raise bad(f"curves.{name}", "is not a list of [step, value] numbers")
+    return data, payload
+
+
 def log_result(path: Path, experiment: str | None = None) -> tuple[str, bool]:
     """(run id, whether a run was created): a file already logged (same content) is not logged again.
-    The payload may name its experiment (``mlflow.experiment``), list ``artifacts`` (a plot) and
-    carry ``curves`` (name -> [[step, value], ...]): each becomes a child run with its history."""
-    data = Path(path).read_bytes()
+    The payload may name its experiment (``mlflow.experiment``), list ``artifacts`` (a plot beside
+    it) and carry ``curves`` (name -> [[step, value], ...]): each becomes a child run with its history."""
+    data, payload = load_result(Path(path))
     sha256 = hashlib.sha256(data).hexdigest()
-    payload = json.loads(data)
     experiment = experiment or (payload.get("mlflow") or {}).get("experiment") or "bench"
     existing = logged_run(tracking_uri(MlflowConfig(experiment=experiment)), experiment, sha256)
     if existing:
@@ -68,7 +114,7 @@ def log_result(path: Path, experiment: str | None = None) -> tuple[str, bool]:
     tracker.log_metrics(result_metrics(payload))
     tracker.log_artifact(path)
     for artifact in payload.get("artifacts", []):
-        tracker.log_artifact(artifact)
+        tracker.log_artifact(Path(path).parent / Path(artifact).name)
     for name, curve in (payload.get("curves") or {}).items():
         log_curve(tracker, name, curve, env)
     tracker.end(ok=True)

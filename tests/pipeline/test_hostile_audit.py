@@ -517,6 +517,13 @@ def _names(fragment):
     return check
 
 
+def _bench_json(content):
+    def setup(ws):
+        (ws / "result.json").write_text(content)
+
+    return setup
+
+
 def _lock_fifo(ws):
     d = ws / "runs/fifo"
     d.mkdir(parents=True)
@@ -721,6 +728,15 @@ CASES = [
         ["evaluate", "--no-mlflow", "--set", "evaluate.output=metrics/train.json"],
         check=_names("metrics/train.json exists and was not written by this stage"),
         keep=("metrics/train.json",),
+    ),
+    Case("bench-log-a-list", 12, ["bench", "log", "result.json"], setup=_bench_json("[1, 2]"), check=_names("result.json: the top level is a list")),
+    Case("bench-log-broken-json", 12, ["bench", "log", "result.json"], setup=_bench_json("{broken"), check=_names("result.json: the file is not JSON")),
+    Case(
+        "bench-log-artifact-elsewhere",
+        12,
+        ["bench", "log", "result.json"],
+        setup=_bench_json('{"artifacts": ["/etc/passwd"]}'),
+        check=_names("artifacts names passwd, which is not a file beside it"),
     ),
     Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
