@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -114,15 +115,52 @@ def read_sidecar(path: str | os.PathLike) -> TokenFileInfo:
         raise TokenDataError(f"{path}: token file not found")
     if not side.is_file():
         raise TokenDataError(f"{path}: sidecar {side.name} not found (was the file written by `moe tokenize`?)")
+    if side.stat().st_size > SIDECAR_LIMIT:
+        raise TokenDataError(f"{side}: a sidecar of {side.stat().st_size} bytes is not one of ours (at most {SIDECAR_LIMIT})")
     try:
-        raw = json.loads(side.read_text())
+        raw = json.loads(side.read_bytes())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a {type(raw).__name__}, not an object")
         fields = {f.name for f in dataclasses.fields(TokenFileInfo)}
         info = TokenFileInfo(**{k: v for k, v in raw.items() if k in fields})
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise TokenDataError(f"{side}: unreadable sidecar ({exc})") from None
-    if info.dtype not in _DTYPES:
-        raise TokenDataError(f"{side}: unknown dtype {info.dtype!r}")
+    problem = _sidecar_problem(info)
+    if problem:
+        raise TokenDataError(f"{side}: {problem}")
     return info
+
+
+SIDECAR_LIMIT = 1 << 20
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int
+
+
+def _sidecar_problem(info: TokenFileInfo) -> str | None:
+    """What is wrong with a sidecar's fields (types and ranges), or None."""
+    if info.format != FORMAT:
+        return f"format {info.format!r} is not {FORMAT!r}"
+    if info.dtype not in _DTYPES:
+        return f"unknown dtype {info.dtype!r}"
+    if not _is_int(info.vocab_size) or not 0 < info.vocab_size <= 2**32:
+        return f"vocab_size {info.vocab_size!r} is not an integer in 1..2^32"
+    if dtype_for_vocab(info.vocab_size) == "uint32" and info.dtype == "uint16":
+        return f"dtype uint16 cannot hold vocab_size {info.vocab_size}"
+    for name in ("eos_id", "pad_id"):
+        v = getattr(info, name)
+        if (v is not None or name == "eos_id") and (not _is_int(v) or not 0 <= v < info.vocab_size):
+            return f"{name} {v!r} is not a token id below vocab_size {info.vocab_size}"
+    for name in ("num_tokens", "num_documents"):
+        v = getattr(info, name)
+        if (v is not None or name == "num_tokens") and (not _is_int(v) or v < 0):
+            return f"{name} {v!r} is not a count"
+    if not isinstance(info.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", info.sha256):
+        return f"sha256 {info.sha256!r} is not a sha256 digest"
+    if info.tokenizer_hash is not None and not isinstance(info.tokenizer_hash, str):
+        return f"tokenizer_hash {info.tokenizer_hash!r} is not text"
+    return None
 
 
 def open_token_file(

@@ -98,3 +98,34 @@ def test_dataset_errors_name_the_problem(tmp_path):
     write_token_file(tmp_path / "a.npy", np.arange(3), vocab_size=256, eos_id=0)
     with pytest.raises(TokenDataError, match="hold no sequence of 5 tokens"):
         TokenDataset([str(tmp_path)], seq_len=4)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda s: s.update(vocab_size="512"), "vocab_size '512' is not an integer"),
+        (lambda s: s.update(eos_id=10**6), "eos_id 1000000 is not a token id"),
+        (lambda s: s.update(num_tokens=-1), "num_tokens -1 is not a count"),
+        (lambda s: s.update(sha256=None), "sha256 None is not a sha256 digest"),
+        (lambda s: s.update(dtype="uint16", vocab_size=70000), "dtype uint16 cannot hold vocab_size 70000"),
+        (lambda s: s.clear() or s.update(x=[1]), "unreadable sidecar"),
+    ],
+    ids=["vocab-size-text", "eos-outside-vocab", "negative-count", "no-digest", "dtype-too-small", "fields-missing"],
+)
+def test_a_sidecar_with_wrong_field_types_is_one_error_naming_the_field(tmp_path, edit, message):
+    path = tmp_path / "part.npy"
+    write_token_file(path, np.arange(100) % 50, vocab_size=512, eos_id=0, tokenizer_hash="abc")
+    side = tmp_path / "part.npy.json" if (tmp_path / "part.npy.json").exists() else next(tmp_path.glob("*.json"))
+    data = json.loads(side.read_text())
+    edit(data)
+    side.write_text(json.dumps(data))
+    with pytest.raises(TokenDataError, match=message):
+        read_sidecar(path)
+
+
+def test_a_sidecar_that_is_a_list_is_one_error(tmp_path):
+    path = tmp_path / "part.npy"
+    write_token_file(path, np.arange(10), vocab_size=512, eos_id=0, tokenizer_hash="abc")
+    next(tmp_path.glob("*.json")).write_text("[1, 2]")
+    with pytest.raises(TokenDataError, match="a list, not an object"):
+        read_sidecar(path)
