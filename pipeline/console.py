@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -47,8 +48,24 @@ GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan
 
 
 def fail(message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {escape(redact(message))}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(redact(without_unsafe_advice(message)))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+_WEIGHTS_ONLY = re.compile(r"weights[ _]only", re.IGNORECASE)
+
+
+def without_unsafe_advice(message: str) -> str:
+    """torch's refusal to unpickle advises rerunning with ``weights_only`` off (which would run
+    the file's code): never pass that advice on to a user handed a hostile file. The message is
+    cut at the sentence that first mentions it."""
+    found = _WEIGHTS_ONLY.search(message)
+    if found is None:
+        return message
+    head = message[: found.start()]
+    cut = max(head.rfind(". "), head.rfind(": "), head.rfind("("), head.rfind("\n"))
+    kept = head[: cut + 1].rstrip(" (") if cut >= 0 else ""
+    return (kept + " " if kept else "") + "(the file holds objects that need unpickling, which is refused)"
 
 
 def _unexpected(exc: BaseException) -> None:

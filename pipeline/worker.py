@@ -115,7 +115,9 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
         message = str(exc)
     finally:
         shutdown_distributed(clean=clean)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    from pipeline.console import without_unsafe_advice
+
+    print(f"error: {without_unsafe_advice(message)}", file=sys.stderr, flush=True)
     if rank == 0:
         close_job_run(job, ok=False)
     return code, {}

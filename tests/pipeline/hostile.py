@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,6 +129,8 @@ def _classify(case: Case, ws: Path, result: Result, before: list[Path], kept: di
         return "lost"
     if SECRET in out:
         return "leaked"
+    if re.search(r"weights[ _]only(=| set to | argument)", out, re.IGNORECASE):  # torch's advice to load unsafely, passed on
+        return "traceback"
     if (result.exception is not None and not isinstance(result.exception, SystemExit)) or "Traceback" in out:
         return "traceback"
     if result.exit_code == 0:
