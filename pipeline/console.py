@@ -52,7 +52,7 @@ def fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-_WEIGHTS_ONLY = re.compile(r"weights[ _]only", re.IGNORECASE)
+_WEIGHTS_ONLY = re.compile(r"weights only load failed|weights_only\s*(=|set to)\s*false|weights_only argument", re.IGNORECASE)
 
 
 def without_unsafe_advice(message: str) -> str:
