@@ -39,12 +39,24 @@ def data_root(data_dir: str | None = None) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def arrow_file(root: Path, path: str, name: str | None, split: str) -> Path:
+    return root / "hf_datasets" / path / (name or "none") / split / "data-00000-of-00001.arrow"
+
+
+# Bounds on files we did not write (evaluate.data_dir): far above every shipped one (the largest
+# Arrow split is ~60 MB, the largest request file ~40 MB decompressed).
+MAX_ARROW_BYTES = 2 << 30
+MAX_REQUEST_BYTES = 2 << 30  # decompressed, per file
+MAX_REQUEST_LINE = 1 << 20  # one request line
+
+
 def read_arrow_split(root: Path, path: str, name: str | None, split: str) -> list[dict[str, Any]]:
     """Rows of a saved HF dataset split, in file order (what the doc ids follow)."""
     import pyarrow as pa
 
-    directory = root / "hf_datasets" / path / (name or "none") / split
-    file = directory / "data-00000-of-00001.arrow"
+    file = arrow_file(root, path, name, split)
+    if file.is_file() and file.stat().st_size > MAX_ARROW_BYTES:
+        raise PipelineError(f"{file}: {file.stat().st_size:,} bytes is larger than any task split ({MAX_ARROW_BYTES:,} at most)")
     if not file.is_file():
         raise PipelineError(f"{file}: missing (task data for {path}/{name or 'none'}/{split}); reinstall {WHEEL}")
     try:
@@ -54,24 +66,57 @@ def read_arrow_split(root: Path, path: str, name: str | None, split: str) -> lis
         raise PipelineError(f"{file}: truncated or damaged Arrow data ({exc}); reinstall {WHEEL}") from None
 
 
+def _whole(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _request_problem(row: Any) -> str | None:
+    """What is wrong with an OLMES request line (the fields the tasks read), or None."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not a request object"
+    for field in ("doc_id", "idx", "label"):
+        if field not in row:
+            return f"field {field!r} is missing"
+        if not _whole(row[field]):
+            return f"field {field!r} is {row[field]!r}, not a whole number >= 0"
+    if row.get("request_type") not in ("loglikelihood", "generate_until_and_loglikelihood"):
+        return f"request type {row.get('request_type')!r} is not a log-likelihood"
+    request = row.get("request")
+    if not isinstance(request, dict):
+        return "field 'request' is missing or not an object"
+    for field in ("context", "continuation"):
+        if not isinstance(request.get(field), str):
+            return f"field 'request.{field}' is missing or not text"
+    return None
+
+
 def read_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
     """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped)."""
     file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
     if not file.is_file():
         raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {WHEEL}")
     rows = []
+    total = 0
     try:
         with gzip.open(file, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+            lineno = 0
+            while line := f.readline(MAX_REQUEST_LINE + 1):  # bounded: a hostile line is never read whole
+                lineno += 1
+                total += len(line)
+                if len(line) > MAX_REQUEST_LINE and not line.endswith("\n"):
+                    raise PipelineError(f"{file}:{lineno}: a request line longer than {MAX_REQUEST_LINE:,} characters")
+                if total > MAX_REQUEST_BYTES:
+                    raise PipelineError(f"{file}: more than {MAX_REQUEST_BYTES:,} characters of requests")
                 if not line.strip():
                     continue
                 row = json.loads(line)
+                problem = _request_problem(row)
+                if problem:
+                    raise PipelineError(f"{file}:{lineno}: {problem}")
                 if row["doc_id"] >= 1_000_000:
                     continue
-                if row.get("request_type") not in ("loglikelihood", "generate_until_and_loglikelihood"):
-                    raise PipelineError(f"{file}:{lineno}: request type {row.get('request_type')!r} is not a log-likelihood")
                 rows.append(row)
-    except (OSError, EOFError, ValueError, KeyError) as exc:
+    except (OSError, EOFError, ValueError) as exc:
         raise PipelineError(f"{file}: truncated or damaged request file ({type(exc).__name__}: {exc}); reinstall {WHEEL}") from None
     if not rows:
         raise PipelineError(f"{file}: holds no requests")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.eval.data import read_arrow_split, read_requests
+from pipeline.eval.data import arrow_file, read_arrow_split, read_requests
 
 TABLE = json.loads((Path(__file__).with_name("task_table.json")).read_text())
 
@@ -52,6 +52,57 @@ class Task:
     about: str
 
 
+# ------------------------------------------------------------------ what task data may hold
+
+# Bounds on task data we did not write (evaluate.data_dir may name any folder): far above
+# every shipped task (the longest shipped context is ~25K characters), far below harm.
+MAX_TEXT_CHARS = 200_000  # one context or continuation
+MAX_CONTINUATIONS = 64
+MAX_DOCS = 2_000_000
+
+
+def _from_row(where: str, i: int, make: Callable[[], Doc]) -> Doc:
+    """Build row ``i``'s document; a row without the fields the task reads, or with a value of
+    the wrong type, is one error naming the file, the row and the field."""
+    try:
+        return make()
+    except KeyError as exc:
+        raise PipelineError(f"{where}: row {i}: field {exc.args[0]!r} is missing") from None
+    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise PipelineError(f"{where}: row {i}: a field has an unexpected type or value ({type(exc).__name__}: {exc})") from None
+
+
+def check_docs(task: str, docs: list[Doc]) -> list[Doc]:
+    """Every document well formed and bounded before anything is tokenised (one error naming the
+    task, the document and the field)."""
+    if len(docs) > MAX_DOCS:
+        raise PipelineError(f"{task}: {len(docs)} documents (at most {MAX_DOCS})")
+    seen: set[int] = set()
+    for d in docs:
+        where = f"{task}: document {d.doc_id!r}"
+        if type(d.doc_id) is not int or d.doc_id < 0:
+            raise PipelineError(f"{where}: doc_id must be a whole number >= 0")
+        if d.doc_id in seen:
+            raise PipelineError(f"{where}: doc_id appears twice")
+        seen.add(d.doc_id)
+        n = len(d.continuations)
+        if not 1 <= n <= MAX_CONTINUATIONS:
+            raise PipelineError(f"{where}: {n} continuations (1 to {MAX_CONTINUATIONS})")
+        if len(d.contexts) not in (1, n):
+            raise PipelineError(f"{where}: {len(d.contexts)} contexts for {n} continuations")
+        for field, texts in (("context", d.contexts), ("continuation", d.continuations)):
+            for t in texts:
+                if not isinstance(t, str):
+                    raise PipelineError(f"{where}: a {field} is a {type(t).__name__}, not text")
+                if len(t) > MAX_TEXT_CHARS:
+                    raise PipelineError(f"{where}: a {field} of {len(t):,} characters (at most {MAX_TEXT_CHARS:,})")
+        if type(d.label) is not int or not 0 <= d.label < n:
+            raise PipelineError(f"{where}: label {d.label!r} is not the index of one of its {n} continuations")
+        if d.group is not None and not isinstance(d.group, str):
+            raise PipelineError(f"{where}: its subject/source field is a {type(d.group).__name__}, not text")
+    return docs
+
+
 # ------------------------------------------------------------------ OLMo's in-loop suite
 
 
@@ -66,21 +117,34 @@ def _arc_label(answer: str) -> int:
     return "ABCDE".index(answer)
 
 
-def _one_context(rows: list[dict[str, Any]], text, continuations, label, group=None) -> list[Doc]:
-    return [Doc(i, (text(r),), tuple(continuations(r)), label(r), group(r) if group else None) for i, r in enumerate(rows)]
+def _one_context(where: str, rows: list[dict[str, Any]], text, continuations, label, group=None) -> list[Doc]:
+    return [
+        _from_row(where, i, lambda r=r, i=i: Doc(i, (text(r),), tuple(continuations(r)), label(r), group(r) if group else None))
+        for i, r in enumerate(rows)
+    ]
 
 
 def _zero_shot(path: str, name: str | None, text, continuations, label, group=None) -> Callable[[Path], list[Doc]]:
-    return lambda root: _one_context(read_arrow_split(root, path, name, "validation"), text, continuations, label, group)
+    def build(root: Path) -> list[Doc]:
+        where = str(arrow_file(root, path, name, "validation"))
+        return _one_context(where, read_arrow_split(root, path, name, "validation"), text, continuations, label, group)
+
+    return build
+
+
+def _winogrande_doc(i: int, r: dict[str, Any]) -> Doc:
+    sentence = r["sentence"]
+    if not isinstance(sentence, str) or "_" not in sentence:
+        raise ValueError("field 'sentence' has no '_' blank")
+    blank = sentence.index("_")
+    contexts = tuple(sentence[:blank] + option for option in (r["option1"], r["option2"]))
+    return Doc(i, contexts, (" " + sentence[blank + 1 :].strip(),) * 2, int(r["answer"]) - 1)
 
 
 def _winogrande(root: Path) -> list[Doc]:
-    docs = []
-    for i, r in enumerate(read_arrow_split(root, "winogrande", "winogrande_xl", "validation")):
-        blank = r["sentence"].index("_")
-        contexts = tuple(r["sentence"][:blank] + option for option in (r["option1"], r["option2"]))
-        docs.append(Doc(i, contexts, (" " + r["sentence"][blank + 1 :].strip(),) * 2, int(r["answer"]) - 1))
-    return docs
+    where = str(arrow_file(root, "winogrande", "winogrande_xl", "validation"))
+    rows = read_arrow_split(root, "winogrande", "winogrande_xl", "validation")
+    return [_from_row(where, i, lambda r=r, i=i: _winogrande_doc(i, r)) for i, r in enumerate(rows)]
 
 
 _ARC_TEXT = lambda r: "Question: " + r["question"] + "\nAnswer:"  # noqa: E731
@@ -255,6 +319,16 @@ def _mmlu_example(row: dict[str, Any], mc_labels: bool) -> str:
     return f"{question}\n{choices}Answer:"
 
 
+def _check_mmlu_row(row: dict[str, Any]) -> None:
+    if not isinstance(row["question"], str):
+        raise TypeError(f"field 'question' is a {type(row['question']).__name__}, not text")
+    choices, answer = row["choices"], row["answer"]
+    if not isinstance(choices, list) or len(choices) != 4 or not all(isinstance(c, str) for c in choices):
+        raise ValueError("field 'choices' is not four texts")
+    if type(answer) is not int or not 0 <= answer < 4:
+        raise ValueError(f"field 'answer' {answer!r} is not 0-3")
+
+
 def _mmlu(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
     def build(root: Path) -> list[Doc]:
         prompts = MMLU_PROMPTS[spec["prompts"]]
@@ -262,7 +336,9 @@ def _mmlu(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
         docs: list[Doc] = []
         for subject in mmlu_subjects(spec["category"]):
             dev = read_arrow_split(root, "hails/mmlu_no_train", subject, "dev") if prompts != [None] else []
-            for row in read_arrow_split(root, "hails/mmlu_no_train", subject, spec["split"]):
+            where = str(arrow_file(root, "hails/mmlu_no_train", subject, spec["split"]))
+            for i, row in enumerate(read_arrow_split(root, "hails/mmlu_no_train", subject, spec["split"])):
+                _from_row(where, i, lambda row=row: _check_mmlu_row(row))
                 for prompt in prompts:
                     text = _mmlu_example(row, spec["mc_labels"])
                     if prompt is not None:
@@ -295,11 +371,15 @@ def _olmes(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
         docs = []
         for doc_id in sorted(by_doc):
             conts = by_doc[doc_id]
-            label = next(iter(conts.values()))["label"]
+            labels = {row["label"] for row in conts.values()}
+            if len(labels) != 1:
+                raise PipelineError(f"{task}/{variant}: doc_id {doc_id}: its request lines disagree on the label ({sorted(labels)})")
+            label = labels.pop()
             if gold_only:
                 gold = conts.get(label)
-                if gold is not None:
-                    docs.append(Doc(doc_id, (gold["request"]["context"],), (gold["request"]["continuation"],), 0))
+                if gold is None:
+                    raise PipelineError(f"{task}/{variant}: doc_id {doc_id}: label {label} is not the idx of one of its requests")
+                docs.append(Doc(doc_id, (gold["request"]["context"],), (gold["request"]["continuation"],), 0))
                 continue
             order = sorted(conts)
             contexts = tuple(conts[i]["request"]["context"] for i in order)
@@ -313,17 +393,21 @@ def _olmes(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
 # ------------------------------------------------------------------ the registry
 
 
+def _checked(name: str, build: Callable[[Path], list[Doc]]) -> Callable[[Path], list[Doc]]:
+    return lambda root: check_docs(name, build(root))
+
+
 def _registry() -> dict[str, Task]:
-    tasks = {name: Task(name, metric, build, about) for name, (metric, build, about) in IN_LOOP.items()}
+    tasks = {name: Task(name, metric, _checked(name, build), about) for name, (metric, build, about) in IN_LOOP.items()}
     for name, spec in TABLE["mmlu"].items():
         tasks[name] = Task(
             name,
             spec["metric"],
-            _mmlu(spec),
+            _checked(name, _mmlu(spec)),
             f"MMLU {spec['category']}, {spec['split']} split, {spec['prompts']}" + (", letter answers" if spec["mc_labels"] else ""),
         )
     for name, spec in TABLE["olmes"].items():
-        tasks[name] = Task(name, spec["metric"], _olmes(spec), f"OLMES requests {spec['requests']}")
+        tasks[name] = Task(name, spec["metric"], _checked(name, _olmes(spec)), f"OLMES requests {spec['requests']}")
     return tasks
 
 

@@ -524,6 +524,23 @@ def _bench_json(content):
     return setup
 
 
+def _task_data_doc_id_text(ws):
+    """Issue 37: evaluate.data_dir holding a request file whose doc_id is text."""
+    import gzip
+
+    from pipeline.eval.data import data_root
+
+    src = data_root() / "oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz"
+    dst = ws / "baddata/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz"
+    dst.parent.mkdir(parents=True)
+    (ws / "baddata/hf_datasets").mkdir()
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    row = json.loads(lines[2])
+    row["doc_id"] = "seven"
+    lines[2] = json.dumps(row)
+    dst.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+
+
 def _lock_fifo(ws):
     d = ws / "runs/fifo"
     d.mkdir(parents=True)
@@ -737,6 +754,13 @@ CASES = [
         ["bench", "log", "result.json"],
         setup=_bench_json('{"artifacts": ["/etc/passwd"]}'),
         check=_names("artifacts names passwd, which is not a file beside it"),
+    ),
+    Case(
+        "task-data-doc-id-text",
+        12,
+        ["evaluate", "--no-mlflow", "--set", "evaluate.data_dir=baddata", "--set", "evaluate.tasks=[arc_easy_rc_0shot]"],
+        setup=_task_data_doc_id_text,
+        check=_names("requests.jsonl.gz:3: field 'doc_id' is 'seven'"),
     ),
     Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
