@@ -88,9 +88,7 @@ def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
         if local.is_symlink() or not local.is_file():
             raise bad("artifacts", f"names {Path(a).name}, which is not a file beside it")
     for name, curve in (payload.get("curves") or {}).items():
-        ok = isinstance(curve, list) and all(
-            isinstance(p, list) and len(p) == 2 and all(type(x) in (int, float) for x in p) for p in curve
-        )
+        ok = isinstance(curve, list) and all(isinstance(p, list) and len(p) == 2 and all(type(x) in (int, float) for x in p) for p in curve)
         if not ok:
             raise bad(f"curves.{name}", "is not a list of [step, value] numbers")
     return data, payload

@@ -301,11 +301,11 @@ def job(
     from pipeline.stages.train import make_job
 
     cfg = _load(params, set_)
+    from pipeline.outputs import write_output_file
+    from pipeline.run_dirs import is_job_spec
+
     spec = out or Path(cfg.slurm.folder) / "job.json"
-    spec.parent.mkdir(parents=True, exist_ok=True)
-    tmp = spec.with_name(spec.name + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(make_job(cfg)), indent=2))
-    tmp.replace(spec)
+    write_output_file(spec, json.dumps(dataclasses.asdict(make_job(cfg)), indent=2), "--out", is_job_spec)  # never a user's file
     print(spec)
 
 

@@ -248,14 +248,23 @@ def seal_output(tmp: Path, record_name: str, record: dict[str, Any]) -> dict[str
     return sealed
 
 
+def fresh_temp_dir(beside: Path) -> Path:
+    """A new, empty directory beside ``beside`` (same filesystem, so renames are atomic) under a
+    name nobody else has: never an existing path, so removing it later removes only ours."""
+    import tempfile
+
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.tmp-"))
+
+
 def replace_own_output(tmp: Path, out: Path, record_name: str, key: str) -> None:
     """Move the finished ``tmp`` to ``out``, removing only our own earlier output."""
     check_own_output(out, record_name, key)  # again: it may have changed while we worked
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
+        holder = fresh_temp_dir(out)
+        os.replace(out, holder / "old")
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(holder, ignore_errors=True)
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)

@@ -56,6 +56,11 @@ def _json_object(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def is_job_spec(path: Path) -> bool:
+    """A job spec we wrote (``moe`` job.json): the TrainJob's fields and nothing else."""
+    return _is_job_spec(path)
+
+
 def _is_job_spec(path: Path) -> bool:
     from pipeline.executors.base import TrainJob
 
@@ -151,8 +156,9 @@ def _foreign_in_checkpoint_dir(root: Path) -> str | None:
     return None
 
 
-def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path) -> None:
-    """Refuse a run or checkpoint directory that holds anything a training run does not write."""
+def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path, also: tuple[str, ...] = ()) -> None:
+    """Refuse a run or checkpoint directory that holds anything a training run does not write
+    (``also``: names a caller's own runs add, e.g. the paper pipeline's marker)."""
     run, ckpt = Path(run_dir), Path(checkpoint_dir)
     for key, path in (("executor.run_dir", run), ("checkpoint.dir", ckpt)):
         if path.is_symlink() and not path.is_dir():
@@ -167,7 +173,7 @@ def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path) -> None:
     if not run.is_dir():
         return
     for p in sorted(run.iterdir()):
-        if p.resolve() == ckpt.resolve():
+        if p.resolve() == ckpt.resolve() or (p.name in also and p.is_file() and not p.is_symlink()):
             continue
         if _matches(p.name, RUN_DIR_NAMES) and not p.is_symlink():
             if _not_ours(p):

@@ -37,13 +37,21 @@ def random_tokens(directory: Path, tokens: int, vocab: int, seed: int = 0) -> Pa
 
 
 def fresh_run_dir(path: Path) -> Path:
-    """An empty run directory; replaces only one this module made before."""
+    """An empty run directory; replaces only one this module made before: its marker alone is
+    not proof, so everything in it must also read as a training run's own files (the run
+    directory check), else nothing is removed."""
+    from pipeline.outputs import write_atomic
+    from pipeline.run_dirs import check_run_dirs
+
+    if path.is_symlink():
+        raise PipelineError(f"{path}: is a symlink; the paper pipeline's run directories are plain folders (remove it)")
     if path.exists():
         if not (path / MARKER).is_file():
             raise PipelineError(f"{path}: exists and was not made by the paper pipeline; move it away")
+        check_run_dirs(path, path / "checkpoints", also=(MARKER,))
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    (path / MARKER).write_text("made by pipeline.paper.measure\n")
+    write_atomic(path / MARKER, "made by pipeline.paper.measure\n")
     return path
 
 

@@ -17,6 +17,7 @@ from moe.config import ConfigError
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import capability_problem
 from pipeline.errors import JobFailed, PipelineError
+from pipeline.outputs import write_output_file
 from pipeline.paper.claims import CLAIMS
 from pipeline.paper.config import PaperParams
 from pipeline.paper.hardware import Hardware, detect
@@ -461,6 +462,17 @@ STAGE_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
 }
 
 
+def _is_stage_result(path: Path) -> bool:
+    """A result file a stage wrote (what the report reads, checked the report's way)."""
+    from pipeline.paper.report import load_stage_result
+
+    try:
+        load_stage_result(path)
+    except PipelineError:
+        return False
+    return True
+
+
 def run_stage(stage: str, params: PaperParams, tracker=None) -> Path:
     if stage not in STAGE_FUNCS:
         raise ConfigError(f"stage: unknown stage {stage!r}; known: {', '.join(STAGE_FUNCS)}")
@@ -492,10 +504,7 @@ def run_stage(stage: str, params: PaperParams, tracker=None) -> Path:
     for v in result["variants"]:
         v.pop("rows", None)  # the per-step rows stay in the run directory (metrics.jsonl)
     path = Path(params.paper.results) / f"{stage}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    write_output_file(path, json.dumps(result, indent=2, default=str) + "\n", "paper.results", _is_stage_result)
     if tracker is not None:
         flat = {}
         for k, v in result["derived"].items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ from moe.train.state import split_experts
 from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
 from pipeline.hub import source_model_id
-from pipeline.outputs import check_own_output, replace_own_output, seal_output, write_atomic
+from pipeline.outputs import check_own_output, fresh_temp_dir, replace_own_output, seal_output, write_atomic
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
@@ -101,10 +100,7 @@ def _write_shards(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: in
 
 
 def _atomic_dir(out: Path) -> Path:
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return fresh_temp_dir(out)  # a new name: never someone's folder
 
 
 def _commit_dir(tmp: Path, out: Path) -> None:

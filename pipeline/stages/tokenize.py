@@ -30,7 +30,7 @@ import numpy as np
 
 from pipeline.corpus import Document, Source, is_text_source, is_validation, read_documents, resolve_sources
 from pipeline.errors import PipelineError
-from pipeline.outputs import check_own_output, replace_own_output, seal_output, write_atomic
+from pipeline.outputs import check_own_output, fresh_temp_dir, replace_own_output, seal_output, write_atomic
 from pipeline.params import TokenizeConfig
 from pipeline.tokenizer import TokenizerInfo, describe, load_tokenizer, train_bpe
 
@@ -307,8 +307,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
         source = f"byte-level BPE trained here (vocab_size={cfg.vocab_size})"
 
     out = Path(cfg.output)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = fresh_temp_dir(out)  # a new name: never someone's folder
     jobs = [_Job(item, cfg.text_field, cfg.max_document_bytes, info.eos_id, BATCH_CHARS) for item in plan]
     pool = None
     try:

@@ -89,9 +89,7 @@ def test_export_then_bench_on_cpu(tmp_path):
         assert row in out, out
 
 
-@pytest.mark.parametrize(
-    "content", [b"not gzip", gzip.compress(b'{"format": "other"}', mtime=0)], ids=["not-gzip", "other-format"]
-)
+@pytest.mark.parametrize("content", [b"not gzip", gzip.compress(b'{"format": "other"}', mtime=0)], ids=["not-gzip", "other-format"])
 def test_a_file_that_is_not_an_export_is_one_error(tmp_path, content):
     from moe.errors import ConfigError
     from moe.eval.requests import load_task_requests

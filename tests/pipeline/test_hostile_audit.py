@@ -747,7 +747,9 @@ CASES = [
         keep=("metrics/train.json",),
     ),
     Case("bench-log-a-list", 12, ["bench", "log", "result.json"], setup=_bench_json("[1, 2]"), check=_names("result.json: the top level is a list")),
-    Case("bench-log-broken-json", 12, ["bench", "log", "result.json"], setup=_bench_json("{broken"), check=_names("result.json: the file is not JSON")),
+    Case(
+        "bench-log-broken-json", 12, ["bench", "log", "result.json"], setup=_bench_json("{broken"), check=_names("result.json: the file is not JSON")
+    ),
     Case(
         "bench-log-artifact-elsewhere",
         12,

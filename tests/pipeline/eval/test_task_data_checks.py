@@ -39,11 +39,26 @@ def _edit_arrow(file: Path, edit) -> None:
 
 
 ARROW_CASES = {
-    "missing-column": ("openbook_qa", ("openbookqa", "main"), lambda rows: [r.pop("question_stem") for r in rows], "row 0: field 'question_stem' is missing"),
+    "missing-column": (
+        "openbook_qa",
+        ("openbookqa", "main"),
+        lambda rows: [r.pop("question_stem") for r in rows],
+        "row 0: field 'question_stem' is missing",
+    ),
     "answer-key-z": ("arc_easy", ("ai2_arc", "ARC-Easy"), lambda rows: rows[3].update(answerKey="Z"), "row 3: a field has an unexpected"),
     "question-null": ("arc_easy", ("ai2_arc", "ARC-Easy"), lambda rows: rows[3].update(question=None), "row 3: a field has an unexpected"),
-    "winogrande-no-blank": ("winogrande", ("winogrande", "winogrande_xl"), lambda rows: rows[3].update(sentence="no blank here"), "row 3: .*no '_' blank"),
-    "winogrande-answer-7": ("winogrande", ("winogrande", "winogrande_xl"), lambda rows: rows[3].update(answer="7"), "label 6 is not the index of one of its 2"),
+    "winogrande-no-blank": (
+        "winogrande",
+        ("winogrande", "winogrande_xl"),
+        lambda rows: rows[3].update(sentence="no blank here"),
+        "row 3: .*no '_' blank",
+    ),
+    "winogrande-answer-7": (
+        "winogrande",
+        ("winogrande", "winogrande_xl"),
+        lambda rows: rows[3].update(answer="7"),
+        "label 6 is not the index of one of its 2",
+    ),
     "piqa-label-99": ("piqa", ("piqa", "plain_text"), lambda rows: rows[3].update(label=99), "label 99 is not the index"),
 }
 
@@ -103,7 +118,9 @@ def test_a_hostile_request_line_is_one_error(tmp_path, case):
 
 def test_a_huge_request_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "MAX_REQUEST_LINE", 10_000)  # the audit's was 600 MB in a 984 KB file
-    huge = json.dumps({"doc_id": 0, "idx": 0, "label": 0, "request_type": "loglikelihood", "request": {"context": "a" * 50_000, "continuation": " b"}})
+    huge = json.dumps(
+        {"doc_id": 0, "idx": 0, "label": 0, "request_type": "loglikelihood", "request": {"context": "a" * 50_000, "continuation": " b"}}
+    )
     _requests_copy(tmp_path, extra=huge)
     with pytest.raises(PipelineError, match=r":2: a request line longer than 10,000 characters"):
         TASKS["arc_easy_rc_0shot"].build(tmp_path)

@@ -58,7 +58,10 @@ def test_results_outside_the_project_are_refused(project, tmp_path_factory):
     [
         ("[1, 2]", "the top level is a list"),
         ('{"hardware": {"describe": "x"}, "variants": []}', "scaling is missing"),
-        ('{"hardware": {"describe": "x"}, "scaling": {"shape": "s"}, "variants": [{"name": "a", "status": "ok"}]}', r"variants\[0\].tokens_per_s_per_device"),
+        (
+            '{"hardware": {"describe": "x"}, "scaling": {"shape": "s"}, "variants": [{"name": "a", "status": "ok"}]}',
+            r"variants\[0\].tokens_per_s_per_device",
+        ),
         ("{broken", "the file is not JSON"),
     ],
     ids=["list", "no-scaling", "variant-without-numbers", "broken-json"],
@@ -80,3 +83,21 @@ def test_the_cli_refuses_a_results_folder_at_the_root(project):
     result = CliRunner().invoke(app, ["paper", "report", "--no-mlflow"])
     assert result.exit_code != 0 and "outside this project" in result.output, result.output
     assert not Path("/REPORT.md").exists()
+
+
+def test_a_measurement_folder_is_replaced_only_when_everything_in_it_is_a_runs_own(tmp_path):
+    """The paper marker alone is not proof (issue 37): a user's file beside it stops the removal."""
+    from pipeline.paper.measure import MARKER, fresh_run_dir
+    from pipeline.run_dirs import LOG_HEADER
+
+    run = fresh_run_dir(tmp_path / "fp8-bf16")
+    assert (run / MARKER).is_file() and len(list(run.iterdir())) == 1
+    (run / "logs").mkdir()
+    (run / "logs/rank0.log").write_text(f"{LOG_HEADER}: rank 0 of 1\nstep 1\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 6.2}\n')
+    (run / "notes.txt").write_text("my notes\n")
+    with pytest.raises(PipelineError, match="holds notes.txt"):
+        fresh_run_dir(run)
+    assert (run / "notes.txt").read_text() == "my notes\n"
+    (run / "notes.txt").unlink()
+    assert list(fresh_run_dir(run).iterdir()) == [run / MARKER]
