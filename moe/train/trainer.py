@@ -169,8 +169,13 @@ class Trainer:
         meta, rng = CheckpointManager.load(path, targets)
         self._finish_load(copies)
         self.sched.load_state_dict(meta["scheduler"])
-        for group, lr in zip(self.opt.inner.param_groups, self.sched.get_last_lr(), strict=True):
-            group["lr"] = lr  # LambdaLR restores its counter, not the optimizer's current lr
+        # LambdaLR restores its counter and the lr it last computed, under the saved schedule; the
+        # next step's lr comes from this config's schedule (the same number when nothing changed;
+        # the extended schedule's when train.max_steps grew, as the extension note announces).
+        lrs = [base * fn(self.sched.last_epoch) for base, fn in zip(self.sched.base_lrs, self.sched.lr_lambdas, strict=True)]
+        self.sched._last_lr = lrs
+        for group, lr in zip(self.opt.inner.param_groups, lrs, strict=True):
+            group["lr"] = lr
         self.loader.load_state_dict(meta["loader"])
         self._skipped.fill_(int(meta.get("skipped_steps", 0)))
         self.step = self.start_step = int(meta["step"])
