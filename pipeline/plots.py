@@ -230,6 +230,10 @@ def checkpoint_curve_figure(points: list[dict[str, Any]], out: Path = CHECKPOINT
     steps = [p["step"] for p in points]
     ax1.plot(steps, [p["val_loss"] for p in points], marker="o")
     ax1.set(xlabel="step", ylabel="loss", title="validation loss by checkpoint")
+    if points[0].get("converted_from"):  # one checkpoint converted from a Hugging Face model
+        fig.suptitle(f"converted from {points[0]['converted_from']} (not a training step)", fontsize=9)
+        for ax in (ax1, ax2):
+            ax.set_xticks([])
     tasks = list(points[0]["tasks"])
     colours = plt.get_cmap("tab20")  # 20 distinct colours, and markers as well past that
     for i, task in enumerate(tasks):

@@ -366,6 +366,13 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
     tok_info = load_tokenizer(tok_file)
     for c in checkpoints:
         check_checkpoint_tokenizer(c, tok_info, tok_file)
+    converted = {c: read_meta(c).get("source") for c in checkpoints if read_meta(c).get("source")}
+    if converted and len(checkpoints) > 1:  # its "step 0" is not a step of the run beside it
+        c, source = next(iter(converted.items()))
+        raise PipelineError(
+            f"--checkpoint: {c} was converted from the Hugging Face model {source} (`moe convert --from-hf`), not saved by "
+            "training: it has no training step to plot beside the others; evaluate it on its own (one --checkpoint)"
+        )
     by_step = {int(read_meta(c)["step"]): str(resolve_checkpoint(c)) for c in checkpoints}
     if len(by_step) < len(checkpoints):
         raise PipelineError("--checkpoint: two of the checkpoints are at the same step; name each step once")
@@ -392,6 +399,8 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
             "val_loss": loss,
             "tasks": {t.name: headline(results[t.name], t.metric) for t in tasks},
         }
+        if read_meta(c).get("source"):
+            point["converted_from"] = read_meta(c)["source"]  # step 0 of no training run
         points.append(point)
         if tracker:
             tracker.log_metrics({"val_loss": loss, **{f"task/{n}/{k}": v for n, r in point["tasks"].items() for k, v in r.items()}}, step=step)

@@ -541,6 +541,13 @@ def _task_data_doc_id_text(ws):
     dst.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
 
 
+def _from_hf_checkpoint(ws):
+    r = _run(ws, "convert", "--no-mlflow")
+    assert r.returncode == 0, r.stderr
+    r = _run(ws, "convert", "--no-mlflow", "--from-hf", "runs/hf", "--out", "fromhf")
+    assert r.returncode == 0, r.stderr
+
+
 def _lock_fifo(ws):
     d = ws / "runs/fifo"
     d.mkdir(parents=True)
@@ -763,6 +770,14 @@ CASES = [
         ["evaluate", "--no-mlflow", "--set", "evaluate.data_dir=baddata", "--set", "evaluate.tasks=[arc_easy_rc_0shot]"],
         setup=_task_data_doc_id_text,
         check=_names("requests.jsonl.gz:3: field 'doc_id' is 'seven'"),
+    ),
+    Case(
+        "checkpoint-curve-with-a-from-hf-conversion",
+        13,
+        ["evaluate", "--no-mlflow", "--checkpoint", "runs/train/checkpoints/step_00000008", "--checkpoint", "fromhf"],
+        setup=_from_hf_checkpoint,
+        check=_names("was converted from the Hugging Face model"),
+        slow=True,
     ),
     Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
