@@ -548,6 +548,31 @@ def _from_hf_checkpoint(ws):
     assert r.returncode == 0, r.stderr
 
 
+def _paper_results(ws, results: str = "paper/results"):
+    import shutil
+
+    (ws / "paper.yaml").write_text(json.dumps({"paper": {"results": results}}))
+    if not results.startswith("/"):
+        shutil.copytree(REPO / "bench/paper/h200x1/results", ws / results)
+
+
+def _paper_users_report(ws):
+    _paper_results(ws)
+    (ws / "paper/REPORT.md").write_text("# my own report\n")
+
+
+def _paper_plot_link(ws):
+    _paper_results(ws)
+    (ws / "paper/plots").mkdir()
+    (ws / "precious.txt").write_text("precious\n")
+    (ws / "paper/plots/experts.png").symlink_to(ws / "precious.txt")
+
+
+def _paper_results_list(ws):
+    _paper_results(ws)
+    (ws / "paper/results/fp8.json").write_text("[1, 2]")
+
+
 def _lock_fifo(ws):
     d = ws / "runs/fifo"
     d.mkdir(parents=True)
@@ -778,6 +803,55 @@ CASES = [
         setup=_from_hf_checkpoint,
         check=_names("was converted from the Hugging Face model"),
         slow=True,
+    ),
+    Case(
+        "task-data-doc-id-text-in-loop",
+        12,
+        [
+            *TRAIN,
+            "--set",
+            "train.eval_every=4",
+            "--set",
+            "train.eval_tasks=[arc_easy_rc_0shot]",
+            "--set",
+            "evaluate.data_dir=baddata",
+            "--set",
+            "executor.run_dir=runs/inloop",
+            "--set",
+            "checkpoint.dir=runs/inloop/ck",
+        ],
+        setup=_task_data_doc_id_text,
+        check=_names("requests.jsonl.gz:3: field 'doc_id' is 'seven'"),
+    ),
+    Case(
+        "paper-report-over-a-users-report",
+        11,
+        ["paper", "report", "--no-mlflow", "-p", "paper.yaml"],
+        setup=_paper_users_report,
+        check=_names("REPORT.md exists and was not written by this stage"),
+        keep=("paper/REPORT.md",),
+    ),
+    Case(
+        "paper-report-plot-symlink",
+        11,
+        ["paper", "report", "--no-mlflow", "-p", "paper.yaml"],
+        setup=_paper_plot_link,
+        check=_names("is a symlink"),
+        keep=("precious.txt",),
+    ),
+    Case(
+        "paper-report-results-at-the-root",
+        11,
+        ["paper", "report", "--no-mlflow", "-p", "paper.yaml"],
+        setup=lambda ws: _paper_results(ws, "/etc"),
+        check=_names("outside this project"),
+    ),
+    Case(
+        "paper-report-results-a-list",
+        12,
+        ["paper", "report", "--no-mlflow", "-p", "paper.yaml"],
+        setup=_paper_results_list,
+        check=_names("fp8.json: the top level is a list"),
     ),
     Case("lock-file-is-a-fifo", 11, [*TRAIN, "--set", "executor.run_dir=runs/fifo", "--set", "checkpoint.dir=runs/fifo/ck"], setup=_lock_fifo),
     Case("set-recompute-none", 11, ["params", "--set", "train.recompute=none"], expect="ok"),
