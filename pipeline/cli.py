@@ -404,7 +404,29 @@ def convert(
             tracker.set_tags({"convert.checkpoint": prov["checkpoint"], "convert.step": prov["step"]})
             if cfg.convert.log_model:  # the converted Hugging Face model, loadable from the run's artifacts
                 tracker.log_artifacts(out or cfg.convert.output, "hf_model")
+            _log_converted_model(tracker, Path(out or cfg.convert.output), prov)
     console.print(f"converted {prov['checkpoint']} -> {out or cfg.convert.output}")
+
+
+def _log_converted_model(tracker, directory: Path, prov: dict) -> None:
+    """The conversion as an MLflow 3 logged model (its files are the run's hf_model/ artifacts);
+    the evaluate stage links its scores to it (pipeline.stages.evaluate.converted_model_identity)."""
+    from pipeline.stages.evaluate import converted_model_identity
+
+    cfg = read_json_file_quiet(directory / "config.json")
+    params = {"checkpoint": prov["checkpoint"], "step": prov["step"], "artifacts": f"runs:/{tracker.run_id}/hf_model"}
+    params.update({k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "vocab_size") if k in cfg})
+    tracker.log_model(f"moe-olmoe-step{prov['step']}", directory, converted_model_identity(directory), params, upload=False)
+
+
+def read_json_file_quiet(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 @app.command()

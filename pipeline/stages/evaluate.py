@@ -264,7 +264,11 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     downstream_figure(downstream)
     if tracker:
-        tracker.log_metrics(flat_metrics(metrics))
+        identity = converted_model_identity(hf_dir)
+        model_id = tracker.find_model(identity) if identity else None
+        tracker.log_metrics(flat_metrics(metrics), model_id=model_id)  # also the logged model's scores
+        if model_id:
+            tracker.set_tags({"moe.model_id": model_id})
         tracker.log_artifact(sample_path)
         tracker.log_artifact(out)
         tracker.log_artifact(detail_path(out))
@@ -340,6 +344,16 @@ def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
         out["bpb_mean"] = sum(r["bpb_v2"] for r in downstream.values()) / len(downstream)
         out["bpb_mean/stderr"] = combined_stderr([r["bpb_v2/stderr"] for r in downstream.values()])
     return out
+
+
+def converted_model_identity(hf_dir: Path) -> str:
+    """A converted model's identity: the sha256 of its conversion record (which lists every
+    file's digest), the same for the convert stage that logs it and the evaluate stage that
+    scores it."""
+    from pipeline.stages.convert import MARKER
+
+    record = hf_dir / MARKER
+    return sha256_file(record) if record.is_file() else ""
 
 
 def flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:

@@ -53,6 +53,9 @@ PIPELINE_KEY_TAG = "moe.pipeline_key"
 PIPELINE_STAGES = ("tokenize", "train", "convert", "evaluate")
 
 
+MODEL_IDENTITY_TAG = "moe.conversion_sha256"  # a logged model's identity: its conversion record's digest
+
+
 class Tracker:
     """Creates and writes one stage's nested run through MlflowClient (no global state).
 
@@ -162,13 +165,57 @@ class Tracker:
 
         self._send(lambda: log_batched(self.client, self.run_id, params=items), {"params": values})
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None, model_id: str | None = None) -> None:
+        """``model_id``: the metrics are also the scores of that logged model (MLflow 3)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         values = {k: float(v) for k, v in metrics.items() if finite(v)}
-        items = [Metric(k, v, now, step or 0) for k, v in values.items()]
+        items = [Metric(k, v, now, step or 0, model_id=model_id) for k, v in values.items()]
         self._send(lambda: log_batched(self.client, self.run_id, metrics=items), {"step": step or 0, "metrics": values})
+
+    def log_model(self, name: str, directory: Path, identity: str, params: Mapping[str, Any], upload: bool) -> str | None:
+        """The converted model as an MLflow 3 logged model of this run, found again by its
+        ``identity`` (the sha256 of the conversion's record, which lists every file's digest);
+        ``upload``: its files go to the model's artifacts. None when the server is unreachable
+        (a logged model is not spooled: `moe mlflow-sync` restores runs, not models)."""
+        if self.failed:
+            return None
+        model_id: list[str] = []
+
+        def send():
+            model = self.client.create_logged_model(
+                self.experiment_id,
+                name=name,
+                source_run_id=self.run_id,
+                tags={MODEL_IDENTITY_TAG: identity, "moe.model_dir": str(directory)},
+                params={k: param_value(v) for k, v in params.items()},
+                model_type="transformers-olmoe",
+            )
+            if upload:
+                self.client.log_model_artifacts(model.model_id, str(directory))
+            self.client.finalize_logged_model(model.model_id, "READY")
+            self.client.set_tag(self.run_id, "moe.model_id", model.model_id)
+            model_id.append(model.model_id)
+
+        self._send(send, {})
+        return model_id[0] if model_id else None
+
+    def find_model(self, identity: str) -> str | None:
+        """The newest logged model with this identity in the experiment (None: none, or offline)."""
+        if self.failed:
+            return None
+        found: list[str] = []
+
+        def send():
+            models = self.client.search_logged_models(
+                [self.experiment_id], filter_string=f"tags.`{MODEL_IDENTITY_TAG}` = '{identity}'", max_results=1,
+                order_by=[{"field_name": "creation_time", "ascending": False}],
+            )
+            found.extend(m.model_id for m in models)
+
+        self._send(send, {})
+        return found[0] if found else None
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         tags = {k: redact(str(v)) for k, v in tags.items()}

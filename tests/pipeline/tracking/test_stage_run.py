@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,16 @@ def test_stage_runs_and_parent_run(workspace):
 
     model_files = {f.path for f in client.list_artifacts(runs["convert"].info.run_id, "hf_model")}
     assert "hf_model/config.json" in model_files and any(p.endswith(".safetensors") for p in model_files)
+
+    # the converted model is an MLflow 3 logged model of the convert run, scored by the evaluate run
+    (model,) = client.search_logged_models([exp.experiment_id])
+    assert model.source_run_id == runs["convert"].info.run_id and model.status == LoggedModelStatus.READY
+    assert model.params["artifacts"] == f"runs:/{runs['convert'].info.run_id}/hf_model" and "step" in model.params
+    scores = {m.key: m for m in model.metrics}
+    assert "val_loss" in scores and scores["val_loss"].run_id == runs["evaluate"].info.run_id
+    ranked = client.search_logged_models([exp.experiment_id], order_by=[{"field_name": "metrics.val_loss", "ascending": True}])
+    assert [m.model_id for m in ranked] == [model.model_id]
+    assert runs["evaluate"].data.tags["moe.model_id"] == model.model_id == runs["convert"].data.tags["moe.model_id"]
 
     assert parent.info.status == "FINISHED"
     assert parent.info.start_time <= runs["tokenize"].info.start_time and parent.info.end_time >= runs["evaluate"].info.end_time
