@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from moe.parallel.env import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,17 +152,11 @@ def child(spec: dict[str, Any]) -> int:
 # ------------------------------------------------------------------ the driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> list[subprocess.Popen]:
     """Start one run (len(gpus) ranks) in fresh processes; returns the processes."""
     spec_path = Path(spec["out"]).with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
-    port, world = _free_port(), len(gpus)
+    port, world = free_port(), len(gpus)
     procs = []
     for rank, _gpu in enumerate(gpus):
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,12 +26,7 @@ import torch.multiprocessing as mp
 
 from bench.common import environment, print_table, write_result
 from moe.config import parse_value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe.parallel.env import free_port
 
 
 def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: str) -> None:
@@ -194,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, layout in enumerate(layouts):
             out = Path(tmp) / f"run{i}"
             out.mkdir()
-            mp.start_processes(_worker, args=(a.nproc, _free_port(), args, layout, str(out)), nprocs=a.nproc, join=True, start_method="spawn")
+            mp.start_processes(_worker, args=(a.nproc, free_port(), args, layout, str(out)), nprocs=a.nproc, join=True, start_method="spawn")
             result = torch.load(out / "result.pt", weights_only=True)
             rows.append({"layout": ",".join(f"{k}={v}" for k, v in layout.items()), **result})
     base = rows[0]["step_s"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -26,12 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.common import environment, print_table, time_cuda, write_result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe.parallel.env import free_port
 
 
 def _routing(a: dict, world: int, rank: int):
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"need {a.nproc} GPUs", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(a.nproc, _free_port(), vars(a), tmp), nprocs=a.nproc, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(a.nproc, free_port(), vars(a), tmp), nprocs=a.nproc, join=True, start_method="spawn")
         got = json.loads((Path(tmp) / "result.json").read_text())
     rows = got["results"]
     print(f"nvshmem vs nccl dispatcher: rel err out {got['rel_err_out']:.2e}, input grad {got['rel_err_grad']:.2e}")

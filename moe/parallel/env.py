@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from moe.parallel.env import free_port
 from pipeline.executors.base import JobResult, TrainJob
 from pipeline.outputs import open_for_write
 from pipeline.run_dirs import LOG_HEADER
 from pipeline.run_lock import RunLock, command_line
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def last_error_line(log_path: Path) -> str:

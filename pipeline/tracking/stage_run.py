@@ -209,7 +209,9 @@ class Tracker:
 
         def send():
             models = self.client.search_logged_models(
-                [self.experiment_id], filter_string=f"tags.`{MODEL_IDENTITY_TAG}` = '{identity}'", max_results=1,
+                [self.experiment_id],
+                filter_string=f"tags.`{MODEL_IDENTITY_TAG}` = '{identity}'",
+                max_results=1,
                 order_by=[{"field_name": "creation_time", "ascending": False}],
             )
             found.extend(m.model_id for m in models)

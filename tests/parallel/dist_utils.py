@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -14,11 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe.parallel.env import free_port
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, backend: str = "gloo") -> None:
@@ -41,7 +36,7 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn, args, backend: st
 def run_ranks(fn, world: int, *args, backend: str = "gloo"):
     """fn(rank, world, *args) on every rank; returns the list of results (rank order)."""
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         with contextlib.suppress(mp.ProcessRaisedException):
             mp.start_processes(_entry, args=(world, port, out, fn, args, backend), nprocs=world, join=True, start_method="spawn")
         results = []

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from moe.parallel.env import free_port
 from tests.helpers import Planted, plant_pickle, reseal  # noqa: F401 - re-exported for the tables
 from tests.workspace import REPO  # noqa: E402
 
@@ -78,12 +78,6 @@ def ckpt(ws: Path) -> Path:
     from moe.train.checkpoint import latest_checkpoint
 
     return latest_checkpoint(ws / "runs/train/checkpoints")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def flip_byte(path: Path) -> None:

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moe.parallel.env import free_port
 from tests.helpers import committed_params, moe, need_slurm
 from tests.workspace import REPO
 
@@ -169,12 +169,6 @@ def test_dvc_train_stage_runs_on_slurm(slurm_cluster, tokenized):
     assert "train.max_steps: must be >= 1" in bad.stdout + bad.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
     if os.geteuid() != 0 or not shutil.which("pg_ctlcluster"):
@@ -184,7 +178,7 @@ def mlflow_server(tmp_path):
         need_slurm(f"could not start PostgreSQL: {r.stderr[-500:]}")
     db = f"mlflow_test_{os.getpid()}"
     subprocess.run(["runuser", "-u", "postgres", "--", "psql", "-q", "-c", f"CREATE DATABASE {db} OWNER mlflow"], check=True)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
