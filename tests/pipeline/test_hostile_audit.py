@@ -824,6 +824,14 @@ CASES = [
         check=_names("requests.jsonl.gz:3: field 'doc_id' is 'seven'"),
     ),
     Case(
+        "job-spec-out-over-a-users-file",
+        11,
+        ["job", "--out", "notes.json"],
+        setup=lambda ws: (ws / "notes.json").write_text('{"my": "notes"}\n'),
+        check=_names("notes.json exists and was not written by this stage"),
+        keep=("notes.json",),
+    ),
+    Case(
         "paper-report-over-a-users-report",
         11,
         ["paper", "report", "--no-mlflow", "-p", "paper.yaml"],
