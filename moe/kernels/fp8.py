@@ -18,8 +18,6 @@ scale handed to the GEMM) is exact and only the cast to e4m3 rounds. Values are 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
@@ -355,58 +353,3 @@ def swiglu_quantize(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         _swiglu_quant_kernel[(rows,)](h, q, s, hidden, **_row_launch(hidden))
     return q, s
-
-
-# Which GEMMs run in FP8 (the expert GEMMs of moe.layers.gemm_fp8 and the dense projections of
-# moe.nn.fp8_linear): a rule of shapes, kept beside the kernels both use.
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Which of a projection's three GEMMs run in FP8."""
-
-    fwd: bool
-    dgrad: bool
-    wgrad: bool
-
-    @property
-    def any(self) -> bool:
-        return self.fwd or self.dgrad or self.wgrad
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Rule:
-    """FP8 for a GEMM whose output columns and contraction are both at least ``min_dim`` (and
-    multiples of 16) and whose mean rows per expert are at least ``min_rows`` (default
-    min(min_dim, 1024)); the rest stay bf16.
-
-    Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
-    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
-
-    The defaults come from full training steps on one H200 (bench.model, learned routing, 4
-    micro-batches, every expert GEMM in FP8 against bf16; bench/NOTES.md "FP8 weights from the
-    masters", JSON bench/results/model-NVIDIA-H200-20261202T0404*.json to T0406*.json):
-    paper width (d=4096, 64 experts of 4096, top-4) at 1,024 rows per expert +3.2% (88.4K vs
-    85.7K tokens/s), at 512 rows -3.6%, at 256 rows -9.9%; OLMoE width (d=2048, 64 experts of
-    1024, top-8) at 2,048 rows -3.5%. So FP8 needs GEMMs at least 4096 wide both ways and 1,024
-    rows per expert: the quantisation passes cost a fixed amount per element moved, the FP8
-    GEMM saves in proportion to the GEMM's depth, and only wide, tall GEMMs come out ahead."""
-
-    min_dim: int = 4096
-    min_rows: int | None = None
-
-    @property
-    def rows_needed(self) -> int:
-        return min(self.min_dim, 1024) if self.min_rows is None else self.min_rows
-
-    def use(self, rows: float, n: int, k: int) -> bool:
-        return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed
-
-    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
-        rows = tokens / max(groups, 1)
-        return Plan(
-            fwd=self.use(rows, out_dim, in_dim),
-            dgrad=self.use(rows, in_dim, out_dim),
-            # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
-            wgrad=self.use(rows, out_dim, in_dim),
-        )

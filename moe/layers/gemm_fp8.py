@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import torch
 
-from moe.kernels.fp8 import E4M3, Fp8Rule, Plan, gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
+from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import _grouped_mm, _GroupedLinear, check_routing_args
+from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.Tensor:
@@ -69,109 +70,6 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.T
         a32 = a.float() * scale_a.view(groups, a.shape[0])[group].t()
         b32 = b.float() * scale_b.view(groups, b.shape[1])[group]
     return _grouped_mm(a32, b32, offs=offsets).to(torch.bfloat16)
-
-
-def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(1, groups + 1, device=device, dtype=torch.int32) * size
-
-
-class WeightCache:
-    """FP8 copies of expert weights, made once per weight version.
-
-    Weights change only at the optimizer step (which bumps the version counter of the tensor it
-    writes), so the micro-batches of a step (gradient accumulation, pipeline micro-batches) share
-    one rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
-    shape and version: no host sync, never stale.
-
-    A parameter registered with :meth:`read_from` has no bf16 values of its own (the optimizer
-    dropped them, :meth:`moe.optim.MasterWeightAdamW.release_weight`): its copies are made from
-    its fp32 master, rounded to bf16 first (so they are bitwise the copies of the bf16 weight the
-    optimizer would have written) a few experts at a time, and the FP8 pair replaces the bf16
-    weight instead of sitting beside it (2 bytes per expert parameter instead of 4). A GEMM the
-    rule keeps in bf16 reads :meth:`dense`, a bf16 copy made from the master once per version."""
-
-    # experts per quantisation chunk are chosen so the bf16 transient stays near this many elements
-    CHUNK_ELEMENTS = 1 << 26
-
-    def __init__(self) -> None:
-        self._rows: dict = {}
-        self._cols: dict = {}
-        self._dense: dict = {}
-        self._sources: dict[int, torch.Tensor] = {}
-
-    def read_from(self, param: torch.Tensor, master: torch.Tensor) -> None:
-        """Make ``param``'s copies from ``master`` (same shape, any float dtype)."""
-        if tuple(master.shape) != tuple(param.shape):
-            raise ValueError(f"master {tuple(master.shape)} and parameter {tuple(param.shape)} differ in shape")
-        self._sources[id(param)] = master
-
-    def reads_master(self, w: torch.Tensor) -> bool:
-        return id(w) in self._sources
-
-    def _source(self, w: torch.Tensor) -> torch.Tensor:
-        return self._sources.get(id(w), w)
-
-    @staticmethod
-    def _key(w: torch.Tensor) -> tuple:
-        return (w.data_ptr(), tuple(w.shape), w._version)
-
-    def _lookup(self, table: dict, w: torch.Tensor, make) -> tuple:
-        src = self._source(w)
-        key = self._key(src)
-        hit = table.get(id(w))
-        if hit is None or hit[0] != key:
-            table.pop(id(w), None)  # the stale copy goes before the new one is made
-            hit = (key, *make(src))
-            table[id(w)] = hit
-        return hit[1:]
-
-    def _chunks(self, src: torch.Tensor):
-        """(first expert, bf16 [g, M, K]) over src's experts, a few at a time when src is not bf16."""
-        if src.dtype == torch.bfloat16:
-            yield 0, src
-            return
-        groups, m, k = src.shape
-        step = max(1, self.CHUNK_ELEMENTS // max(1, m * k))
-        for g in range(0, groups, step):
-            yield g, src[g : g + step].to(torch.bfloat16)
-
-    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 [G, M, K], decode scales [G, M]), scales along K."""
-
-        def make(src):
-            groups, m, k = src.shape
-            wq = torch.empty(groups, m, k, dtype=E4M3, device=src.device)
-            sw = torch.empty(groups, m, dtype=torch.float32, device=src.device)
-            for g, part in self._chunks(src):
-                q, s = quantize_rows(part.reshape(-1, k))
-                n = part.shape[0]
-                wq.view(torch.uint8)[g : g + n] = q.view(torch.uint8).view(n, m, k)
-                sw[g : g + n] = s.view(n, m)
-            return wq, sw
-
-        return self._lookup(self._rows, w, make)
-
-    def cols(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 [G, K, M], decode scales [G, K]), scales along M."""
-
-        def make(src):
-            groups, m, k = src.shape
-            wt = torch.empty(groups, k, m, dtype=E4M3, device=src.device)
-            swt = torch.empty(groups, k, dtype=torch.float32, device=src.device)
-            for g, part in self._chunks(src):
-                n = part.shape[0]
-                q, s, _ = quantize_cols_grouped(part.reshape(n * m, k), _uniform_ends(n, m, src.device), pad=False)
-                wt.view(torch.uint8)[g : g + n] = q.view(torch.uint8)
-                swt[g : g + n] = s
-            return wt, swt
-
-        return self._lookup(self._cols, w, make)
-
-    def dense(self, w: torch.Tensor) -> torch.Tensor:
-        """w's values in bf16, for the GEMMs the rule keeps in bf16."""
-        if not self.reads_master(w):
-            return w
-        return self._lookup(self._dense, w, lambda src: (src.to(torch.bfloat16),))[0]
 
 
 def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):

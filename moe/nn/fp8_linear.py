@@ -16,7 +16,7 @@ version (micro-batches share them). A GEMM runs in FP8 only where the rule says 
 dimensions large: the quantisation passes cost more than thin GEMMs save); the rest in bf16.
 Swapping the class of an ``nn.Linear`` keeps its parameter and state-dict keys, so checkpoints do
 not depend on the recipe. Each projection quantises its own input (q, k and v each quantise x;
-a fused qkv projection would do it once). Not timed on a GPU yet (bench/h200/kernels.sh step).
+a fused qkv projection would do it once). Measured on one H200 in bench/NOTES.md (issue 39).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.kernels.fp8 import Fp8Rule, Plan, quantize_cols, quantize_cols_grouped, quantize_rows
+from moe.kernels.fp8 import quantize_cols, quantize_rows
+from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
 
 
 def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch.Tensor:
@@ -38,38 +39,14 @@ def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch
     return torch._scaled_mm(a, b, scale_a=scale_a[:, None], scale_b=scale_b[None, :], out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
-def _one_group(rows: int, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), rows, dtype=torch.int32, device=device)
-
-
-class _DenseWeightCache:
-    """The FP8 copies of one weight (rowwise for forward, columnwise for dgrad), per version."""
-
-    def __init__(self) -> None:
-        self.key, self.rows, self.cols = None, None, None
-
-    def get(self, w: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (w.data_ptr(), tuple(w.shape), w._version)
-        if key != self.key:
-            self.key, self.rows, self.cols = key, None, None
-        if which == "rows":
-            if self.rows is None:
-                self.rows = quantize_rows(w)  # [N, K], scales along K
-            return self.rows
-        if self.cols is None:
-            q, s, _ = quantize_cols_grouped(w, _one_group(w.shape[0], w.device), pad=False)
-            self.cols = (q[0], s[0])  # [K, N], scales along N
-        return self.cols
-
-
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, plan, emulate: bool, cache: _DenseWeightCache):
+    def forward(ctx, x, w, plan, emulate: bool, cache: WeightCache):
         ctx.save_for_backward(x, w)
         ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
         if plan.fwd:
             xq, sx = quantize_rows(x)
-            wq, sw = cache.get(w, "rows")
+            wq, sw = cache.rows(w)
             return _scaled_mm(xq, wq.t(), sx, sw, emulate, fast_accum=True)
         return x @ w.t()
 
@@ -82,7 +59,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if plan.dgrad:
                 gq, sg = quantize_rows(grad)
-                wtq, swt = cache.get(w, "cols")
+                wtq, swt = cache.cols(w)
                 grad_x = _scaled_mm(gq, wtq.t(), sg, swt, emulate, fast_accum=False)
             else:
                 grad_x = grad @ w
@@ -102,7 +79,7 @@ class Fp8Linear(nn.Linear):
 
     rule: Fp8Rule = Fp8Rule()
     emulate = False
-    _fp8_cache: _DenseWeightCache | None = None
+    _fp8_cache: WeightCache | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -114,8 +91,8 @@ class Fp8Linear(nn.Linear):
         if not plan.any:
             return nn.functional.linear(x2, w).view(*x.shape[:-1], out_dim)
         if self._fp8_cache is None:
-            self._fp8_cache = _DenseWeightCache()
-        cache = self._fp8_cache if w is self.weight else _DenseWeightCache()  # a cast copy is new each call
+            self._fp8_cache = WeightCache()
+        cache = self._fp8_cache if w is self.weight else WeightCache()  # a cast copy is new each call
         return _Fp8LinearFn.apply(x2.contiguous(), w, plan, self.emulate, cache).view(*x.shape[:-1], out_dim)
 
 
@@ -124,7 +101,7 @@ def to_fp8(module: nn.Linear, rule: Fp8Rule, emulate: bool) -> Fp8Linear:
     if module.bias is not None:
         raise ValueError("to_fp8: linears with a bias are not supported (the model has none)")
     module.__class__ = Fp8Linear
-    module.rule, module.emulate, module._fp8_cache = rule, emulate, _DenseWeightCache()
+    module.rule, module.emulate, module._fp8_cache = rule, emulate, WeightCache()
     return module
 
 

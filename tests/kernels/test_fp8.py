@@ -16,7 +16,7 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
 def test_the_default_rule_sends_to_fp8_only_the_shapes_measured_faster_in_fp8():
     """The step measurements behind Fp8Rule's defaults (one H200, bench/NOTES.md): FP8 won at
     paper width with 1,024 rows per expert and lost at 512 rows and at OLMoE width."""
-    from moe.kernels.fp8 import Fp8Rule
+    from moe.nn.fp8_policy import Fp8Rule
 
     rule = Fp8Rule()
     paper = [(8192, 4096), (4096, 4096)]  # gate_up [2h, d] and down [d, h], h = d = 4096
