@@ -49,7 +49,7 @@ class TaskRequests:
     requests: tuple[Request, ...]
     docs_total: int  # documents of the task before any limit
     # the documents a limit sampled (None: every document), and those of them left out because
-    # their context would have been cut (evaluate.truncation=drop)
+    # their context would have been cut (evaluate.truncation=drop) or their continuation does not fit
     sample: tuple[int, ...] | None = None
     dropped: tuple[int, ...] = ()
 

@@ -138,14 +138,23 @@ def prepare_tasks(
             raise PipelineError(f"{key}: task {task.name} has no documents in {root}")
         kept = sample_documents(docs, limit, seed, task.name)
         requests = tokenize_task(task, kept, info, key)
-        too_long = [r for r in requests if len(r.cont) > max_len]
-        if too_long:
-            r = too_long[0]
+        # A continuation longer than the model's window cannot be scored (only a context can be
+        # cut): such documents are left out of this sample, said in one line and recorded.
+        unfit = sorted({r.doc_id for r in requests if len(r.cont) > max_len})
+        if len(unfit) == len(kept):
             raise PipelineError(
-                f"{key}: task {task.name}, document {r.doc_id}: a continuation of {len(r.cont)} tokens does not fit model.max_seq_len={max_len}"
+                f"{key}: every sampled document of task {task.name} has a continuation longer than model.max_seq_len={max_len}; "
+                "nothing could be scored (a longer context, or another task)"
             )
+        if unfit:
+            longest = max(len(r.cont) for r in requests if r.doc_id in set(unfit))
+            log.warning(
+                "task %s: %d of %d documents have a continuation longer than model.max_seq_len=%d (up to %d tokens): left out (a continuation cannot be cut)",
+                task.name, len(unfit), len(kept), max_len, longest,
+            )  # fmt: skip
+            requests = [r for r in requests if r.doc_id not in set(unfit)]
         sample = tuple(d.doc_id for d in kept) if len(kept) < len(docs) else None
-        task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample)
+        task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample, tuple(unfit))
         cut = truncation(requests, max_len)
         if cut["truncated_docs"]:
             task_requests = _report_cut(task_requests, cut, len(kept), max_len, truncation_mode, truncation_key)
@@ -173,7 +182,7 @@ def _report_cut(t: TaskRequests, cut: dict[str, float], docs: int, max_len: int,
     if mode != "drop":
         return t
     dropped = sorted({r.doc_id for r in t.requests if r.cut(max_len)})
-    if len(dropped) == docs:
+    if len(dropped) + len(t.dropped) >= docs:
         raise PipelineError(f"{key}=drop: every document of task {t.name} is longer than model.max_seq_len={max_len}; nothing would be left")
     gone = set(dropped)
-    return dataclasses.replace(t, requests=tuple(r for r in t.requests if r.doc_id not in gone), dropped=tuple(dropped))
+    return dataclasses.replace(t, requests=tuple(r for r in t.requests if r.doc_id not in gone), dropped=tuple(sorted(gone | set(t.dropped))))

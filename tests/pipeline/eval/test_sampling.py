@@ -99,6 +99,24 @@ def test_cut_contexts_are_counted_warned_about_and_dropped_on_request(byte_token
         prepare_tasks(["sciq"], byte_tokenizer, **{**args, "max_len": 60}, truncation_mode="drop")
 
 
+def test_documents_whose_continuation_cannot_fit_are_left_out_and_said(byte_tokenizer, caplog):
+    """A sampled document whose continuation alone is longer than the model's window cannot be
+    scored (a continuation is never cut): it is left out with one line and recorded, the rest of
+    the sample is scored; a task left with nothing is one error."""
+    args = {"limit": 30, "data_dir": None, "key": "train.eval_tasks", "seed": 0}
+    (full,) = prepare_tasks(["hellaswag"], byte_tokenizer, **args, max_len=4096)
+    longest = {d: max(len(r.cont) for r in full.requests if r.doc_id == d) for d in full.sample}
+    limit = sorted(longest.values())[len(longest) // 2]  # about half the documents have a longer ending
+    with caplog.at_level(logging.WARNING, logger="pipeline.eval"):
+        (some,) = prepare_tasks(["hellaswag"], byte_tokenizer, **args, max_len=limit)
+    unfit = {d for d, n in longest.items() if n > limit}
+    assert 0 < len(unfit) < 30 and set(some.dropped) == unfit and some.sample == full.sample
+    assert {r.doc_id for r in some.requests} == set(full.sample) - unfit
+    assert any(f"task hellaswag: {len(unfit)} of 30 documents have a continuation longer than" in r.getMessage() for r in caplog.records)
+    with pytest.raises(PipelineError, match="every sampled document of task hellaswag has a continuation longer"):
+        prepare_tasks(["hellaswag"], byte_tokenizer, **args, max_len=2)
+
+
 def test_a_bos_token_starts_every_context(byte_tokenizer):
     from tokenizers import AddedToken, Tokenizer, processors
 
