@@ -148,8 +148,8 @@ def prepare_tasks(
             )
         if unfit:
             longest = max(len(r.cont) for r in requests if r.doc_id in set(unfit))
-            line = "task %s: %d of %d documents have a continuation longer than model.max_seq_len=%d (up to %d tokens): left out (a continuation cannot be cut)"
-            log.warning(line, task.name, len(unfit), len(kept), max_len, longest)
+            line = "task %s: %d of %d documents have a continuation longer than model.max_seq_len=%d (up to %d tokens): "
+            log.warning(line + "left out (a continuation cannot be cut)", task.name, len(unfit), len(kept), max_len, longest)
             requests = [r for r in requests if r.doc_id not in set(unfit)]
         sample = tuple(d.doc_id for d in kept) if len(kept) < len(docs) else None
         task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample, tuple(unfit))
