@@ -26,7 +26,7 @@ import torch
 
 from bench.common import environment, print_table, rel_error, time_cuda, write_result
 from moe.kernels import fp8 as q8
-from moe.layers.gemm import GroupedMM, _grouped_mm
+from moe.layers.gemm import GroupedMM, grouped_mm
 from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, _dgrad, _forward_fp8, _wgrad, scaled_grouped_mm
 
 SHAPES = [(2048, 1024, 64, 8), (4096, 4096, 64, 4), (2048, 768, 128, 8)]
@@ -66,9 +66,9 @@ def check(dev: torch.device | None = None) -> dict[str, Any]:
             emu = fn(True)
             res[f"{name}_rel_vs_emulated"] = rel_error(real, emu)
             bf16 = {
-                "fwd": lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),
-                "dgrad": lambda: _grouped_mm(grad, w, offs=offsets),
-                "wgrad": lambda: _grouped_mm(grad.t(), x, offs=offsets),
+                "fwd": lambda: grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+                "dgrad": lambda: grouped_mm(grad, w, offs=offsets),
+                "wgrad": lambda: grouped_mm(grad.t(), x, offs=offsets),
             }[name]()
             res[f"{name}_rel_vs_bf16"] = rel_error(real, bf16)
             if name == "wgrad":
@@ -113,7 +113,7 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
             # The lambdas and closures below run within this iteration (B023); the names are del'd at its end to free GPU memory (F821).
             cases = {
                 "fwd": (
-                    lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offsets),  # noqa: B023, F821
+                    lambda: grouped_mm(x, w.transpose(-2, -1), offs=offsets),  # noqa: B023, F821
                     lambda: _forward_fp8(*q8.quantize_rows(x), w, offsets, False),  # noqa: B023, F821
                     lambda: scaled_grouped_mm(xq, wq_t, sx, sw2, offsets, False),  # noqa: B023, F821
                     plan.fwd,

@@ -11,7 +11,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+# torch's grouped GEMM (public in newer torch, torch._grouped_mm before): every backend's bf16 path
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 class ExpertGemm(Protocol):
@@ -28,7 +29,7 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
-class _GroupedLinear(torch.autograd.Function):
+class GroupedLinear(torch.autograd.Function):
     """x_g @ w[g].T with a backward that writes the weight gradient straight in w's own
     [G, M, K] layout (autograd's default produces it transposed, and AccumulateGrad then copies
     the whole expert-weight gradient to match the parameter's strides)."""
@@ -36,14 +37,14 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
-        return _grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()  # grouped_mm rejects stride-0 gradients
-        grad_x = _grouped_mm(grad, w, offs=offsets) if ctx.needs_input_grad[0] else None
-        grad_w = _grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        grad_x = grouped_mm(grad, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
 
@@ -57,7 +58,7 @@ class GroupedMM:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x, w)
-        return _GroupedLinear.apply(x.to(dtype), w.to(dtype), offsets)
+        return GroupedLinear.apply(x.to(dtype), w.to(dtype), offsets)
 
 
 def check_routing_args(order, inverse, weights) -> bool:

@@ -53,7 +53,7 @@ from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quanti
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
-from moe.layers.gemm import _grouped_mm, _GroupedLinear, check_routing_args
+from moe.layers.gemm import GroupedLinear, check_routing_args, grouped_mm
 from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
 
 
@@ -69,7 +69,7 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.T
         group = torch.searchsorted(offsets.long(), torch.arange(a.shape[1], device=a.device), right=True).clamp_max(groups - 1)
         a32 = a.float() * scale_a.view(groups, a.shape[0])[group].t()
         b32 = b.float() * scale_b.view(groups, b.shape[1])[group]
-    return _grouped_mm(a32, b32, offs=offsets).to(torch.bfloat16)
+    return grouped_mm(a32, b32, offs=offsets).to(torch.bfloat16)
 
 
 def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
@@ -80,7 +80,7 @@ def _forward_fp8(xq, sx, w, offsets, emulate, cache: WeightCache | None = None):
 def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None = None):
     """grad [N, M] @ w[g] [M, K] -> [N, K]."""
     if not fp8:
-        return _grouped_mm(grad, (cache or WeightCache()).dense(w), offs=offsets)
+        return grouped_mm(grad, (cache or WeightCache()).dense(w), offs=offsets)
     gq, sg = quantize_rows(grad)
     wt, swt = (cache or WeightCache()).cols(w)
     return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
@@ -91,7 +91,7 @@ def _wgrad(grad, x, offsets, fp8: bool, emulate: bool, row_index=None):
     the rows are token rows read through the routing indices."""
     if not fp8:
         rows = x.index_select(0, row_index) if row_index is not None else x  # bf16: a transient copy
-        return _grouped_mm(grad.t(), rows, offs=offsets)
+        return grouped_mm(grad.t(), rows, offs=offsets)
     gt, sgt, padded = quantize_cols_grouped(grad, offsets, pad=True)
     xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True, row_index=row_index)
     return scaled_grouped_mm(gt, xt.t(), sgt, sxt, padded, emulate)
@@ -107,7 +107,7 @@ class _Fp8Linear(torch.autograd.Function):
         if plan.fwd:
             xq, sx = quantize_rows(x)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
-        return _grouped_mm(x, cache.dense(w).transpose(-2, -1), offs=offsets)
+        return grouped_mm(x, cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -131,7 +131,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
         if plan.fwd:
             xq, sx = gather_quantized_rows(*quantize_rows(tokens), row_index)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
-        return _grouped_mm(tokens.index_select(0, row_index), cache.dense(w).transpose(-2, -1), offs=offsets)
+        return grouped_mm(tokens.index_select(0, row_index), cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -166,7 +166,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
             aq, sa = swiglu_quantize(h)
             y = _forward_fp8(aq, sa, w, offsets, emulate, cache)
         else:
-            y = _grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
+            y = grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
         top_k = weights.shape[1]
         out = gather_reduce(y, inverse, weights, top_k)
         ctx.save_for_backward(h, w, offsets, order, inverse, weights, y)
@@ -192,7 +192,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
             wt, swt = cache.cols(w)
             grad_a = scaled_grouped_mm(gq, wt.transpose(-2, -1), sg * row_weight, swt, offsets, emulate)
         else:
-            grad_a = _grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
+            grad_a = grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
         grad_w = None
         if ctx.needs_input_grad[1]:
             if plan.wgrad:
@@ -200,7 +200,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
                 at, sat, _ = quantize_cols_grouped(a.detach(), offsets, pad=True)
                 grad_w = scaled_grouped_mm(gt, at.t(), sgt, sat, padded, emulate)
             else:
-                grad_w = _grouped_mm(rows_bf16.t(), a.detach(), offs=offsets)
+                grad_w = grouped_mm(rows_bf16.t(), a.detach(), offs=offsets)
         (grad_h,) = torch.autograd.grad(a, hh, grad_a)
         return grad_h, grad_w, None, None, None, grad_weights, None, None, None
 
@@ -216,7 +216,7 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
         if plan.fwd:
             aq, sa = swiglu_quantize(h)
             return _forward_fp8(aq, sa, w, offsets, emulate, cache)
-        return _grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
+        return grouped_mm(swiglu(h), cache.dense(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
@@ -252,7 +252,7 @@ class Fp8GroupedGemm:
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(x, w)
         if not plan.any and not cache.reads_master(w):
-            return _GroupedLinear.apply(x, w, offsets)
+            return GroupedLinear.apply(x, w, offsets)
         return _Fp8Linear.apply(x, w, offsets, plan, self.emulate, cache)
 
     def expert_mlp(
@@ -301,7 +301,7 @@ class Fp8GroupedGemm:
         h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
         plan = self._plan(h, w)
         if not plan.any and not cache.reads_master(w):
-            return _GroupedLinear.apply(swiglu(h), w, offsets)
+            return GroupedLinear.apply(swiglu(h), w, offsets)
         return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate, cache)
 
 
@@ -311,14 +311,14 @@ class _MxFakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets):
         ctx.save_for_backward(x, w, offsets)
-        return _grouped_mm(_mx(x), _mx(w).transpose(-2, -1), offs=offsets)
+        return grouped_mm(_mx(x), _mx(w).transpose(-2, -1), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = _grouped_mm(_mx(grad), _mx(w.transpose(-2, -1).contiguous()).transpose(-2, -1), offs=offsets)
-        grad_w = _grouped_mm(grad.t(), x, offs=offsets)
+        grad_x = grouped_mm(_mx(grad), _mx(w.transpose(-2, -1).contiguous()).transpose(-2, -1), offs=offsets)
+        grad_w = grouped_mm(grad.t(), x, offs=offsets)
         return grad_x, grad_w, None
 
 
@@ -332,5 +332,5 @@ class MxFp8GroupedGemm:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         if x.shape[1] % 32 or w.shape[1] % 32:
-            return _GroupedLinear.apply(x, w, offsets)
+            return GroupedLinear.apply(x, w, offsets)
         return _MxFakeQuant.apply(x, w, offsets)
