@@ -20,7 +20,6 @@ symlink itself instead of writing through it; a symlink where an output belongs 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -28,18 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe.digest import sha256_file
 from pipeline.errors import PipelineError
 
 LEDGER = ".moe-outputs.json"
 Recognise = Callable[[Path], bool]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------ plain safe writes

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+X
 from moe.errors import TokenDataError  # noqa: F401 - raised here, defined with every other error
 
 SIDECAR_SUFFIX = ".json"
@@ -44,14 +45,6 @@ def dtype_for_vocab(vocab_size: int) -> str:
 
 def sidecar_path(path: str | os.PathLike) -> Path:
     return Path(str(path) + SIDECAR_SUFFIX)
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_token_file(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moe.digest import sha256_file
 from moe.errors import CheckpointError
 from moe.train.safe_dcp import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
 
@@ -191,7 +192,7 @@ class CheckpointManager:
         _barrier()
         if rank == 0:
             world = dist.get_world_size() if _distributed() else 1
-            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META}
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META}
             sealed = {**meta, "step": step, "world_size": world, "files": files}
             sealed["meta_sha256"] = meta_digest(sealed)
             _write_atomic(tmp / META, json.dumps(sealed, indent=2, sort_keys=True))
@@ -272,14 +273,6 @@ def _numpy_array_globals() -> list[Any]:
     return [np.ndarray, np.dtype, _reconstruct, type(np.dtype(np.uint32))]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_files(path: Path, meta: dict[str, Any]) -> None:
     """Every file meta.json lists is present with its recorded sha256; the list itself is
     covered by meta.json's own checksum (read_meta), so it cannot be removed to skip this."""
@@ -292,7 +285,7 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
             raise CheckpointError(f"{path / META}: bad file name {name!r}")
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"{f}: sha256 does not match meta.json: the file is corrupt")
 
 
