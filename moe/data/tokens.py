@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-X
+from moe.digest import sha256_file as file_sha256  # moe.data's name for it
 from moe.errors import TokenDataError  # noqa: F401 - raised here, defined with every other error
 
 SIDECAR_SUFFIX = ".json"
