@@ -13,41 +13,36 @@ from pipeline.console import console, fail, handle_errors
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
 
 
-def _bench_module(name: str):
-    """A benchmark module of the repository's bench/ (loaded by name: bench/ and pipeline/
-    stand beside each other, neither imports the other)."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"bench.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name in ("bench", f"bench.{name}"):
-            fail("the benchmarks live in the repository's bench/ folder: run `moe bench` from the repository root", 2)
-        raise
+def _bench_dir() -> Path:
+    """The repository's bench/ folder (bench/ and pipeline/ stand beside each other: neither
+    imports the other, so `moe bench` runs a benchmark as its own process)."""
+    bench = Path.cwd() / "bench"
+    if not (bench / "__init__.py").is_file() or not (bench / "common.py").is_file():
+        fail("the benchmarks live in the repository's bench/ folder: run `moe bench` from the repository root", 2)
+    return bench
 
 
 @bench_app.command("layer", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_layer(ctx: typer.Context) -> None:
     """MoE layer fwd+bwd TFLOP/s next to transformers and TorchTitan (see bench/layer.py --help)."""
-    _run_bench(_bench_module("layer").main, list(ctx.args))
+    _run_bench("layer", list(ctx.args))
 
 
 @bench_app.command("model", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_model(ctx: typer.Context) -> None:
     """Full training steps of an OLMoE-width model: MFU, host syncs, peak memory (bench/model.py --help)."""
-    _run_bench(_bench_module("model").main, list(ctx.args))
+    _run_bench("model", list(ctx.args))
 
 
 @bench_app.command("experts", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_experts(ctx: typer.Context) -> None:
     """Layer throughput from 8 to 128 experts at fixed top-k and expert size (bench/layer.py --experts)."""
-    main = _bench_module("layer").main
     args = list(ctx.args)
     if not any(a.startswith("--experts") for a in args):
         args += ["--experts", "8,16,32,64,128"]
     if not any(a.startswith("--shape") for a in args):
         args += ["--shape", "2048,1024,64,8"]
-    _run_bench(main, args)
+    _run_bench("layer", args)
 
 
 @bench_app.command("log")
@@ -63,13 +58,17 @@ def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.
         console.print(f"{f.name} -> MLflow run {run_id}" + ("" if new else " (already logged)"))
 
 
-def _run_bench(main, args: list[str]) -> None:
-    """Run a benchmark; log what it wrote to MLflow when MLflow is importable here."""
-    RESULTS = _bench_module("common").RESULTS  # noqa: N806 - the benchmarks' results folder
+def _run_bench(name: str, args: list[str]) -> None:
+    """Run ``python -m bench.<name> ARGS`` from the repository root; log the JSON it wrote to
+    MLflow when MLflow is importable here."""
+    import subprocess
+    import sys
 
-    before = set(RESULTS.glob("*.json")) if RESULTS.is_dir() else set()
-    code = main(args)
-    new = sorted(set(RESULTS.glob("*.json")) - before) if RESULTS.is_dir() else []
+    bench = _bench_dir()
+    results = bench / "results"  # bench/common.py's RESULTS
+    before = set(results.glob("*.json")) if results.is_dir() else set()
+    code = subprocess.call([sys.executable, "-m", f"bench.{name}", *args], cwd=bench.parent)
+    new = sorted(set(results.glob("*.json")) - before) if results.is_dir() else []
     if new:
         try:
             from pipeline.bench_tracking import log_result

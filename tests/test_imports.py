@@ -41,6 +41,21 @@ def _resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
+def dynamic_imports(call: ast.Call) -> list[str]:
+    """``importlib.import_module("a.b")`` / ``import_module(f"a.{x}")`` / ``__import__("a")``: the
+    module named, or the constant prefix of an f-string (an import all the same)."""
+    fn = call.func
+    name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+    if name not in ("import_module", "__import__") or not call.args:
+        return []
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [arg.value]
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return [str(arg.values[0].value).rstrip(".")]
+    return []
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports (to the deepest module that exists)."""
     files = {module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
@@ -54,6 +69,8 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(mod, path.name == "__init__.py", node)
                 names = [f"{base}.{a.name}" for a in node.names] + [base]
+            elif isinstance(node, ast.Call):
+                names = dynamic_imports(node)
             for name in names:
                 while name and name not in files:
                     name = name.rpartition(".")[0]
@@ -144,3 +161,9 @@ def test_the_walk_sees_known_arrows():
     assert "moe.config.base" in graph["moe.config.model"]
     assert "moe.model" in graph["moe.train.trainer"]
     assert any(t.startswith("moe.") for t in graph["pipeline.stages.train"])
+
+
+def test_dynamic_imports_are_seen():
+    tree = ast.parse("import importlib\nimportlib.import_module('bench.layer')\nimport_module(f'bench.{name}')\n__import__('moe.model')\n")
+    found = [n for node in ast.walk(tree) if isinstance(node, ast.Call) for n in dynamic_imports(node)]
+    assert found == ["bench.layer", "bench", "moe.model"]
