@@ -1,0 +1,173 @@
+"""The FP8 policy, one floor above the kernels: which GEMMs run in FP8 (:class:`Fp8Rule`,
+:class:`Plan`) and the FP8 copies of weights (:class:`WeightCache`), shared by the expert GEMMs
+(moe.layers.gemm_fp8) and the dense projections (moe.nn.fp8_linear)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe.kernels.fp8 import E4M3, quantize_cols_grouped, quantize_rows
+
+
+def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, groups + 1, device=device, dtype=torch.int32) * size
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which of a projection's three GEMMs run in FP8."""
+
+    fwd: bool
+    dgrad: bool
+    wgrad: bool
+
+    @property
+    def any(self) -> bool:
+        return self.fwd or self.dgrad or self.wgrad
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Rule:
+    """FP8 for a GEMM whose output columns and contraction are both at least ``min_dim`` (and
+    multiples of 16) and whose mean rows per expert are at least ``min_rows`` (default
+    min(min_dim, 1024)); the rest stay bf16.
+
+    Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
+    the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
+
+    The defaults come from full training steps on one H200 (bench.model, learned routing, 4
+    micro-batches, every expert GEMM in FP8 against bf16; bench/NOTES.md "FP8 weights from the
+    masters", JSON bench/results/model-NVIDIA-H200-20261202T0404*.json to T0406*.json):
+    paper width (d=4096, 64 experts of 4096, top-4) at 1,024 rows per expert +3.2% (88.4K vs
+    85.7K tokens/s), at 512 rows -3.6%, at 256 rows -9.9%; OLMoE width (d=2048, 64 experts of
+    1024, top-8) at 2,048 rows -3.5%. So FP8 needs GEMMs at least 4096 wide both ways and 1,024
+    rows per expert: the quantisation passes cost a fixed amount per element moved, the FP8
+    GEMM saves in proportion to the GEMM's depth, and only wide, tall GEMMs come out ahead."""
+
+    min_dim: int = 4096
+    min_rows: int | None = None
+
+    @property
+    def rows_needed(self) -> int:
+        return min(self.min_dim, 1024) if self.min_rows is None else self.min_rows
+
+    def use(self, rows: float, n: int, k: int) -> bool:
+        return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed
+
+    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+        rows = tokens / max(groups, 1)
+        return Plan(
+            fwd=self.use(rows, out_dim, in_dim),
+            dgrad=self.use(rows, in_dim, out_dim),
+            # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
+            wgrad=self.use(rows, out_dim, in_dim),
+        )
+
+
+class WeightCache:
+    """FP8 copies of expert weights, made once per weight version.
+
+    Weights change only at the optimizer step (which bumps the version counter of the tensor it
+    writes), so the micro-batches of a step (gradient accumulation, pipeline micro-batches) share
+    one rowwise copy (forward) and one transposed, columnwise copy (dgrad). Keyed by storage,
+    shape and version: no host sync, never stale.
+
+    A parameter registered with :meth:`read_from` has no bf16 values of its own (the optimizer
+    dropped them, :meth:`moe.optim.MasterWeightAdamW.release_weight`): its copies are made from
+    its fp32 master, rounded to bf16 first (so they are bitwise the copies of the bf16 weight the
+    optimizer would have written) a few experts at a time, and the FP8 pair replaces the bf16
+    weight instead of sitting beside it (2 bytes per expert parameter instead of 4). A GEMM the
+    rule keeps in bf16 reads :meth:`dense`, a bf16 copy made from the master once per version."""
+
+    # experts per quantisation chunk are chosen so the bf16 transient stays near this many elements
+    CHUNK_ELEMENTS = 1 << 26
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+        self._cols: dict = {}
+        self._dense: dict = {}
+        self._sources: dict[int, torch.Tensor] = {}
+
+    def read_from(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Make ``param``'s copies from ``master`` (same shape, any float dtype)."""
+        if tuple(master.shape) != tuple(param.shape):
+            raise ValueError(f"master {tuple(master.shape)} and parameter {tuple(param.shape)} differ in shape")
+        self._sources[id(param)] = master
+
+    def reads_master(self, w: torch.Tensor) -> bool:
+        return id(w) in self._sources
+
+    def _source(self, w: torch.Tensor) -> torch.Tensor:
+        return self._sources.get(id(w), w)
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), tuple(w.shape), w._version)
+
+    def _lookup(self, table: dict, w: torch.Tensor, make) -> tuple:
+        src = self._source(w)
+        key = self._key(src)
+        hit = table.get(id(w))
+        if hit is None or hit[0] != key:
+            table.pop(id(w), None)  # the stale copy goes before the new one is made
+            hit = (key, *make(src))
+            table[id(w)] = hit
+        return hit[1:]
+
+    def _chunks(self, src: torch.Tensor):
+        """(first expert, bf16 [g, M, K]) over src's experts, a few at a time when src is not bf16."""
+        if src.dtype == torch.bfloat16:
+            yield 0, src
+            return
+        groups, m, k = src.shape
+        step = max(1, self.CHUNK_ELEMENTS // max(1, m * k))
+        for g in range(0, groups, step):
+            yield g, src[g : g + step].to(torch.bfloat16)
+
+    def rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, M, K], decode scales [G, M]), scales along K; for a 2-D weight [M, K] (a
+        dense projection) ([M, K], [M])."""
+
+        def make(src):
+            if src.dim() == 2:
+                wq, sw = make(src.unsqueeze(0))
+                return wq[0], sw[0]
+            groups, m, k = src.shape
+            wq = torch.empty(groups, m, k, dtype=E4M3, device=src.device)
+            sw = torch.empty(groups, m, dtype=torch.float32, device=src.device)
+            for g, part in self._chunks(src):
+                q, s = quantize_rows(part.reshape(-1, k))
+                n = part.shape[0]
+                wq.view(torch.uint8)[g : g + n] = q.view(torch.uint8).view(n, m, k)
+                sw[g : g + n] = s.view(n, m)
+            return wq, sw
+
+        return self._lookup(self._rows, w, make)
+
+    def cols(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 [G, K, M], decode scales [G, K]), scales along M; for a 2-D weight [M, K]
+        ([K, M], [K])."""
+
+        def make(src):
+            if src.dim() == 2:
+                wt, swt = make(src.unsqueeze(0))
+                return wt[0], swt[0]
+            groups, m, k = src.shape
+            wt = torch.empty(groups, k, m, dtype=E4M3, device=src.device)
+            swt = torch.empty(groups, k, dtype=torch.float32, device=src.device)
+            for g, part in self._chunks(src):
+                n = part.shape[0]
+                q, s, _ = quantize_cols_grouped(part.reshape(n * m, k), _uniform_ends(n, m, src.device), pad=False)
+                wt.view(torch.uint8)[g : g + n] = q.view(torch.uint8)
+                swt[g : g + n] = s
+            return wt, swt
+
+        return self._lookup(self._cols, w, make)
+
+    def dense(self, w: torch.Tensor) -> torch.Tensor:
+        """w's values in bf16, for the GEMMs the rule keeps in bf16."""
+        if not self.reads_master(w):
+            return w
+        return self._lookup(self._dense, w, lambda src: (src.to(torch.bfloat16),))[0]
