@@ -1,6 +1,9 @@
 """Where the MoE layer's time goes: CUDA kernel times of one forward+backward (torch.profiler).
 
 python -m bench.profile_layer --shape 2048,1024,64,8 --tokens 16384
+python -m bench.profile_layer --shape 4096,4096,64,4 --recipe fp8   # every expert GEMM in FP8 rowwise
+
+Random routing, dropless. Writes JSON (per-kernel times, GEMM against the rest) to bench/results/.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import sys
 
 import torch
 
-from bench.layer import Shape, build_ours, make_weights
+from bench.common import environment, write_result
+from bench.layer import Shape, build_ours, build_ours_fp8, make_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,10 +22,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="2048,1024,64,8")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rows", type=int, default=18)
+    p.add_argument("--recipe", choices=("bf16", "fp8"), default="bf16", help="fp8: every expert GEMM in FP8 rowwise")
+    p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.profile_layer needs a CUDA GPU", file=sys.stderr)
+        return 2
     shape = Shape(*map(int, args.shape.split(",")))
     device = torch.device("cuda")
-    layer = build_ours(shape, make_weights(shape, device), torch.bfloat16)
+    weights = make_weights(shape, device)
+    if args.recipe == "fp8":
+        layer = build_ours_fp8(shape, weights, torch.bfloat16, min_dim=0)
+    else:
+        layer = build_ours(shape, weights, torch.bfloat16)
     x = torch.randn(1, args.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -39,18 +52,34 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=100))
     iters = 5
-    gemm = other = 0.0
+    kernels = []
     for evt in prof.key_averages():
         t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
-        if "cutlass" in evt.key and "Gemm" in evt.key:
-            gemm += t
-        else:
-            other += t
+        if t > 0:
+            kernels.append({"kernel": evt.key[:160], "ms": t / iters / 1e3, "calls": evt.count // iters, "gemm": _is_gemm(evt.key)})
+    kernels.sort(key=lambda r: -r["ms"])
+    gemm = sum(r["ms"] for r in kernels if r["gemm"])
+    other = sum(r["ms"] for r in kernels if not r["gemm"])
     print(
-        f"{shape.label}: per forward+backward grouped GEMM {gemm / iters / 1e3:.3f} ms, "
-        f"everything else {other / iters / 1e3:.3f} ms ({100 * other / (gemm + other):.1f}%)"
+        f"{shape.label} {args.recipe}: per forward+backward grouped GEMM {gemm:.3f} ms, "
+        f"everything else {other:.3f} ms ({100 * other / max(gemm + other, 1e-9):.1f}%)"
     )
+    if not args.no_save:
+        payload = {
+            "environment": environment(),
+            "config": {"shape": args.shape, "tokens": args.tokens, "recipe": args.recipe, "routing": "random, dropless", "iters": iters},
+            "gemm_ms": gemm,
+            "other_ms": other,
+            "kernels": kernels,
+        }
+        print(f"wrote {write_result('profile_layer', payload)}")
     return 0
+
+
+def _is_gemm(name: str) -> bool:
+    """CUTLASS grouped GEMMs, bf16 and FP8 (torch._grouped_mm, torch._scaled_grouped_mm)."""
+    low = name.lower()
+    return "gemm" in low and ("cutlass" in low or "sm90" in low)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 # Issue 39 (FP8 on Hopper) on one H200, one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
 #   bench/h200/issue39.sh parity   # 300-step loss parity bf16 vs fp8_rowwise at both widths, on real tokens
 #   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
+#   bench/h200/issue39.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
+#                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -35,6 +37,26 @@ case "${1:-}" in
     run python3 -m bench.model --layers 8 --micro 4 --accum 4 "${fp8[@]}" "${common[@]}"
     run python3 -m bench.model --layers 8 --micro 4 --accum 4 "${common[@]}"
     ;;
-  *) echo "usage: $0 parity|memory" >&2; exit 2 ;;
+  layer)
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 65536 --peers ours,ours_fp8_all --iters 10
+    run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe bf16 --rows 12
+    run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
+    common=(--width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 3)
+    run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise   # the default rule (fp8_min_dim 4096)
+    run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --fp8-dense
+    run python3 -m bench.model "${common[@]}"
+    if [ ! -f /tmp/ptok/manifest.json ]; then
+      (cd bench/paper && python3 -m pipeline.cli paper tokenize --set tokenize.vocab_size=4096 \
+        --set tokenize.max_bytes=8000000 --set tokenize.output=/tmp/ptok 2>&1 | tail -2)
+    fi
+    for recipe in bf16 fp8_rowwise; do
+      rm -rf "/tmp/parity/paper-lr1e-4-$recipe"
+      run python3 -m bench.parity run --recipe "$recipe" --preset paper-8l --layers 2 --lr 1e-4 --data /tmp/ptok --out "/tmp/parity/paper-lr1e-4-$recipe"
+      cp "/tmp/parity/paper-lr1e-4-$recipe/metrics.jsonl" "$OUT/parity-paper-lr1e-4-$recipe.jsonl" 2>/dev/null
+      cp "/tmp/parity/paper-lr1e-4-$recipe/run.json" "$OUT/parity-paper-lr1e-4-$recipe.run.json" 2>/dev/null
+    done
+    ;;
+  *) echo "usage: $0 parity|memory|layer" >&2; exit 2 ;;
 esac
 exit $status
