@@ -1,0 +1,150 @@
+"""The expert weight gradient with the gradient accumulation inside the GEMM.
+
+With micro-batches, every expert weight's gradient used to be written by torch's grouped GEMM
+(bf16) and then added into the fp32 accumulator by a separate pass that reads both and writes
+one: 10 bytes per expert parameter per micro-batch on top of the GEMM's own 2-byte write
+(Megatron calls the cure gradient-accumulation fusion). Here one persistent Triton grouped GEMM
+computes out[g] (+)= grad_g^T @ x_g over each expert's rows and adds into ``out`` (fp32, or bf16
+for bf16 accumulation) in its epilogue, so the gradient is never stored on its own.
+
+The rows of both operands are contiguous per expert, so each tile reads them through TMA tensor
+descriptors made on the device for its expert ([rows_g, M] and [rows_g, K]): the hardware
+zero-fills past the expert's last row, no masks in the loop. Tiles are assigned in a fixed order,
+without atomics: results are deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moe.kernels.routing import HAVE_TRITON, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_wgrad_kernel(
+        grad,
+        x,
+        ends,
+        out,
+        G,
+        M,
+        K,
+        ACCUMULATE: tl.constexpr,
+        SPLIT_EPILOGUE: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R, K]
+        row-major, out [G, M, K] contiguous."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        m_blocks = tl.cdiv(M, BLOCK_M)
+        n_blocks = tl.cdiv(K, BLOCK_N)
+        per_group = m_blocks * n_blocks
+        # [G, M, K] as boxes of one expert's rows: a tile past M or K is clipped, never spills over
+        # (in two column halves for wide tiles: the epilogue's staging buffer then fits in shared memory)
+        HALF: tl.constexpr = BLOCK_N // 2
+        if SPLIT_EPILOGUE:
+            out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
+        else:
+            out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
+        for tile in range(pid, G * per_group, nprog):
+            g = tile // per_group
+            rest = tile % per_group
+            m0 = (rest // n_blocks) * BLOCK_M
+            n0 = (rest % n_blocks) * BLOCK_N
+            start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
+            rows = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
+            shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
+            g_desc = tl.make_tensor_descriptor(grad + start * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+            x_desc = tl.make_tensor_descriptor(x + start * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rows, BLOCK_K):
+                g_tile = g_desc.load([r0, m0])
+                x_tile = x_desc.load([r0, n0])
+                if IEEE:
+                    acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+            if SPLIT_EPILOGUE:
+                left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
+                if ACCUMULATE:
+                    left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
+                out_desc.store([g, m0, n0], left.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
+                if ACCUMULATE:
+                    right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
+                out_desc.store([g, m0, n0 + HALF], right.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
+            else:
+                if ACCUMULATE:
+                    acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+                out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
+# H200 (bench/NOTES.md, "The weight gradient accumulated in the GEMM"); one fixed choice keeps
+# reruns bitwise (an autotuner's timing-noise pick would change the summation order).
+CUDA_CONFIG = (128, 256, 64, 8, 3)
+INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
+
+
+def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the fused kernel can take these operands: Triton on this device (or the
+    interpreter), contiguous rows with 16-byte-aligned strides (TMA), bf16/fp16/fp32 inputs of one
+    dtype and an fp32 or bf16 accumulator."""
+    if not (HAVE_TRITON and use_triton(grad)) or grad.dtype != x.dtype or grad.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        return False
+    item = grad.element_size()
+    aligned = (grad.shape[1] * item) % 16 == 0 and (x.shape[1] * item) % 16 == 0
+    return aligned and grad.is_contiguous() and x.is_contiguous() and grad.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def _allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors the kernel makes on the device."""
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def grouped_wgrad(
+    grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, out: torch.Tensor, *, accumulate: bool, config: tuple[int, ...] | None = None
+) -> None:
+    """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
+    and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
+    [G, M, K] in fp32 or bf16. fp32 accumulation; a group without rows gets zeros (or is left
+    as it was when accumulating). Check :func:`supports` first. ``config``: (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests)."""
+    groups, m, k = out.shape
+    if ends.numel() != groups or grad.shape[1] != m or x.shape[1] != k or grad.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_wgrad: grad {tuple(grad.shape)}, x {tuple(x.shape)}, {ends.numel()} groups, out {tuple(out.shape)}")
+    if not (groups and m and k):
+        return
+    ends = ends.to(torch.int32)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_m, block_n, block_k, warps, stages = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
+    tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
+    programs = tiles if interpreted else min(tiles, torch.cuda.get_device_properties(grad.device).multi_processor_count)
+    triton.set_allocator(_allocate_scratch)
+    _grouped_wgrad_kernel[(max(1, min(programs, 8) if interpreted else programs),)](
+        grad,
+        x,
+        ends,
+        out,
+        groups,
+        m,
+        k,
+        ACCUMULATE=accumulate,
+        SPLIT_EPILOGUE=block_n >= 256 and out.dtype == torch.float32,
+        IEEE=grad.dtype == torch.float32 or interpreted,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
