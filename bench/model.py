@@ -27,7 +27,7 @@ import torch
 from bench.common import environment, matmul_peak_tflops, print_table, timed_train_steps, write_result
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
-from moe.hardware import gpu_by_device_name
+from moe.hardware import configure_cuda_allocator, gpu_by_device_name
 from moe.train.accounting import flops_per_token
 from moe.train.trainer import Trainer
 
@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["fp32", "bf16"],
         help="optim.expert_grad_accum: where the expert weights' gradient accumulates over micro-batches",
     )
+    p.add_argument(
+        "--expert-wgrad",
+        default="gemm",
+        choices=["gemm", "separate"],
+        help="optim.expert_wgrad: the expert weight gradient accumulated inside its GEMM, or added by a separate pass",
+    )
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--fp8-dense", action="store_true", help="precision.fp8_dense: the dense projections in FP8 too (fp8_rowwise)")
@@ -107,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
+    configure_cuda_allocator()  # as training does (moe.parallel.env.pick_device), before CUDA allocates
     if not torch.cuda.is_available():
         print("bench.model needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -164,7 +171,7 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 "logit_z_loss_weight": args.logit_z_loss,
             },
             "schedule": {"warmup_steps": 1},
-            "optim": {"expert_grad_accum": args.expert_grad_accum},
+            "optim": {"expert_grad_accum": args.expert_grad_accum, "expert_wgrad": args.expert_wgrad},
             "checkpoint": {"dir": str(ckpt)},
             "precision": {
                 "recipe": args.recipe,
@@ -231,6 +238,7 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         "experts": args.experts,
         "routing": args.routing,
         "expert_grad_accum": args.expert_grad_accum,
+        "expert_wgrad": args.expert_wgrad,
         "seq": args.seq,
         "accum": args.accum,
         "loss_chunk": args.loss_chunk,
@@ -259,6 +267,7 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
             "experts",
             "routing",
             "expert_grad_accum",
+            "expert_wgrad",
             "accum",
             "tokens_per_step",
             "step_s",

@@ -31,10 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape(*map(int, args.shape.split(",")))
     device = torch.device("cuda")
     weights = make_weights(shape, device)
-    if args.recipe == "fp8":
-        layer = build_ours_fp8(shape, weights, torch.bfloat16, min_dim=0)
-    else:
-        layer = build_ours(shape, weights, torch.bfloat16)
+    fp8 = args.recipe == "fp8"
+    layer = build_ours_fp8(shape, weights, torch.bfloat16, min_dim=0) if fp8 else build_ours(shape, weights, torch.bfloat16)
     x = torch.randn(1, args.tokens, shape.d, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 

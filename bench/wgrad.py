@@ -26,7 +26,15 @@ CASES = [
     ("paper-experts-8", 2048, 2048, 8, 4, 8192, torch.bfloat16),
     ("paper-experts-128", 2048, 2048, 128, 4, 8192, torch.bfloat16),
 ]
-CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (128, 128, 64, 4, 4), (128, 256, 32, 8, 3), (128, 256, 32, 8, 4)]
+CONFIGS = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 2),
+    (128, 128, 64, 4, 4),
+    (128, 256, 32, 8, 3),
+    (128, 256, 32, 8, 4),
+]
 
 
 def _reference(grad, x, ends) -> torch.Tensor:
@@ -38,9 +46,6 @@ def _reference(grad, x, ends) -> torch.Tensor:
 
 
 def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters) -> list[dict]:
-    from moe.kernels import grouped_wgrad as gw
-    from moe.layers.gemm import grouped_mm
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     rows = tokens * top_k
@@ -50,37 +55,56 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters) -> l
     for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
         grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
-        ref = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])  # four experts checked
-        acc = torch.zeros(experts, m, k, device=device, dtype=acc_dtype)
-        flops = 2 * rows * m * k
-        label = f"{name} {weight}"
-
-        def row(variant: str, ms: float, err: float | None) -> dict:
-            return {"case": label, "variant": variant, "accumulator": str(acc_dtype).removeprefix("torch."), "median_ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
-
-        def separate():
-            acc.add_(grouped_mm(grad.t(), x, offs=ends))
-
-        check = grouped_mm(grad.t(), x, offs=ends)[:4].float()
-        err_sep = ((check - ref).norm() / ref.norm()).item()
-        out.append(row("grouped_mm alone", time_cuda(lambda: grouped_mm(grad.t(), x, offs=ends), iters=iters)["median_ms"], err_sep))
-        out.append(row("grouped_mm + add_ (reference)", time_cuda(separate, iters=iters)["median_ms"], err_sep))
-        for cfg in configs:
-            fresh = torch.full_like(acc, float("nan"))
-            try:
-                gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False, config=cfg)
-                torch.cuda.synchronize()
-            except Exception as exc:  # a tile config that does not fit (shared memory)
-                out.append(row(f"fused {cfg}", float("nan"), None) | {"error": str(exc).splitlines()[0][:120]})
-                continue
-            err = ((fresh[:4].float() - ref).norm() / ref.norm()).item()
-            if not torch.isfinite(fresh).all() or err > 1e-2:
-                out.append(row(f"fused {cfg}", float("nan"), err) | {"error": "wrong result"})
-                continue
-            ms = time_cuda(lambda: gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, config=cfg), iters=iters)["median_ms"]
-            out.append(row(f"fused {cfg}", ms, err))
-        del grad, x, acc
+        out += time_weight(f"{name} {weight}", grad, x, ends, torch.zeros(experts, m, k, device=device, dtype=acc_dtype), configs, iters)
         torch.cuda.empty_cache()
+    return out
+
+
+def time_weight(label, grad, x, ends, acc, configs, iters) -> list[dict]:
+    """Every variant for one expert weight; accumulating into ``acc``."""
+    from moe.kernels import grouped_wgrad as gw
+    from moe.layers.gemm import grouped_mm
+
+    rows, m, k = grad.shape[0], grad.shape[1], x.shape[1]
+    ref = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])  # four experts checked
+    flops = 2 * rows * m * k
+    out = []
+
+    def row(variant: str, ms: float, err: float | None) -> dict:
+        return {
+            "case": label,
+            "variant": variant,
+            "accumulator": str(acc.dtype).removeprefix("torch."),
+            "median_ms": ms,
+            "tflops": flops / ms / 1e9,
+            "rel_err": err,
+        }
+
+    def separate():
+        acc.add_(grouped_mm(grad.t(), x, offs=ends))
+
+    check = grouped_mm(grad.t(), x, offs=ends)[:4].float()
+    err_sep = ((check - ref).norm() / ref.norm()).item()
+    out.append(row("grouped_mm alone", time_cuda(lambda: grouped_mm(grad.t(), x, offs=ends), iters=iters)["median_ms"], err_sep))
+    out.append(row("grouped_mm + add_ (reference)", time_cuda(separate, iters=iters)["median_ms"], err_sep))
+    for cfg in configs:
+        fresh = torch.full_like(acc, float("nan"))
+        try:
+            gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile config that does not fit (shared memory)
+            out.append(row(f"fused {cfg}", float("nan"), None) | {"error": str(exc).splitlines()[0][:120]})
+            continue
+        err = ((fresh[:4].float() - ref).norm() / ref.norm()).item()
+        if not torch.isfinite(fresh).all() or err > 1e-2:
+            out.append(row(f"fused {cfg}", float("nan"), err) | {"error": "wrong result"})
+            continue
+        del fresh
+
+        def fused(cfg=cfg):
+            gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, config=cfg)
+
+        out.append(row(f"fused {cfg}", time_cuda(fused, iters=iters)["median_ms"], err))
     return out
 
 

@@ -13,6 +13,7 @@ The state is keyed by parameter name, so checkpoints do not depend on the parall
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
 from moe.layers.experts import expert_param_layout
+from moe.layers.gemm import gradient_sinks
 from moe.spans import span
 
 
@@ -68,7 +70,8 @@ class MasterWeightAdamW:
         self._fold_now = False
         if cfg.expert_grad_accum == "bf16" and not master_weights:
             raise ConfigError("optim.expert_grad_accum: bf16 needs bf16 weights with fp32 masters (precision.recipe bf16 or an fp8 recipe)")
-        deferred_names = set(expert_param_layout(model)) if cfg.expert_grad_accum == "bf16" else set()
+        expert_names = set(expert_param_layout(model))
+        deferred_names = expert_names if cfg.expert_grad_accum == "bf16" else set()
         seen: set[int] = set()
         for name, param in model.named_parameters():
             if not param.requires_grad or id(param) in seen:
@@ -84,6 +87,8 @@ class MasterWeightAdamW:
                 master = None
                 holder = torch.zeros(1, dtype=torch.float32, device=param.device).expand(param.shape).requires_grad_(True)
             entry = MasterParam(name, param, master, holder)
+            if holder is not param and name in expert_names and cfg.expert_wgrad == "gemm":
+                gradient_sinks[param] = _Sink(self, entry, deferred=name in deferred_names)
             if holder is not param and name in deferred_names:
                 param.register_post_accumulate_grad_hook(self._fold_if_last(entry))
                 self.deferred.append(entry)
@@ -207,8 +212,62 @@ class MasterWeightAdamW:
         return entry.master
 
 
+class _Sink:
+    """The gradient sink of an expert weight (moe.layers.gemm.gradient_sinks): its GEMM adds the
+    micro-batch's gradient straight into the fp32 holder, or, with bf16 expert accumulation, into
+    the parameter's bf16 gradient until the step's last micro-batch. The GEMM then returns no
+    gradient for the weight, and the parameter's post-accumulate hooks still run (a gradient sync
+    counts the parameter as ready; the optimizer's own hooks find no bf16 gradient to add): by
+    autograd where it runs them for a None gradient, else here."""
+
+    def __init__(self, opt: MasterWeightAdamW, entry: MasterParam, deferred: bool) -> None:
+        self.opt, self.entry, self.deferred = opt, entry, deferred
+
+    def accumulate(self, write: Callable[[torch.Tensor, bool], None]) -> None:
+        p = self.entry
+        if self.deferred and not self.opt._fold_now:
+            into, dtype = p.param, p.param.dtype
+        else:
+            if self.deferred and p.param.grad is not None:
+                _fold(p)  # the bf16 sum of the earlier micro-batches first
+            into, dtype = p.grad_holder, torch.float32
+        if into.grad is None:
+            buf = torch.empty(p.param.shape, dtype=dtype, device=p.param.device)
+            write(buf, False)
+            into.grad = buf
+        else:
+            write(into.grad, True)
+        if not _autograd_runs_hooks_without_grad():
+            for hook in tuple((getattr(p.param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p.param)
+
+
+@functools.cache
+def _autograd_runs_hooks_without_grad() -> bool:
+    """Whether autograd runs a leaf's post-accumulate hooks when its gradient comes back None
+    (torch 2.13 does): then the sink must not run them a second time. Asked once, on three floats."""
+
+    class NoWeightGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2, None
+
+    w = torch.zeros(1, requires_grad=True)
+    calls = []
+    w.register_post_accumulate_grad_hook(calls.append)
+    with torch.enable_grad():
+        NoWeightGrad.apply(torch.ones(1, requires_grad=True), w).sum().backward()
+    return bool(calls)
+
+
 def _fold(p: MasterParam) -> None:
     """A deferred bf16 gradient (the sum of this step's micro-batches) into the fp32 holder."""
+    if p.param.grad is None:  # nothing waiting (the GEMM accumulated into the holder itself)
+        return
     with span("grad_accumulation"):
         if p.grad_holder.grad is None:
             p.grad_holder.grad = p.param.grad.float()
@@ -225,6 +284,8 @@ def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
     experts at a fixed number of tokens)."""
 
     def hook(param: torch.Tensor) -> None:
+        if param.grad is None:  # the GEMM accumulated into the master gradient itself
+            return
         with span("grad_accumulation"):
             if master.grad is None:
                 master.grad = param.grad.float()

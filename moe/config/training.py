@@ -30,6 +30,13 @@ class OptimizerConfig(Config):
     # master once per step (8 bytes): this traffic grows with the number of experts at a fixed
     # number of tokens (issue 29). Dense weights always accumulate in fp32.
     expert_grad_accum: Literal["fp32", "bf16"] = "fp32"
+    # How that accumulation is done on CUDA. gemm: inside the expert weight-gradient GEMM, whose
+    # epilogue adds into the accumulator (moe/kernels/grouped_wgrad.py; 1.2-1.3x the separate
+    # path's time for the weight gradient at OLMoE width and at 128 experts on an H200, and the
+    # fp32 sum no longer rounds each micro-batch's gradient to bf16 first: bench/NOTES.md).
+    # separate: torch's grouped GEMM writes the gradient and a second pass adds it (the
+    # reference, and the path everywhere the kernel does not run: CPU, fp32 weights).
+    expert_wgrad: Literal["gemm", "separate"] = "gemm"
 
     def _check(self, p: str) -> None:
         require(self.lr > 0, _k(p, "lr"), f"must be > 0, got {self.lr}")
@@ -38,6 +45,7 @@ class OptimizerConfig(Config):
         require(self.eps > 0, _k(p, "eps"), "must be > 0")
         require(self.weight_decay >= 0, _k(p, "weight_decay"), "must be >= 0")
         require(self.expert_grad_accum in ("fp32", "bf16"), _k(p, "expert_grad_accum"), f"must be fp32 or bf16, got {self.expert_grad_accum!r}")
+        require(self.expert_wgrad in ("gemm", "separate"), _k(p, "expert_wgrad"), f"must be gemm or separate, got {self.expert_wgrad!r}")
 
 
 # Numbers no run means (2**63 steps trained "without end" at a constant lr): refused with the limit.

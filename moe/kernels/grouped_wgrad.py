@@ -86,6 +86,7 @@ if HAVE_TRITON:
                     acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
                 out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
 
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
 # H200 (bench/NOTES.md, "The weight gradient accumulated in the GEMM"); one fixed choice keeps
 # reruns bitwise (an autotuner's timing-noise pick would change the summation order).
@@ -93,13 +94,11 @@ CUDA_CONFIG = (128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 
 
-def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> bool:
+def supports(grad: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether the fused kernel can take these operands: Triton on this device (or the
     interpreter), contiguous rows with 16-byte-aligned strides (TMA), bf16/fp16/fp32 inputs of one
-    dtype and an fp32 or bf16 accumulator."""
+    dtype. (The accumulator: fp32 or bf16, contiguous.)"""
     if not (HAVE_TRITON and use_triton(grad)) or grad.dtype != x.dtype or grad.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         return False
     item = grad.element_size()
     aligned = (grad.shape[1] * item) % 16 == 0 and (x.shape[1] * item) % 16 == 0
@@ -121,6 +120,8 @@ def grouped_wgrad(
     as it was when accumulating). Check :func:`supports` first. ``config``: (BLOCK_M, BLOCK_N,
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests)."""
     groups, m, k = out.shape
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
     if ends.numel() != groups or grad.shape[1] != m or x.shape[1] != k or grad.shape[0] != x.shape[0]:
         raise ValueError(f"grouped_wgrad: grad {tuple(grad.shape)}, x {tuple(x.shape)}, {ends.numel()} groups, out {tuple(out.shape)}")
     if not (groups and m and k):

@@ -10,6 +10,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moe.kernels import grouped_wgrad as fused_wgrad
 
 # torch's grouped GEMM (public in newer torch, torch._grouped_mm before): every backend's bf16 path
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -29,14 +32,32 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
+class GradientSink(Protocol):
+    """Where a weight's gradient goes when its GEMM accumulates it (the optimizer's holder)."""
+
+    def accumulate(self, write) -> None:
+        """Call ``write(buffer, add)`` once: the GEMM writes (``add`` False) or adds into
+        ``buffer``; then do what autograd's AccumulateGrad would have done after it."""
+        ...
+
+
+# parameter -> its sink, registered by the optimizer (moe.optim) for the expert weights
+gradient_sinks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class GroupedLinear(torch.autograd.Function):
     """x_g @ w[g].T with a backward that writes the weight gradient straight in w's own
     [G, M, K] layout (autograd's default produces it transposed, and AccumulateGrad then copies
-    the whole expert-weight gradient to match the parameter's strides)."""
+    the whole expert-weight gradient to match the parameter's strides).
+
+    Where the optimizer registered a gradient sink for ``w`` and the fused kernel takes the
+    operands (CUDA), the weight gradient is accumulated inside its GEMM
+    (moe.kernels.grouped_wgrad) instead of written and then added by a separate pass."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
+        ctx.sink = gradient_sinks.get(w)
         return grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
     @staticmethod
@@ -44,7 +65,12 @@ class GroupedLinear(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()  # grouped_mm rejects stride-0 gradients
         grad_x = grouped_mm(grad, w, offs=offsets) if ctx.needs_input_grad[0] else None
-        grad_w = grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if ctx.sink is not None and fused_wgrad.supports(grad, x):
+                ctx.sink.accumulate(lambda buf, add: fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add))
+            else:
+                grad_w = grouped_mm(grad.t(), x, offs=offsets)
         return grad_x, grad_w, None
 
 

@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe.hardware import configure_cuda_allocator
+
 
 def free_port() -> int:
     """A TCP port free on this host now (for a process group's rendezvous on 127.0.0.1)."""
@@ -36,6 +38,7 @@ def pick_device(preference: str, local_rank: int = 0, key: str = "train.device")
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError(f"{key} is 'cuda' but no CUDA device is available")
+    configure_cuda_allocator()
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
