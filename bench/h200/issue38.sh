@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 38 (the expert weight gradient accumulated inside its GEMM) on one H200, one part per call
+# (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
+#   bench/h200/issue38.sh wgrad    # the weight-gradient GEMM alone: grouped_mm + add_ against the fused kernel, every tile config
+#   bench/h200/issue38.sh step     # OLMoE width, 8 layers, 4 micro-batches: optim.expert_wgrad gemm vs separate;
+#                                  # paper width FP8 + FP8 dense with the library's allocator default
+#   bench/h200/issue38.sh experts  # the paper pipeline's experts stage (8 -> 128 experts), as bench/h200/paper.sh runs it
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/lib.sh"
+case "${1:-}" in
+  wgrad) run python3 -m bench.wgrad --configs all ;;
+  step)
+    common=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 3)
+    run python3 -m bench.model "${common[@]}" --expert-wgrad gemm
+    run python3 -m bench.model "${common[@]}" --expert-wgrad separate
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 3 --recipe fp8_rowwise --fp8-dense
+    ;;
+  experts)
+    start=$(date +%s)
+    STEPS=2 RUN_TIMEOUT=330 run bash bench/h200/paper.sh experts
+    echo "paper experts stage: $(( $(date +%s) - start )) s" | tee -a "$LOG"
+    cp bench/paper/h200x1/results/experts.json "$OUT/" 2>/dev/null
+    ;;
+  *) echo "usage: $0 wgrad|step|experts" >&2; exit 2 ;;
+esac
+exit $status
