@@ -22,8 +22,9 @@ from moe.spans import CATEGORIES
 
 PREFIX = "profile/"
 
-# Substrings of a kernel's own name (lower case).
-_KERNEL_RULES = (("quant", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
+# Substrings of a kernel's own name (lower case). The expert weight-gradient GEMM that adds into
+# the accumulator (moe/kernels/grouped_wgrad.py) counts as expert GEMM time, the add included.
+_KERNEL_RULES = (("grouped_wgrad", "expert_gemm"), ("quant", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
 # Substrings of an enclosing op's name (lower case), innermost op first.
 _OP_RULES = (
     ("scaled_dot_product", "attention"),

@@ -107,3 +107,10 @@ def test_gpu_attribution_counts_each_launch_once_and_skips_mirrors_and_markers()
         ("expert_gemm", "cutlass_grouped_kernel", "aten::_grouped_mm", 0.3),
         ("optimizer", "multi_tensor_apply_kernel", "aten::_fused_adamw_", 0.05),
     ]
+
+
+def test_the_weight_gradient_gemm_that_accumulates_counts_as_expert_gemm_time():
+    from moe.train.step_profile import _from_kernel
+
+    assert _from_kernel("_grouped_wgrad_kernel", "other") == "expert_gemm"
+    assert _from_kernel("_quant_rows_kernel", "other") == "fp8_quantize"
