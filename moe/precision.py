@@ -66,15 +66,16 @@ class PrecisionRecipe:
                 self.dense_fp8(module)
         return model
 
-    def attach_optimizer(self, model: nn.Module, opt, *, shards_optimizer: bool) -> int:
+    def attach_optimizer(self, model: nn.Module, opt, *, broadcasts_expert_weights: bool) -> int:
         """FP8 expert GEMMs: the expert weights' bf16 copies are dropped and their FP8 copies made
         from the optimizer's fp32 masters (moe.layers.gemm_fp8.WeightCache), so the FP8 pair
-        replaces the bf16 weight instead of adding to it. Not where ZeRO-1 shards the optimizer
-        (an owner broadcasts the bf16 parameter itself to its group). Returns how many expert
-        weights were released."""
+        replaces the bf16 weight instead of adding to it. Not where ZeRO-1 shards the expert
+        weights' optimizer over more than one rank (an owner broadcasts the bf16 parameter itself
+        to its group); ZeRO-1 over one rank shards nothing. Returns how many expert weights were
+        released."""
         from moe.layers.experts import GroupedExperts
 
-        if shards_optimizer or not self.master_weights or self.expert_gemm is None:
+        if broadcasts_expert_weights or not self.master_weights or self.expert_gemm is None:
             return 0
         released = 0
         for module in model.modules():

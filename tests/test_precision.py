@@ -77,7 +77,7 @@ def _train_losses(release: bool, min_dim: int, steps: int = 3) -> tuple[list[flo
     model = recipe.prepare(Transformer(cfg))
     opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2), recipe.master_weights)
     if release:
-        assert recipe.attach_optimizer(model, opt, shards_optimizer=False) == 2 * cfg.n_layers
+        assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=False) == 2 * cfg.n_layers
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
@@ -114,6 +114,22 @@ def test_zero1_keeps_the_bf16_expert_weights():
     recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0)
     model = recipe.prepare(Transformer(cfg))
     opt = MasterWeightAdamW(model, OptimizerConfig(), recipe.master_weights)
-    assert recipe.attach_optimizer(model, opt, shards_optimizer=True) == 0
-    assert resolve_recipe("bf16", CPU).attach_optimizer(model, opt, shards_optimizer=False) == 0
+    assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=True) == 0
+    assert resolve_recipe("bf16", CPU).attach_optimizer(model, opt, broadcasts_expert_weights=False) == 0
     assert not opt.released
+
+
+def test_zero1_over_one_rank_shards_nothing_and_fp8_releases_the_expert_weights(tmp_path):
+    """The paper's FP8 stage runs ZeRO-1 on one GPU: there no owner sends weights to anyone, so
+    the FP8 recipe drops the bf16 expert weights as without ZeRO-1 (its peak was 5.6 GB above
+    bf16's while it kept them: bench/paper/h200x1/REPORT.md)."""
+    from moe.parallel.env import DistEnv
+    from moe.parallel.layout import build_layout
+
+    cfg = ExperimentConfig.load({"model": {"preset": "tiny"}, "parallel": {"shard_optimizer": True}})
+    layout = build_layout(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU))
+    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0)
+    model = layout.parallelize(recipe.prepare(Transformer(cfg.model)))
+    opt = layout.optimizer(model, cfg.optim, recipe.master_weights)
+    assert not layout.broadcasts_expert_weights
+    assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=layout.broadcasts_expert_weights) == 2 * cfg.model.n_layers

@@ -124,6 +124,12 @@ class GradSync:
     def kind_of(self, name: str) -> str:
         return "expert" if name in self.expert_names else "dense"
 
+    @property
+    def broadcasts_expert_weights(self) -> bool:
+        """ZeRO-1 over an expert group of more than one rank: each owner sends its bf16 expert
+        weights to the others after the step (over one rank it shards nothing)."""
+        return self.zero and len(self.specs["expert"].ranks) > 1
+
     def owns(self, name: str, param: nn.Parameter) -> bool:
         """For MasterWeightAdamW(owns=...)."""
         if not self.zero:

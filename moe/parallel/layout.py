@@ -45,6 +45,12 @@ class Layout(Protocol):
 
     def parallelize(self, model: Transformer) -> Transformer: ...
 
+    @property
+    def broadcasts_expert_weights(self) -> bool:
+        """Whether an optimizer owner sends the bf16 expert weights to other ranks after each step
+        (ZeRO-1 over an expert data-parallel group of more than one rank)."""
+        ...
+
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW: ...
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor: ...
@@ -142,6 +148,10 @@ class ParallelLayout:
         self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype, bucket_bytes)
         return model
 
+    @property
+    def broadcasts_expert_weights(self) -> bool:
+        return self.sync is not None and self.sync.broadcasts_expert_weights
+
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
         opt = MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
         if isinstance(self.sync, OverlappedGradSync):
@@ -202,6 +212,9 @@ class FsdpLayout:
             raise ConfigError("train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only (set it to 0 for fsdp)")
         self.mesh = build_mesh(1, self.resolved.dp, 1)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+
+    # FSDP2 shards the weights themselves (DTensors, which no recipe releases)
+    broadcasts_expert_weights = False
 
     def parallelize(self, model: Transformer) -> Transformer:
         from torch.distributed.device_mesh import init_device_mesh

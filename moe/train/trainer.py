@@ -88,7 +88,7 @@ class Trainer:
         self.model = self.layout.parallelize(model)
         determinism.prepare_model(self.model, self.recipe, self.determinism)
         self.opt = self.layout.optimizer(self.model, cfg.optim, self.recipe.master_weights)
-        self.recipe.attach_optimizer(self.model, self.opt, shards_optimizer=cfg.parallel.shard_optimizer)
+        self.recipe.attach_optimizer(self.model, self.opt, broadcasts_expert_weights=self.layout.broadcasts_expert_weights)
         self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)
 
         self.dataset = dataset or TokenDataset(

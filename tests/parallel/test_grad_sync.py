@@ -40,7 +40,16 @@ def train_rank(rank, world, corpus, ckpt, parallel, train, bucket_bytes=None, re
     early = (sync.launched_in_backward, len(sync.buckets)) if overlapped else None
     units = len(sync.units) if overlapped else 0  # forward units whose weight broadcasts overlap (ZeRO-1)
     deferred = len(trainer.opt.deferred)  # expert weights on the bf16 accumulation path
-    return {"grads": grads, "losses": trainer.fit().losses, "overlapped": overlapped, "early": early, "units": units, "deferred": deferred}
+    broadcasts = trainer.layout.broadcasts_expert_weights  # (FP8 recipes then keep the bf16 expert weights)
+    return {
+        "grads": grads,
+        "losses": trainer.fit().losses,
+        "overlapped": overlapped,
+        "early": early,
+        "units": units,
+        "deferred": deferred,
+        "broadcasts": broadcasts,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +93,8 @@ def test_overlapped_reduction_matches_reduction_after_backward(tmp_path, corpus,
         assert total > 2 and early >= 1, r["early"]
         # ZeRO-1: the weight broadcasts go by forward unit (embedding, 4 blocks, norm + head)
         assert r["units"] == (6 if parallel.get("shard_optimizer") else 0), r["units"]
+        # expert weights go owner -> group under ZeRO-1 over two ranks (dp2; dp4-ep2: groups of 2)
+        assert r["broadcasts"] == bool(parallel.get("shard_optimizer")), r
     _assert_same(got, ref)
 
 
