@@ -1,0 +1,38 @@
+"""The expert weight-gradient GEMM that accumulates in its epilogue (issue 38): under the Triton
+interpreter against a per-expert float64 loop and through the optimizer's gradient sink against
+the separate path; compiled for sm90 here with the shipped tile config (no GPU needed). Speed is
+measured on the GPU machine (python -m bench.wgrad, bench/h200/issue38.sh)."""
+
+import pytest
+
+from tests.helpers import run_under_triton_interpreter
+
+pytest.importorskip("triton")
+
+
+def test_kernel_and_gradient_sink_match_the_references_under_the_interpreter():
+    run_under_triton_interpreter(["tests/kernels/grouped_wgrad_check.py"], "grouped wgrad ok")
+
+
+@pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
+def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(accumulator):
+    from moe.kernels import grouped_wgrad as gw
+    from tests.kernels.sm90 import compile_for_sm90
+
+    block_m, block_n, block_k, warps, stages = gw.CUDA_CONFIG
+    stats = compile_for_sm90(
+        gw._grouped_wgrad_kernel,
+        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
+        {
+            "ACCUMULATE": True,
+            "SPLIT_EPILOGUE": block_n >= 256 and accumulator == "*fp32",
+            "IEEE": False,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+        },
+        num_warps=warps,
+        num_stages=stages,
+    )
+    assert stats["wgmma"] and stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+    assert stats["shared_bytes"] <= 227 * 1024, stats  # an sm90 block's shared memory
