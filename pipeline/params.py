@@ -245,6 +245,15 @@ class EvaluateConfig(Config):
 
 
 @dataclasses.dataclass
+class ReleaseConfig(Config):
+    # The converted model with the final evaluation on its model card (`moe release`, after evaluate).
+    output: str = "runs/release"
+
+    def _check(self, p: str) -> None:
+        require(bool(self.output.strip()), f"{p}.output", "must name a directory")
+
+
+@dataclasses.dataclass
 class MlflowConfig(Config):
     experiment: str = "moe"
     # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project root (pipeline/project.py:
@@ -266,6 +275,7 @@ class PipelineConfig(ExperimentConfig):
     container: ContainerConfig = dataclasses.field(default_factory=ContainerConfig)
     convert: ConvertConfig = dataclasses.field(default_factory=ConvertConfig)
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
+    release: ReleaseConfig = dataclasses.field(default_factory=ReleaseConfig)
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
 
     def experiment(self) -> ExperimentConfig:

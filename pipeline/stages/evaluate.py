@@ -123,6 +123,7 @@ EVAL_METRIC_KEYS = {
     "checkpoint",
     "step",
     "format",
+    "converted_sha256",
 }
 # evaluate.output (a DVC metric): the few numbers a table shows; per task and the rest beside it in _detail.json
 SUMMARY_KEYS = {"step", "val_loss", "val_perplexity", "hf_rel_diff", "generation_matches_hf", "suite"}
@@ -254,6 +255,9 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     }
     metrics["format"] = DETAIL_FORMAT
     metrics["step"] = int(read_meta(checkpoint)["step"])
+    # which converted directory these numbers are of (its conversion record's sha256): `moe release`
+    # puts them on that directory's card only
+    metrics["converted_sha256"] = converted_model_identity(hf_dir)
     metrics["tasks"] = downstream
     metrics["suite"] = suite_summary(downstream)
     metrics["sample_sha256"] = hashlib.sha256((sample + "\n").encode()).hexdigest()

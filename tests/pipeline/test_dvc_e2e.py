@@ -53,7 +53,7 @@ def ran_stages(output: str) -> list[str]:
 def test_repro_end_to_end_then_incremental(clone):
     dest, env = clone
     first = sh("moe", "repro", cwd=dest, env=env)
-    assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate"], first.stdout
+    assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate", "release"], first.stdout
     ev = json.loads((dest / "metrics/eval_detail.json").read_text())
     assert ev["hf_rel_diff"] < 1e-4 and ev["generation_matches_hf"] == 1.0
     assert set(ev["tasks"]) == {"arc_easy", "piqa"} and all(t["hf_rel_diff"] < 1e-4 for t in ev["tasks"].values())
@@ -63,6 +63,21 @@ def test_repro_end_to_end_then_incremental(clone):
     assert {int(r["step"]) for r in curve} == {50, 100, 150}, curve
     assert {(r["task"], r["metric"]) for r in curve} >= {("arc_easy", "bpb"), ("piqa", "acc"), ("val", "loss")}, curve
     assert (dest / "runs/hf/config.json").is_file()
+    # the release: the converted model with the evaluate stage's own numbers on its card
+    card = (dest / "runs/release/README.md").read_text()
+    header = yaml.safe_load(card.split("---\n")[1])
+    (entry,) = header["model-index"]
+    by_task = {r["dataset"]["name"]: r for r in entry["results"]}
+    arc = by_task["arc_easy"]
+    assert arc["dataset"] == {"name": "arc_easy", "type": "allenai/ai2_arc", "config": "ARC-Easy", "split": "validation", "args": {"num_few_shot": 0}}
+    values = {m["type"]: m["value"] for m in arc["metrics"]}
+    assert values["bpb"] == pytest.approx(ev["tasks"]["arc_easy"]["bpb_v2"], abs=1e-6)
+    assert values["bpb_stderr"] == pytest.approx(ev["tasks"]["arc_easy"]["bpb_v2/stderr"], abs=1e-6)
+    assert f"at step {ev['step']}" in card and "| arc_easy | acc |" in card and "| 16 |" in card  # evaluate.limit documents
+    assert "AutoModelForCausalLM.from_pretrained" in card and "## Training hyperparameters" in card
+    from transformers import AutoModelForCausalLM
+
+    assert type(AutoModelForCausalLM.from_pretrained(dest / "runs/release")).__name__ == "OlmoeForCausalLM"
 
     again = sh("dvc", "repro", cwd=dest, env=env)
     assert ran_stages(again.stdout) == []
@@ -87,7 +102,7 @@ def test_repro_end_to_end_then_incremental(clone):
     params["model"].setdefault("moe", {})["top_k"] = 1
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     changed = sh("dvc", "repro", cwd=dest, env=env)
-    assert ran_stages(changed.stdout) == ["train", "convert", "evaluate"], changed.stdout
+    assert ran_stages(changed.stdout) == ["train", "convert", "evaluate", "release"], changed.stdout
 
     exp = sh("dvc", "exp", "run", "-S", "+model.moe.expert_hidden=32", cwd=dest, env=env)  # a key the preset supplies: added with +
     assert "Ran experiment" in exp.stdout + exp.stderr
