@@ -79,6 +79,14 @@ def _adapter_dir(ws):
     (d / "adapter.bin").write_bytes(b"\0precious")
 
 
+def _release_marker_beside_user_files(ws):
+    d = ws / "release_mine"
+    d.mkdir()
+    (d / "moe_release.json").write_text("{}\n")
+    (d / "README.md").write_text("my model card draft\n")
+    (d / "weights.bin").write_bytes(b"\0precious")
+
+
 def _own_conversion_edited(ws):
     r = _run(ws, "convert", "--no-mlflow", "--out", "hfmine")
     assert r.returncode == 0, r.stderr
@@ -632,6 +640,13 @@ CASES = [
     Case("convert-out-marker-beside-user-files", 2, ["convert", "--no-mlflow", "--out", "adapter"], setup=_adapter_dir, keep=("adapter/*",)),
     Case(
         "convert-out-own-output-with-user-notes", 2, ["convert", "--no-mlflow", "--out", "hfmine"], setup=_own_conversion_edited, keep=("hfmine/*",)
+    ),
+    Case(
+        "release-output-marker-beside-user-files",
+        2,
+        ["release", "--set", "release.output=release_mine"],
+        setup=_release_marker_beside_user_files,
+        keep=("release_mine/*",),
     ),
     Case(
         "evaluate-output-user-file",
