@@ -14,11 +14,8 @@ import os
 import sys
 
 from moe.config import ExperimentConfig
-from moe.errors import exit_code_of
-from moe.parallel.env import shutdown_distributed
-from moe.train.determinism import set_environment
+from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink
-from moe.train.trainer import Trainer
 from pipeline.executors.base import TrainJob
 from pipeline.run_lock import RunLock
 from pipeline.tracking.job import close_job_run
@@ -44,8 +41,6 @@ def die_with_parent() -> None:
 def run(job: TrainJob, stop=None) -> dict:
     """Train; return the summary (rank 0 also writes it)."""
     cfg = ExperimentConfig.from_dict(job.config).validate()
-    if cfg.train.deterministic:  # before anything starts CUDA or NCCL
-        set_environment()
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
     if job.mlflow_run_id:
         from pathlib import Path
@@ -62,8 +57,8 @@ def run(job: TrainJob, stop=None) -> dict:
         from pipeline.eval.inloop import build_eval_callback
 
         callbacks.append(build_eval_callback(cfg, job.eval_inputs))
-    trainer = Trainer(cfg, sinks=sinks, callbacks=callbacks)
-    summary = dataclasses.asdict(trainer.fit(stop=stop))
+    trainer, fitted = train(cfg, sinks, callbacks, stop)
+    summary = dataclasses.asdict(fitted)
     if summary["steps"] == summary["start_step"] and not summary["preempted"]:
         summary = finished_summary(job, summary)
     if trainer.env.is_main and not summary["preempted"]:
@@ -99,22 +94,18 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
     submitter has gone; under the local executor the launching process holds it)."""
 
     rank = int(os.environ.get("RANK", "0"))
-    clean = False  # collective teardown only after a run every rank finished
-    try:
+
+    def body() -> dict:
         if lock and rank == 0:
             _HELD.append(RunLock(job.run_dir, job.checkpoint_dir).acquire(f"training job {job.spec_path}"))
         summary = run(job, stop)
         if rank == 0 and not summary["preempted"]:
             close_job_run(job, ok=True)
-        clean = True
-        return 0, summary
-    except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None:
-            raise
-        message = str(exc)
-    finally:
-        shutdown_distributed(clean=clean)
+        return summary
+
+    code, summary, message = run_process(body)
+    if message is None:
+        return code, summary
     from pipeline.console import without_unsafe_advice
 
     print(f"error: {without_unsafe_advice(message)}", file=sys.stderr, flush=True)

@@ -13,12 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-from moe.config import ExperimentConfig
-from moe.errors import EXIT_CODES, exit_code_of
-from moe.parallel.env import shutdown_distributed
-from moe.train.determinism import set_environment
+from moe.config import ConfigError, ExperimentConfig
+from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink
-from moe.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,33 +26,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-json", type=Path, help="write the run summary here (rank 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    clean = False  # collective teardown only after a run every rank finished
-    try:
-        data = json.loads(args.config.read_text())
+
+    def body() -> None:
+        try:
+            data = json.loads(args.config.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{args.config}: not valid JSON ({exc})") from None
         cfg = ExperimentConfig.load(data, args.overrides)
-        if cfg.train.deterministic:  # before anything starts CUDA or NCCL
-            set_environment()
-        sinks = [ConsoleSink()]
-        if args.metrics_jsonl:
-            sinks.append(JsonlSink(args.metrics_jsonl))
-        trainer = Trainer(cfg, sinks=sinks)
-        summary = trainer.fit()
+        sinks = [ConsoleSink()] + ([JsonlSink(args.metrics_jsonl)] if args.metrics_jsonl else [])
+        trainer, summary = train(cfg, sinks)
         if args.summary_json and trainer.env.is_main:
             args.summary_json.parent.mkdir(parents=True, exist_ok=True)
             args.summary_json.write_text(json.dumps(summary.__dict__, indent=2, default=str))
-        clean = True
-        return 0
-    except json.JSONDecodeError as exc:
-        print(f"error: {args.config}: not valid JSON ({exc})", file=sys.stderr)
-        return EXIT_CODES["bad_input"]
-    except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return code
-    finally:
-        shutdown_distributed(clean=clean)
+
+    code, _, message = run_process(body)
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
