@@ -171,7 +171,8 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 "logit_z_loss_weight": args.logit_z_loss,
             },
             "schedule": {"warmup_steps": 1},
-            "optim": {"expert_grad_accum": args.expert_grad_accum, "expert_wgrad": args.expert_wgrad},
+            # (records from before optim.expert_wgrad existed were measured on the separate path)
+            "optim": {"expert_grad_accum": args.expert_grad_accum, "expert_wgrad": getattr(args, "expert_wgrad", "separate")},
             "checkpoint": {"dir": str(ckpt)},
             "precision": {
                 "recipe": args.recipe,
