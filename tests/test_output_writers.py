@@ -25,7 +25,7 @@ ALLOWED = {
     "moe/train/checkpoint.py::_fsync_dir": "opens a directory read-only to fsync it",
     "moe/train/sinks.py::_open_no_follow": "metrics.jsonl, opened with O_NOFOLLOW in a checked run directory",
     "moe/train/sinks.py::_open_from": "metrics.jsonl rewritten without the steps a resume re-runs (temporary + rename)",
-    "moe/train/__main__.py::main": "the library CLI's --summary-json, the path its caller names (no pipeline/ there)",
+    "moe/train/__main__.py::body": "the library CLI's --summary-json, the path its caller names (no pipeline/ there)",
     # pipeline/
     "pipeline/run_lock.py::_take": "the run's .lock: O_NOFOLLOW | O_NONBLOCK, refused unless a plain file",
     "pipeline/resume.py::remove_own_checkpoints": "checkpoints proven ours (config hash and files checked) and stale",
