@@ -6,10 +6,6 @@
 #                                  # paper width FP8 + FP8 dense with the library's allocator default
 #   bench/h200/issue38.sh experts  # the paper pipeline's experts stage (8 -> 128 experts), as bench/h200/paper.sh runs it
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-/tmp/moe-out}
-mkdir -p "$OUT"
 source "$(dirname "$0")/lib.sh"
 case "${1:-}" in
   wgrad) run python3 -m bench.wgrad --configs all ;;

@@ -5,10 +5,6 @@
 #   bench/h200/issue39.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
 #                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-/tmp/moe-out}
-mkdir -p "$OUT"
 source "$(dirname "$0")/lib.sh"
 case "${1:-}" in
   parity)

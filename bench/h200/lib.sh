@@ -1,5 +1,10 @@
-# Shared by the bench/h200 scripts (sourced): run one command with a time limit, log it to
-# $OUT/run.log, and copy the JSON results it wrote to $OUT. Sets status=1 on any failure.
+# Shared by the bench/h200 scripts (sourced from the repository root): the device environment
+# (NVLink multicast off, this checkout on PYTHONPATH, $OUT), and `run`: one command with a time
+# limit, logged to $OUT/run.log, the JSON results it wrote copied to $OUT. Sets status=1 on any failure.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
 LOG="$OUT/run.log"
 status=0
 touch /tmp/run-start

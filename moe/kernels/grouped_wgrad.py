@@ -105,6 +105,12 @@ def supports(grad: torch.Tensor, x: torch.Tensor) -> bool:
     return aligned and grad.is_contiguous() and x.is_contiguous() and grad.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
 
 
+def split_epilogue(block_n: int, out_dtype: torch.dtype) -> bool:
+    """Whether a tile's epilogue goes in two column halves: a wide fp32 tile's staging buffer
+    would not fit in an sm90 block's shared memory beside the operand stages."""
+    return block_n >= 256 and out_dtype == torch.float32
+
+
 def _allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global memory for the tensor descriptors the kernel makes on the device."""
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -130,9 +136,10 @@ def grouped_wgrad(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m, block_n, block_k, warps, stages = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
-    programs = tiles if interpreted else min(tiles, torch.cuda.get_device_properties(grad.device).multi_processor_count)
+    # persistent: one program per SM (the interpreter: a few programs, each looping over tiles)
+    slots = 8 if interpreted else torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
-    _grouped_wgrad_kernel[(max(1, min(programs, 8) if interpreted else programs),)](
+    _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
         x,
         ends,
@@ -141,7 +148,7 @@ def grouped_wgrad(
         m,
         k,
         ACCUMULATE=accumulate,
-        SPLIT_EPILOGUE=block_n >= 256 and out.dtype == torch.float32,
+        SPLIT_EPILOGUE=split_epilogue(block_n, out.dtype),
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

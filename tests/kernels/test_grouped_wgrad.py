@@ -16,6 +16,8 @@ def test_kernel_and_gradient_sink_match_the_references_under_the_interpreter():
 
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(accumulator):
+    import torch
+
     from moe.kernels import grouped_wgrad as gw
     from tests.kernels.sm90 import compile_for_sm90
 
@@ -25,7 +27,7 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
         {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
         {
             "ACCUMULATE": True,
-            "SPLIT_EPILOGUE": block_n >= 256 and accumulator == "*fp32",
+            "SPLIT_EPILOGUE": gw.split_epilogue(block_n, torch.float32 if accumulator == "*fp32" else torch.bfloat16),
             "IEEE": False,
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
