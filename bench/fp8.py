@@ -2,6 +2,7 @@
 
     python -m bench.fp8 check        # real torch._scaled_grouped_mm against the emulation (subprocess-safe)
     python -m bench.fp8 gemm         # fwd / dgrad / wgrad of both projections, bf16 vs FP8, 3 shapes
+    python -m bench.fp8 quant        # the wgrad operands' column quantisation: launch sweep, previous kernel, cast roofline
 
 ``check`` runs the three FP8 GEMMs on ragged groups (one empty) through torch's kernel and
 through the emulation (the same quantised operands, dequantised, fp32 GEMM) and the Triton
@@ -176,9 +177,81 @@ def gemm_sweep(tokens: int, iters: int, shapes, dev: torch.device | None = None)
     return rows
 
 
+def _random_routing(tokens: int, experts: int, k: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing (dropless): expert-ordered row -> token index, and cumulative ends."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    choice = torch.rand(tokens, experts, device=dev, generator=g).topk(k, dim=1).indices.reshape(-1)
+    order = torch.argsort(choice, stable=True)
+    ends = torch.bincount(choice, minlength=experts).cumsum(0).to(torch.int32)
+    return order // k, ends
+
+
+QUANT_SWEEP = [{"BLOCK_R": r, "BLOCK_C": c, "num_warps": w, "programs": 16384} for r in (32, 64, 128) for c in (64, 128) for w in (4, 8)] + [
+    {"BLOCK_R": 64, "BLOCK_C": 64, "num_warps": 4, "programs": p} for p in (4096, 65536)
+]
+
+
+def quant_sweep(tokens: int, iters: int, shape, dev: torch.device | None = None) -> list[dict[str, Any]]:
+    """The four column quantisations of one FP8 expert layer's backward (both wgrads' operands) at
+    ``shape``: the previous kernel (one program per column block and group, two passes),
+    the split amax + quantise kernels at each launch of QUANT_SWEEP, and a plain bf16 -> e4m3 cast
+    of the same rows (one read, one write: the bandwidth roofline). Outputs are compared bitwise with
+    the previous kernel's before timing."""
+    dev = dev or torch.device("cuda")
+    d, hdim, e, k = shape
+    n = tokens * k
+    row_index, ends = _random_routing(tokens, e, k, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    tok = torch.randn(tokens, d, device=dev, generator=g).bfloat16()
+    grad_out = torch.randn(tokens, d, device=dev, generator=g).bfloat16()
+    weight = torch.rand(n, device=dev, generator=g)
+    grad_h = torch.randn(n, 2 * hdim, device=dev, generator=g).bfloat16()
+    act = torch.randn(n, hdim, device=dev, generator=g).bfloat16()
+    cases = {
+        "gate_up grad [N,2H]": (grad_h, {}),
+        "tokens via index [N,D]": (tok, {"row_index": row_index}),
+        "combine grad via index*w [N,D]": (grad_out, {"row_index": row_index, "row_scale": weight}),
+        "swiglu act [N,H]": (act, {}),
+    }
+    default = dict(q8.COLS_LAUNCH)
+    launches = [{"name": "previous", **default, "serial": True}] + [{"name": "split", **c} for c in QUANT_SWEEP]
+    rows = []
+    try:
+        for case, (x, kw) in cases.items():
+            cols = x.shape[1]
+            moved = n * cols * (2 + 1)  # bytes: each row read once (bf16) and written once (e4m3): the floor
+            q8.COLS_LAUNCH = {**default, "serial": True}
+            ref = q8.quantize_cols_grouped(x, ends, pad=True, **kw)
+            rows_in = x.index_select(0, row_index) if "row_index" in kw else x
+            cast_ms = time_cuda(lambda: rows_in.to(q8.E4M3), iters=iters)["median_ms"]  # noqa: B023
+            for launch in launches:
+                q8.COLS_LAUNCH = {key: v for key, v in launch.items() if key != "name"}
+                out = q8.quantize_cols_grouped(x, ends, pad=True, **kw)
+                same = all(
+                    torch.equal(a.view(torch.uint8) if a.dtype == q8.E4M3 else a, b.view(torch.uint8) if b.dtype == q8.E4M3 else b)
+                    for a, b in zip(out, ref, strict=True)
+                )
+                ms = time_cuda(lambda: q8.quantize_cols_grouped(x, ends, pad=True, **kw), iters=iters)["median_ms"]  # noqa: B023
+                rows.append(
+                    {
+                        "case": case,
+                        "launch": launch["name"],
+                        "config": "/".join(str(launch[key]) for key in ("BLOCK_R", "BLOCK_C", "num_warps", "programs")),
+                        "equal_to_previous": same,
+                        "ms": ms,
+                        "cast_ms": cast_ms,
+                        "GB_per_s_at_floor_bytes": moved / ms / 1e6,
+                        "over_cast": ms / cast_ms,
+                    }
+                )
+    finally:
+        q8.COLS_LAUNCH = default
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["check", "gemm"])
+    p.add_argument("what", choices=["check", "gemm", "quant"])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shape", action="append", help="d,h,E,k (repeatable); default: the three shapes")
@@ -192,6 +265,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0 if res["ok"] else 1
     shapes = [tuple(map(int, s.split(","))) for s in args.shape] if args.shape else SHAPES
+    if args.what == "quant":
+        rows = [r | {"shape": ",".join(map(str, sh))} for sh in shapes for r in quant_sweep(args.tokens, args.iters, sh)]
+        print_table(rows, ["shape", "case", "launch", "config", "equal_to_previous", "ms", "cast_ms", "over_cast", "GB_per_s_at_floor_bytes"])
+        payload = {
+            "benchmark": "fp8_column_quantisation",
+            "environment": environment(),
+            "config": {
+                "tokens": args.tokens,
+                "iters": args.iters,
+                "warmup": 5,
+                "shapes": shapes,
+                "routing": "random top-k, dropless",
+                "floor_bytes": "rows x cols x (2 read + 1 written)",
+                "shipped_launch": q8.COLS_LAUNCH,
+            },
+            "results": rows,
+        }
+        if not args.no_save:
+            print(f"wrote {write_result('fp8-quant', payload)}")
+        return 0 if all(r["equal_to_previous"] for r in rows) else 1
     rows = gemm_sweep(args.tokens, args.iters, shapes)
     print_table(
         rows,

@@ -4,6 +4,7 @@
 #   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
 #   bench/h200/issue39.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
 #                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
+#   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 case "${1:-}" in
@@ -53,6 +54,11 @@ case "${1:-}" in
       cp "/tmp/parity/paper-lr1e-4-$recipe/run.json" "$OUT/parity-paper-lr1e-4-$recipe.run.json" 2>/dev/null
     done
     ;;
-  *) echo "usage: $0 parity|memory|layer" >&2; exit 2 ;;
+  quant)
+    run python3 -m bench.fp8 check
+    run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
+    run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
+    ;;
+  *) echo "usage: $0 parity|memory|layer|quant" >&2; exit 2 ;;
 esac
 exit $status

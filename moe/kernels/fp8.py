@@ -74,7 +74,96 @@ if HAVE_TRITON:
                 tl.store(q + row * C + cols, _to_e4m3(tl.clamp(v * enc, -448.0, 448.0), q.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _cols_tile(x, row_index, row_scale, rows, end, cols, cmask, stride_x, GATHER: tl.constexpr, ROW_SCALE: tl.constexpr):
+        """Rows ``rows`` (masked at ``end``) of the group, columns ``cols``, in fp32."""
+        rmask = rows < end
+        src = source_rows(row_index, rows, rmask, GATHER)  # token rows: no gathered copy
+        v = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if ROW_SCALE:  # row r is row_scale[r] * x[src] (a routing weight: the combine's gradient)
+            v = v * tl.load(row_scale + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        return v
+
+    @triton.jit
+    def _amax_cols_grouped_kernel(
+        x,
+        row_index,
+        row_scale,
+        ends,
+        amax,
+        C,
+        stride_x,
+        GATHER: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """amax[g, c] = max |x[r, c]| over group g's rows: the rows split over program_id(2),
+        each split's maximum combined by an atomic max (exact and order-free: bitwise reruns)."""
+        g = tl.program_id(1)
+        split, splits = tl.program_id(2), tl.num_programs(2)
+        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
+        end = tl.load(ends + g).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for r0 in range(start + split * BLOCK_R, end, splits * BLOCK_R):
+            v = _cols_tile(x, row_index, row_scale, r0 + tl.arange(0, BLOCK_R), end, cols, cmask, stride_x, GATHER, ROW_SCALE)
+            acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
+        tl.atomic_max(amax + g * C + cols, acc, mask=cmask, sem="relaxed")
+
+    @triton.jit
     def _quant_cols_grouped_kernel(
+        x,
+        row_index,
+        row_scale,
+        ends,
+        dst_ends,
+        amax,
+        q,
+        s,
+        C,
+        stride_x,
+        stride_g,
+        stride_c,
+        PAD: tl.constexpr,
+        GATHER: tl.constexpr,
+        ROW_SCALE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """Quantise with the group's column scales and store transposed: each tile is turned in
+        registers so a column's consecutive rows leave as 16-byte stores (group starts are
+        multiples of ALIGN)."""
+        g = tl.program_id(1)
+        split, splits = tl.program_id(2), tl.num_programs(2)
+        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
+        end = tl.load(ends + g).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        enc = _pow2_encode_scale(tl.load(amax + g * C + cols, mask=cmask, other=0.0))
+        if split == 0:
+            tl.store(s + g * C + cols, 1.0 / enc, mask=cmask)
+        if PAD:
+            dst = tl.multiple_of(tl.load(dst_ends + g - 1, mask=g > 0, other=0).to(tl.int64), 16)
+            dst_end = tl.load(dst_ends + g).to(tl.int64)
+        else:
+            dst = 0
+            dst_end = end - start
+        n = end - start
+        out = q + g.to(tl.int64) * stride_g + cols[:, None].to(tl.int64) * stride_c + dst  # [BLOCK_C, 1]
+        for i0 in range(split * BLOCK_R, n, splits * BLOCK_R):
+            i = i0 + tl.arange(0, BLOCK_R)
+            v = _cols_tile(x, row_index, row_scale, start + i, end, cols, cmask, stride_x, GATHER, ROW_SCALE)
+            v = _to_e4m3(tl.clamp(v * enc[None, :], -448.0, 448.0), q.dtype.element_ty)
+            tl.store(out + i[None, :], tl.trans(v), mask=cmask[:, None] & (i < n)[None, :])
+        if PAD:  # zeros from the group's last row to its padded end
+            zeros = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32).to(q.dtype.element_ty)
+            for j0 in range(n + split * BLOCK_R, dst_end - dst, splits * BLOCK_R):
+                j = j0 + tl.arange(0, BLOCK_R)
+                tl.store(out + j[None, :], zeros, mask=cmask[:, None] & (j < dst_end - dst)[None, :])
+
+    @triton.jit
+    def _quant_cols_grouped_serial_kernel(
         x,
         row_index,
         row_scale,
@@ -228,6 +317,18 @@ def padded_width(rows: int, groups: int) -> int:
     return (rows + ALIGN - 1) // ALIGN * ALIGN + ALIGN * groups
 
 
+# Column quantisation's launch: row tiles of BLOCK_R, column blocks of BLOCK_C, and each group's
+# rows split over enough programs that about ``programs`` run (no more splits than row tiles).
+COLS_LAUNCH = {"BLOCK_R": 64, "BLOCK_C": 64, "num_warps": 4, "programs": 16384}
+
+
+def cols_splits(rows: int, groups: int, cols: int, launch: dict) -> int:
+    """Programs per (column block, group), from host-side sizes only (the mean group size)."""
+    base = triton.cdiv(cols, launch["BLOCK_C"]) * groups
+    tiles = triton.cdiv(triton.cdiv(rows, groups), launch["BLOCK_R"])
+    return max(1, min(tiles, triton.cdiv(launch["programs"], base)))
+
+
 def quantize_cols_grouped(
     x: torch.Tensor,
     ends: torch.Tensor,
@@ -272,26 +373,35 @@ def quantize_cols_grouped(
             src = src.float() * row_scale.float()[:, None]
         _quant_cols_grouped_torch(src, ends, dst_ends, q, s, pad)
     elif groups and cols:
-        block_c = 64
         gather = row_index is not None
-        _quant_cols_grouped_kernel[(triton.cdiv(cols, block_c), groups)](
-            x,
-            row_index.contiguous() if gather else ends,
-            row_scale.contiguous() if row_scale is not None else x,
-            ends,
-            dst_ends,
-            q,
-            s,
-            cols,
-            x.stride(0),
-            stride_g,
-            stride_c,
-            PAD=pad,
-            GATHER=gather,
-            ROW_SCALE=row_scale is not None,
-            BLOCK_R=64,
-            BLOCK_C=block_c,
-        )
+        args = (x, row_index.contiguous() if gather else ends, row_scale.contiguous() if row_scale is not None else x, ends)
+        flags = {"GATHER": gather, "ROW_SCALE": row_scale is not None}
+        launch = COLS_LAUNCH
+        block_r, block_c, warps = launch["BLOCK_R"], launch["BLOCK_C"], launch["num_warps"]
+        if launch.get("serial"):  # the previous kernel (bench.fp8 quant compares): one program per (column block, group)
+            _quant_cols_grouped_serial_kernel[(triton.cdiv(cols, block_c), groups)](
+                *args, dst_ends, q, s, cols, x.stride(0), stride_g, stride_c, PAD=pad, **flags, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps
+            )
+        else:
+            grid = (triton.cdiv(cols, block_c), groups, cols_splits(rows, groups, cols, launch))
+            amax = torch.zeros(groups * cols, dtype=torch.float32, device=x.device)
+            _amax_cols_grouped_kernel[grid](*args, amax, cols, x.stride(0), **flags, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+            _quant_cols_grouped_kernel[grid](
+                *args,
+                dst_ends,
+                amax,
+                q,
+                s,
+                cols,
+                x.stride(0),
+                stride_g,
+                stride_c,
+                PAD=pad,
+                **flags,
+                BLOCK_R=block_r,
+                BLOCK_C=block_c,
+                num_warps=warps,
+            )
     return q, (s if pad else s.view(groups, cols)), dst_ends
 
 

@@ -89,6 +89,16 @@ def check_cols_grouped() -> None:
     q4, s4, _ = fp8.quantize_cols_grouped(tokens, ends, pad=True, row_index=row_index, row_scale=scale)
     q5, s5, _ = fp8.quantize_cols_grouped(tokens.index_select(0, row_index).float() * scale[:, None], ends, pad=True)
     assert torch.equal(q4.view(torch.uint8), q5.view(torch.uint8)) and torch.equal(s4, s5)
+    # each group's rows split over several programs (small tiles): the same bytes, padding included
+    shipped = fp8.COLS_LAUNCH
+    try:
+        fp8.COLS_LAUNCH = {"BLOCK_R": 4, "BLOCK_C": 32, "num_warps": 4, "programs": 10**6}  # 3 splits
+        q6, s6, _ = fp8.quantize_cols_grouped(tokens, ends, pad=True, row_index=row_index, row_scale=scale)
+        q7, s7, _ = fp8.quantize_cols_grouped(x, ends, pad=True)
+    finally:
+        fp8.COLS_LAUNCH = shipped
+    assert torch.equal(q6.view(torch.uint8), q4.view(torch.uint8)) and torch.equal(s6, s4)
+    assert torch.equal(q7.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s7, s)
     # one group (dense wgrad): the 2D-tiled quantiser writes the grouped kernel's bytes
     for n_rows in (0, 1, 37, 130):
         t = torch.randn(n_rows, cols + 8).bfloat16()[:, 4 : 4 + cols]  # strided rows

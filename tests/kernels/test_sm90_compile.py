@@ -11,22 +11,31 @@ from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 
 def test_fp8_column_quantisation_through_indices_compiles_for_sm90_without_spills():
-    stats = compile_for_sm90(
+    """Both passes (the split column maxima, then the transposed quantise) at the shipped launch."""
+    launch = fp8.COLS_LAUNCH
+    blocks = {"BLOCK_R": launch["BLOCK_R"], "BLOCK_C": launch["BLOCK_C"]}
+    operands = {"x": "*bf16", "row_index": "*i64", "row_scale": "*fp32", "ends": "*i32"}
+    amax = compile_for_sm90(
+        fp8._amax_cols_grouped_kernel,
+        {**operands, "amax": "*fp32", "C": "i32", "stride_x": "i32"},
+        {"GATHER": True, "ROW_SCALE": True, **blocks},
+        num_warps=launch["num_warps"],
+    )
+    quant = compile_for_sm90(
         fp8._quant_cols_grouped_kernel,
         {
-            "x": "*bf16",
-            "row_index": "*i64",
-            "row_scale": "*fp32",
-            "ends": "*i32",
+            **operands,
             "dst_ends": "*i32",
+            "amax": "*fp32",
             "q": "*fp8e4nv",
             "s": "*fp32",
             **dict.fromkeys(["C", "stride_x", "stride_g", "stride_c"], "i32"),
         },
-        {"PAD": True, "GATHER": True, "ROW_SCALE": True, "BLOCK_R": 64, "BLOCK_C": 64},
-        num_warps=4,
+        {"PAD": True, "GATHER": True, "ROW_SCALE": True, **blocks},
+        num_warps=launch["num_warps"],
     )
-    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+    for stats in (amax, quant):
+        assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
 
 
 def test_combine_weight_gradient_kernel_compiles_for_sm90():
