@@ -186,9 +186,11 @@ def _random_routing(tokens: int, experts: int, k: int, dev) -> tuple[torch.Tenso
     return order // k, ends
 
 
-QUANT_SWEEP = [{"BLOCK_R": r, "BLOCK_C": c, "num_warps": w, "programs": 16384} for r in (32, 64, 128) for c in (64, 128) for w in (4, 8)] + [
-    {"BLOCK_R": 64, "BLOCK_C": 64, "num_warps": 4, "programs": p} for p in (4096, 65536)
-]
+QUANT_SWEEP = [
+    {"BLOCK_R": r, "BLOCK_C": c, "num_warps": w, "programs": 16384}
+    for r, c in ((64, 64), (128, 32), (128, 64), (128, 128), (256, 32), (256, 64))
+    for w in (4, 8)
+] + [{"BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "programs": p} for p in (4096, 65536)]
 
 
 def quant_sweep(tokens: int, iters: int, shape, dev: torch.device | None = None) -> list[dict[str, Any]]:

@@ -131,9 +131,10 @@ if HAVE_TRITON:
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        """Quantise with the group's column scales and store transposed: each tile is turned in
-        registers so a column's consecutive rows leave as 16-byte stores (group starts are
-        multiples of ALIGN)."""
+        """Quantise with the group's column scales and store transposed, the padding's zeros with
+        the rows (rows past the group's end load as zeros): each tile is turned in registers and a
+        padded group's length is a multiple of ALIGN, so a column's rows leave as 16-byte stores
+        (a store masked at an unaligned bound would go out a byte at a time)."""
         g = tl.program_id(1)
         split, splits = tl.program_id(2), tl.num_programs(2)
         start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
@@ -145,22 +146,16 @@ if HAVE_TRITON:
             tl.store(s + g * C + cols, 1.0 / enc, mask=cmask)
         if PAD:
             dst = tl.multiple_of(tl.load(dst_ends + g - 1, mask=g > 0, other=0).to(tl.int64), 16)
-            dst_end = tl.load(dst_ends + g).to(tl.int64)
+            limit = tl.multiple_of(tl.load(dst_ends + g).to(tl.int64) - dst, 16)
         else:
             dst = 0
-            dst_end = end - start
-        n = end - start
+            limit = end - start
         out = q + g.to(tl.int64) * stride_g + cols[:, None].to(tl.int64) * stride_c + dst  # [BLOCK_C, 1]
-        for i0 in range(split * BLOCK_R, n, splits * BLOCK_R):
-            i = i0 + tl.arange(0, BLOCK_R)
+        for i0 in range(split * BLOCK_R, limit, splits * BLOCK_R):
+            i = tl.multiple_of(i0, BLOCK_R) + tl.arange(0, BLOCK_R)
             v = _cols_tile(x, row_index, row_scale, start + i, end, cols, cmask, stride_x, GATHER, ROW_SCALE)
             v = _to_e4m3(tl.clamp(v * enc[None, :], -448.0, 448.0), q.dtype.element_ty)
-            tl.store(out + i[None, :], tl.trans(v), mask=cmask[:, None] & (i < n)[None, :])
-        if PAD:  # zeros from the group's last row to its padded end
-            zeros = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32).to(q.dtype.element_ty)
-            for j0 in range(n + split * BLOCK_R, dst_end - dst, splits * BLOCK_R):
-                j = j0 + tl.arange(0, BLOCK_R)
-                tl.store(out + j[None, :], zeros, mask=cmask[:, None] & (j < dst_end - dst)[None, :])
+            tl.store(out + i[None, :], tl.trans(v), mask=cmask[:, None] & (i < limit)[None, :])
 
     @triton.jit
     def _quant_cols_grouped_serial_kernel(
