@@ -314,7 +314,7 @@ def padded_width(rows: int, groups: int) -> int:
 
 # Column quantisation's launch: row tiles of BLOCK_R, column blocks of BLOCK_C, and each group's
 # rows split over enough programs that about ``programs`` run (no more splits than row tiles).
-COLS_LAUNCH = {"BLOCK_R": 64, "BLOCK_C": 64, "num_warps": 4, "programs": 16384}
+COLS_LAUNCH = {"BLOCK_R": 128, "BLOCK_C": 64, "num_warps": 4, "programs": 4096}
 
 
 def cols_splits(rows: int, groups: int, cols: int, launch: dict) -> int:
