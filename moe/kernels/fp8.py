@@ -126,6 +126,7 @@ if HAVE_TRITON:
         stride_g,
         stride_c,
         PAD: tl.constexpr,
+        ALIGNED: tl.constexpr,
         GATHER: tl.constexpr,
         ROW_SCALE: tl.constexpr,
         BLOCK_R: tl.constexpr,
@@ -133,8 +134,9 @@ if HAVE_TRITON:
     ):
         """Quantise with the group's column scales and store transposed, the padding's zeros with
         the rows (rows past the group's end load as zeros): each tile is turned in registers and a
-        padded group's length is a multiple of ALIGN, so a column's rows leave as 16-byte stores
-        (a store masked at an unaligned bound would go out a byte at a time)."""
+        padded group's length is a multiple of ALIGN (ALIGNED: equal groups of such a length), so a
+        column's rows leave as 16-byte stores (a store masked at an unaligned bound would go out a
+        byte at a time)."""
         g = tl.program_id(1)
         split, splits = tl.program_id(2), tl.num_programs(2)
         start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
@@ -147,6 +149,9 @@ if HAVE_TRITON:
         if PAD:
             dst = tl.multiple_of(tl.load(dst_ends + g - 1, mask=g > 0, other=0).to(tl.int64), 16)
             limit = tl.multiple_of(tl.load(dst_ends + g).to(tl.int64) - dst, 16)
+        elif ALIGNED:
+            dst = 0
+            limit = tl.multiple_of(end - start, 16)
         else:
             dst = 0
             limit = end - start
@@ -392,6 +397,7 @@ def quantize_cols_grouped(
                 stride_g,
                 stride_c,
                 PAD=pad,
+                ALIGNED=pad or (rows // groups) % ALIGN == 0,
                 **flags,
                 BLOCK_R=block_r,
                 BLOCK_C=block_c,

@@ -135,6 +135,9 @@ class WeightCache:
                 wq, sw = make(src.unsqueeze(0))
                 return wq[0], sw[0]
             groups, m, k = src.shape
+            if src.dtype == torch.bfloat16:  # one pass, no staging copy
+                q, s = quantize_rows(src.reshape(-1, k))
+                return q.view(groups, m, k), s.view(groups, m)
             wq = torch.empty(groups, m, k, dtype=E4M3, device=src.device)
             sw = torch.empty(groups, m, dtype=torch.float32, device=src.device)
             for g, part in self._chunks(src):
@@ -155,6 +158,9 @@ class WeightCache:
                 wt, swt = make(src.unsqueeze(0))
                 return wt[0], swt[0]
             groups, m, k = src.shape
+            if src.dtype == torch.bfloat16:
+                q, s, _ = quantize_cols_grouped(src.reshape(groups * m, k), _uniform_ends(groups, m, src.device), pad=False)
+                return q, s
             wt = torch.empty(groups, k, m, dtype=E4M3, device=src.device)
             swt = torch.empty(groups, k, dtype=torch.float32, device=src.device)
             for g, part in self._chunks(src):

@@ -31,7 +31,7 @@ def test_fp8_column_quantisation_through_indices_compiles_for_sm90_without_spill
             "s": "*fp32",
             **dict.fromkeys(["C", "stride_x", "stride_g", "stride_c"], "i32"),
         },
-        {"PAD": True, "GATHER": True, "ROW_SCALE": True, **blocks},
+        {"PAD": True, "ALIGNED": True, "GATHER": True, "ROW_SCALE": True, **blocks},
         num_warps=launch["num_warps"],
     )
     for stats in (amax, quant):
