@@ -28,6 +28,13 @@ combine's [N, D] gradient is never stored. Not fused yet: the wgrad operands' co
 (two reads each), dSwiGLU's output (quantised by the up projection's backward), and the weight
 copies (one pass per optimizer step). Measured on one H200: bench/NOTES.md.
 
+Where the optimizer registered a gradient sink for an expert weight (``optim.expert_wgrad:
+gemm``, the default), wgrad runs in bf16 inside the GEMM that adds it into the fp32 master
+gradient (moe.kernels.grouped_wgrad), whatever the rule says: on one H200 at paper width the FP8
+wgrad GEMMs took ~56 ms of a 2-layer step but writing their bf16 result and adding it into the
+fp32 gradient took 101 ms more, against 139 ms for the accumulating bf16 GEMM (bench.model
+--profile, bench/NOTES.md). Forward and dgrad stay FP8.
+
 Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
 thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
 rest run in bf16 through torch's grouped GEMM. The router, norms, softmax, loss and optimizer
@@ -53,7 +60,7 @@ from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quanti
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
-from moe.layers.gemm import GroupedLinear, check_routing_args, grouped_mm
+from moe.layers.gemm import GroupedLinear, check_routing_args, fused_wgrad, gradient_sinks, grouped_mm
 from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
 
 
@@ -86,6 +93,20 @@ def _dgrad(grad, w, offsets, fp8: bool, emulate: bool, cache: WeightCache | None
     return scaled_grouped_mm(gq, wt.transpose(-2, -1), sg, swt, offsets, emulate)
 
 
+def _sink_wgrad(sink, grad: torch.Tensor, rows, offsets: torch.Tensor) -> bool:
+    """grad_g^T @ rows_g added into the optimizer's fp32 gradient inside the GEMM (bf16 operands;
+    ``rows`` a callable: the row operand is made only when the kernel takes the gradient).
+    False where there is no sink or the kernel cannot take the operands: the caller computes the
+    gradient itself."""
+    if sink is None or not fused_wgrad.supports(grad, grad):
+        return False
+    x = rows()
+    if not fused_wgrad.supports(grad, x):
+        return False
+    sink.accumulate(lambda buf, add: fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add))
+    return True
+
+
 def _wgrad(grad, x, offsets, fp8: bool, emulate: bool, row_index=None):
     """grad_g^T [M, n_g] @ x_g [n_g, K] -> [G, M, K] (w's own layout); x_g = x[row_index]_g when
     the rows are token rows read through the routing indices."""
@@ -103,7 +124,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
         ctx.save_for_backward(x, w, offsets)
-        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
+        ctx.plan, ctx.emulate, ctx.cache, ctx.sink = plan, emulate, cache, gradient_sinks.get(w)
         if plan.fwd:
             xq, sx = quantize_rows(x)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
@@ -114,7 +135,9 @@ class _Fp8Linear(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache) if ctx.needs_input_grad[0] else None
-        grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1] and not _sink_wgrad(ctx.sink, grad, lambda: x, offsets):
+            grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -127,7 +150,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, row_index, inverse, top_k, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
         ctx.save_for_backward(tokens, row_index, inverse, w, offsets)
-        ctx.top_k, ctx.plan, ctx.emulate, ctx.cache = top_k, plan, emulate, cache
+        ctx.top_k, ctx.plan, ctx.emulate, ctx.cache, ctx.sink = top_k, plan, emulate, cache, gradient_sinks.get(w)
         if plan.fwd:
             xq, sx = gather_quantized_rows(*quantize_rows(tokens), row_index)
             return _forward_fp8(xq, sx, w, offsets, emulate, cache)
@@ -141,7 +164,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
             grad_tokens = gather_reduce(grad_rows, inverse, None, ctx.top_k)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[4] and not _sink_wgrad(ctx.sink, grad, lambda: tokens.index_select(0, row_index), offsets):
             grad_w = _wgrad(grad, tokens, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
         return grad_tokens, None, None, None, grad_w, None, None, None, None
 
@@ -170,7 +193,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         top_k = weights.shape[1]
         out = gather_reduce(y, inverse, weights, top_k)
         ctx.save_for_backward(h, w, offsets, order, inverse, weights, y)
-        ctx.plan, ctx.emulate, ctx.cache, ctx.top_k = plan, emulate, cache, top_k
+        ctx.plan, ctx.emulate, ctx.cache, ctx.top_k, ctx.sink = plan, emulate, cache, top_k, gradient_sinks.get(w)
         return out
 
     @staticmethod
@@ -182,7 +205,8 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         row_weight = weights.reshape(-1).index_select(0, order).float()  # the weight of each expert-ordered row
         grad_weights = combine_weight_grad(grad_out, y, inverse, top_k).to(weights.dtype) if ctx.needs_input_grad[5] else None
         rows_bf16 = None
-        if not (plan.dgrad and plan.wgrad):
+        sink = ctx.sink if ctx.needs_input_grad[1] and fused_wgrad.supports(grad_out, grad_out) else None
+        if not (plan.dgrad and plan.wgrad) or sink is not None:
             rows_bf16 = (grad_out.index_select(0, row_index).float() * row_weight[:, None]).to(grad_out.dtype)
         with torch.enable_grad():
             hh = h.detach().requires_grad_(True)
@@ -194,7 +218,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         else:
             grad_a = grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not _sink_wgrad(sink, rows_bf16, a.detach, offsets):
             if plan.wgrad:
                 gt, sgt, padded = quantize_cols_grouped(grad_out, offsets, pad=True, row_index=row_index, row_scale=row_weight)
                 at, sat, _ = quantize_cols_grouped(a.detach(), offsets, pad=True)
@@ -212,7 +236,7 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
     def forward(ctx, h, w, offsets, plan: Plan, emulate: bool, cache: WeightCache):
         h = h.contiguous()
         ctx.save_for_backward(h, w, offsets)
-        ctx.plan, ctx.emulate, ctx.cache = plan, emulate, cache
+        ctx.plan, ctx.emulate, ctx.cache, ctx.sink = plan, emulate, cache, gradient_sinks.get(w)
         if plan.fwd:
             aq, sa = swiglu_quantize(h)
             return _forward_fp8(aq, sa, w, offsets, emulate, cache)
@@ -226,7 +250,9 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
             hh = h.detach().requires_grad_(True)
             a = swiglu(hh)
         grad_a = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
-        grad_w = _wgrad(grad, a.detach(), offsets, ctx.plan.wgrad, ctx.emulate) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1] and not _sink_wgrad(ctx.sink, grad, a.detach, offsets):
+            grad_w = _wgrad(grad, a.detach(), offsets, ctx.plan.wgrad, ctx.emulate)
         (grad_h,) = torch.autograd.grad(a, hh, grad_a)
         return grad_h, grad_w, None, None, None, None
 

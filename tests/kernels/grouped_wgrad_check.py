@@ -1,9 +1,12 @@
 """Run under TRITON_INTERPRET=1: the weight-gradient GEMM that accumulates in its epilogue
 (moe/kernels/grouped_wgrad.py) against a per-expert float64 loop, and the optimizer's gradient
-sink against the separate path (torch's grouped GEMM, then an add) over micro-batches."""
+sink against the separate path (torch's grouped GEMM, then an add) over micro-batches, with the
+bf16 expert GEMM and with the FP8 one (whose wgrad the sink takes in bf16, on expert-ordered and
+on token rows)."""
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -11,6 +14,8 @@ from torch import nn
 from moe.config import OptimizerConfig
 from moe.kernels import grouped_wgrad as gw
 from moe.layers.experts import GroupedExperts
+from moe.layers.gemm_fp8 import Fp8GroupedGemm
+from moe.nn.fp8_policy import Fp8Rule, Plan
 from moe.optim import MasterWeightAdamW
 
 
@@ -61,40 +66,65 @@ def check_kernel() -> None:
 
 
 class Experts(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, gemm=None) -> None:
         super().__init__()
-        self.experts = GroupedExperts(4, 32, 16)
+        self.experts = GroupedExperts(4, 32, 16, gemm)
         self.experts.reset_parameters(0.5)
 
 
-def train(wgrad: str, accum: str, micro_batches: list) -> tuple[list[torch.Tensor], int]:
+class Bf16Wgrad(Fp8Rule):
+    """Forward and dgrad in FP8, wgrad in bf16 (what the sink computes)."""
+
+    def plan(self, tokens, groups, out_dim, in_dim) -> Plan:
+        return Plan(fwd=True, dgrad=True, wgrad=False)
+
+
+def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bool = False) -> tuple[list[torch.Tensor], int, int]:
+    """(fp32 gradients, post-accumulate hook calls, accumulating-kernel launches)."""
     torch.manual_seed(0)
-    model = Experts().bfloat16()
+    model = Experts(gemm).bfloat16()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_grad_accum=accum, expert_wgrad=wgrad), master_weights=True)
-    calls = []
+    calls, launches = [], []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda t: calls.append(t))
-    for i, (x, counts) in enumerate(micro_batches):
-        if i == len(micro_batches) - 1:
-            opt.last_micro_batch()
-        out = model.experts(x, counts)
-        (out.float() ** 2).sum().backward()
+    kernel = gw.grouped_wgrad
+    gw.grouped_wgrad = lambda *a, **k: (launches.append(1), kernel(*a, **k))[1]  # counts, then runs the real kernel
+    try:
+        for i, (x, counts, routing) in enumerate(micro_batches):
+            if i == len(micro_batches) - 1:
+                opt.last_micro_batch()
+            out = model.experts.forward_tokens(x, routing, counts) if token_rows else model.experts(x, counts)
+            (out.float() ** 2).sum().backward()
+    finally:
+        gw.grouped_wgrad = kernel
     opt.fold_deferred()
     for p in model.parameters():
         assert p.grad is None, "every expert gradient reached its fp32 holder"
-    return [p.grad.clone() for p in opt.params], len(calls)
+    return [p.grad.clone() for p in opt.params], len(calls), len(launches)
+
+
+def _micro_batches(top_k: int = 2) -> list:
+    """Expert-ordered rows with their counts, and for token rows the routing of T = rows / k
+    tokens (order, inverse, weights) that sends the same number of rows to each expert."""
+    gen = torch.Generator().manual_seed(1)
+    micro = []
+    for counts in ([6, 0, 10, 2], [4, 6, 0, 8], [8, 2, 2, 4]):
+        c = torch.tensor(counts)
+        rows = int(c.sum())
+        expert_of_slot = torch.repeat_interleave(torch.arange(4), c)[torch.randperm(rows, generator=gen)]
+        order = torch.argsort(expert_of_slot, stable=True)
+        routing = SimpleNamespace(order=order, inverse=torch.argsort(order), weights=torch.rand(rows // top_k, top_k, generator=gen).bfloat16())
+        micro.append((torch.randn(rows, 32, generator=gen).bfloat16(), c, routing))
+    return micro
 
 
 def check_optimizer_sink() -> None:
-    gen = torch.Generator().manual_seed(1)
-    micro = []
-    for counts in ([5, 0, 9, 2], [3, 6, 0, 7], [8, 1, 1, 4]):
-        c = torch.tensor(counts)
-        micro.append((torch.randn(int(c.sum()), 32, generator=gen).bfloat16(), c))
+    micro = _micro_batches()
     for accum in ("fp32", "bf16"):
-        fused, fused_calls = train("gemm", accum, micro)
-        separate, separate_calls = train("separate", accum, micro)
+        fused, fused_calls, launches = train("gemm", accum, micro)
+        separate, separate_calls, _ = train("separate", accum, micro)
         assert fused_calls == separate_calls == 2 * len(micro), (fused_calls, separate_calls)
+        assert launches == 2 * len(micro), launches
         for a, b in zip(fused, separate, strict=True):
             assert a.dtype == torch.float32
             # the separate path rounds each micro-batch's gradient to bf16 before adding it
@@ -102,10 +132,28 @@ def check_optimizer_sink() -> None:
             assert err < 1e-2, (accum, err)
 
 
+def check_fp8_sink() -> None:
+    """The FP8 expert GEMM with a sink: wgrad in bf16 inside the accumulating GEMM whatever the
+    rule says (the same bits with an all-FP8 rule as with a rule that keeps wgrad in bf16), close
+    to the separate path's bf16 wgrad, on expert-ordered rows and on token rows."""
+    micro = _micro_batches()
+    for token_rows in (False, True):
+        all_fp8, calls, launches = train("gemm", "fp32", micro, Fp8GroupedGemm(Fp8Rule(0), emulate=True), token_rows)
+        assert launches == 2 * len(micro) and calls == 2 * len(micro), (token_rows, launches, calls)
+        kept, _, _ = train("gemm", "fp32", micro, Fp8GroupedGemm(Bf16Wgrad(0), emulate=True), token_rows)
+        separate, _, none = train("separate", "fp32", micro, Fp8GroupedGemm(Bf16Wgrad(0), emulate=True), token_rows)
+        assert none == 0
+        for a, b, c in zip(all_fp8, kept, separate, strict=True):
+            assert torch.equal(a, b), token_rows
+            err = ((a - c).norm() / c.norm()).item()
+            assert err < 1e-2, (token_rows, err)
+
+
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     check_kernel()
     check_optimizer_sink()
+    check_fp8_sink()
     print("grouped wgrad ok")
     return 0
 
