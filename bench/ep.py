@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, args: dict, parallel: dict, out: s
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from moe.config import ExperimentConfig
     from moe.parallel.env import shutdown_distributed
-    from moe.train.accounting import flops_per_token
+    from moe.plan.accounting import flops_per_token
     from moe.train.trainer import Trainer
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -46,7 +46,7 @@ from moe.eval.scoring import score_requests
 from moe.eval.suite import evaluate_suite
 from moe.hardware import gpu_by_device_name
 from moe.model import Transformer
-from moe.train.accounting import param_counts
+from moe.plan.accounting import param_counts
 
 DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 

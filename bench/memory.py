@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from bench.common import environment, print_table, timed_train_steps, write_result
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
+from moe.hardware import GIB
 from moe.parallel.recompute import RECOMPUTE_MODES, apply_recompute
-from moe.train.plan import CALIBRATION, GIB, WORKSPACE_GIB, analytic_head_bytes, analytic_layer_bytes, make_plan
+from moe.plan.activations import CALIBRATION, analytic_head_bytes, analytic_layer_bytes
+from moe.plan.planner import WORKSPACE_GIB, make_plan
 from moe.train.trainer import Trainer
 
 # (layers, micro-batch, micro-batches per step, modes), most important first.
@@ -197,7 +199,7 @@ def predict(rows: list, seq: int, calibration: dict) -> None:
 
 def predict_from(path: Path) -> int:
     """Re-predict a measured sweep with this checkout's plan and calibration table (CPU only)."""
-    from moe.train.plan import load_calibration
+    from moe.plan.activations import load_calibration
 
     result = json.loads(path.read_text())
     rows = [r for r in result["rows"] if "peak_gib" in r]

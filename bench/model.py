@@ -28,7 +28,7 @@ from bench.common import environment, matmul_peak_tflops, print_table, timed_tra
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.hardware import configure_cuda_allocator, gpu_by_device_name
-from moe.train.accounting import flops_per_token
+from moe.plan.accounting import flops_per_token
 from moe.train.trainer import Trainer
 
 
@@ -185,7 +185,7 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
 
 def _planned_peak(cfg) -> float | None:
     """What `moe plan` predicts for this run's peak (GiB; allocated memory, as measured here)."""
-    from moe.train.plan import make_plan
+    from moe.plan.planner import make_plan
 
     try:
         return make_plan(cfg, "h200", 1, knobs=False).peak_gib

@@ -27,6 +27,10 @@ class ConfigError(MoeError, ValueError):
     """A config problem; the message names the dotted key at fault."""
 
 
+class PlanError(ConfigError):
+    """Bad input to the memory plan (unknown GPU, GPU count or MFU; a recipe the GPU cannot run)."""
+
+
 class TokenDataError(MoeError, ValueError):
     """A token file or its sidecar is missing, damaged or does not fit the run."""
 

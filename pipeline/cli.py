@@ -270,7 +270,8 @@ def submit(
 
 def _check_plan(cfg, gpu: str, gpus: int, show: bool, ignore: bool) -> None:
     """Plan the job; refuse one predicted not to fit unless told to go ahead."""
-    from moe.train.plan import format_plan, make_plan
+    from moe.plan.planner import make_plan
+    from moe.plan.report import format_plan
 
     plan = make_plan(cfg, gpu, gpus)
     if show:
@@ -292,7 +293,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
     """Parameters, per-GPU memory, FLOPs and step time of a config; does it fit, and what helps."""
-    from moe.train.plan import format_plan, make_plan
+    from moe.plan.planner import make_plan
+    from moe.plan.report import format_plan
 
     cfg = _load(params, set_)
     if gpus is None:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from moe.config import ModelConfig
-from moe.train.accounting import param_counts
+from moe.plan.accounting import param_counts
 
 # Where the evaluation sets come from (their licenses are their authors': see each dataset card).
 EVAL_DATASETS = {

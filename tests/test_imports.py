@@ -4,7 +4,7 @@ no import circle, and no import from a lower floor to a higher one.
 Every ``import`` statement counts, a lazy one inside a function too: it is a dependency all
 the same. Packages: ``moe`` < ``pipeline``; ``bench`` stands beside ``pipeline`` (neither
 imports the other). Inside ``moe`` the floors are, from the ground: config/data/kernels/errors/
-hardware, nn/interop, layers, model/precision/optim, parallel, train/eval.
+hardware, nn/interop, layers, model/precision/optim, parallel, plan, train/eval.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ MOE_FLOORS = [
     {"moe.layers"},
     {"moe.model", "moe.precision", "moe.optim"},
     {"moe.parallel"},
+    {"moe.plan"},  # the memory plan applies the real layouts to a meta model
     {"moe.train", "moe.eval"},
 ]
 

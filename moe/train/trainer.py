@@ -28,10 +28,10 @@ from moe.optim import build_scheduler
 from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
+from moe.plan.accounting import flops_per_token, param_counts
 from moe.precision import resolve_recipe
 from moe.spans import span
 from moe.train import determinism
-from moe.train.accounting import flops_per_token, param_counts, peak_tflops, throughput
 from moe.train.callbacks import Callback, LoadAlarmCallback, RouterHealthCallback
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
 from moe.train.load_alarm import LoadAlarm
@@ -42,6 +42,7 @@ from moe.train.sinks import MetricsSink
 from moe.train.state import load_targets, save_entries
 from moe.train.step_profile import StepProfiler
 from moe.train.telemetry import MoETelemetry
+from moe.train.throughput import peak_tflops, throughput
 
 log = logging.getLogger("moe.train")
 

@@ -26,7 +26,7 @@ The regime (issue 29), chosen by ``pipeline/paper/stages.py`` from ``paper:`` in
 - Profile: each variant runs one more step under torch.profiler (``paper.profile``), outside
   the timed steps, so the report splits every claim's gap into measured parts.
 
-Memory prediction: ``moe plan`` (moe/train/plan.py): exact weight, master, gradient and
+Memory prediction: ``moe plan`` (moe/plan/): exact weight, master, gradient and
 optimizer bytes of every rank from the model built on the meta device, calibrated activation
 bytes per token and layer for the recompute mode, and a workspace allowance.
 """
@@ -63,7 +63,7 @@ class Scaled:
 def predict_peak_gb(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any], recompute: str = "none") -> float:
     """``moe plan``'s predicted peak (GiB) of the worst rank of one training step."""
     from moe.config import ExperimentConfig
-    from moe.train.plan import make_plan
+    from moe.plan.planner import make_plan
 
     cfg = ExperimentConfig.from_dict(
         {

@@ -159,7 +159,7 @@ def project_resident(ours: dict[str, Any], fsdp: dict[str, Any], gpus: int) -> d
     link rate; 'no overlap' adds the transfer to the step, 'full overlap' hides it under
     compute (the truth lies between)."""
     from moe.config import ModelConfig
-    from moe.train.accounting import param_counts
+    from moe.plan.accounting import param_counts
 
     cfg = ModelConfig.from_dict(ours["model"])
     counts = param_counts(cfg)

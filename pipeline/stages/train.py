@@ -97,7 +97,7 @@ def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
     import torch
 
     if cfg.executor.kind == "local" and (cfg.train.device == "cpu" or not torch.cuda.is_available()):
-        from moe.train.plan import check_host_memory
+        from moe.plan.host import check_host_memory
 
         check_host_memory(exp, world_size(cfg))
 

@@ -2,7 +2,7 @@ import pytest
 
 from moe.config import ModelConfig, preset_names
 from moe.model import Transformer
-from moe.train.accounting import param_counts
+from moe.plan.accounting import param_counts
 
 
 def counts(name, **over):

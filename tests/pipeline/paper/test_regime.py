@@ -104,7 +104,7 @@ def test_resident_projection_counts_the_bytes_each_layout_moves():
     fsdp = {**ours, "step_time_s": 1.2}
     p = project_resident(ours, fsdp, 8)
     from moe.config import ModelConfig
-    from moe.train.accounting import param_counts
+    from moe.plan.accounting import param_counts
 
     cfg = ModelConfig.from_dict(model)
     total = param_counts(cfg).total

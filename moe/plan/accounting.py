@@ -1,4 +1,4 @@
-"""Parameter counts, FLOPs per token, throughput and MFU.
+"""Parameter counts and FLOPs per token, from the model config alone (no model is built).
 
 FLOPs per token follow the PaLM convention: 6 x (active matmul parameters, including the
 output head and the router, counting only the top-k routed experts) for forward and backward,
@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from moe.config import ModelConfig
-from moe.hardware import gpu_by_device_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +22,8 @@ class ParamCounts:
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Parameters of the model ``cfg`` describes (active: the top_k routed experts of each MoE
+    layer), counted from its shapes; equal to a built model's (tests/plan/test_accounting.py)."""
     d, v, moe = cfg.d_model, cfg.vocab_size, cfg.moe
     kv_dim = cfg.kv_heads * cfg.head_dim
     attn = 2 * d * d + 2 * d * kv_dim
@@ -62,28 +61,3 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token."""
     attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
     return 6.0 * param_counts(cfg).matmul_active + attention
-
-
-def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
-    """Dense bf16 peak of ``device`` (None when unknown, e.g. CPUs)."""
-    if override is not None:
-        return override
-    if device.type != "cuda":
-        return None
-    spec = gpu_by_device_name(torch.cuda.get_device_name(device))
-    return spec.peak_bf16_tflops if spec else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Throughput:
-    tokens_per_s: float
-    tokens_per_s_per_device: float
-    tflops_per_device: float
-    mfu: float | None
-
-
-def throughput(tokens: int, seconds: float, devices: int, flops_token: float, peak: float | None) -> Throughput:
-    tps = tokens / seconds
-    per_device = tps / devices
-    tflops = per_device * flops_token / 1e12
-    return Throughput(tps, per_device, tflops, tflops / peak if peak else None)
