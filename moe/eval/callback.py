@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from moe.eval.requests import TaskRequests
 from moe.eval.suite import evaluate_suite, headline
+from moe.train.callbacks import Callback
 
 
-class EvalCallback:
+class EvalCallback(Callback):
     def __init__(
         self,
         every: int,
@@ -78,9 +79,6 @@ class EvalCallback:
         metrics["eval/seconds"] = took
         metrics["eval/time_fraction"] = self.eval_s / max(1e-9, time.perf_counter() - self.started)
         return metrics
-
-    def on_log(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        return None
 
     def _val_loss(self, model, device: torch.device, shard: int, shards: int, group) -> float:
         """Mean token loss over the validation batches (each rank its share, equal calls)."""

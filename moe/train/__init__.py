@@ -1,1 +1,2 @@
-"""Training: the loop, checkpoints, accounting, telemetry, the memory plan and determinism."""
+"""Training: the loop and its callbacks (checkpoint cadence, step profile, monitors), checkpoints,
+throughput, telemetry and determinism. The memory plan and parameter counts: moe.plan."""

@@ -32,15 +32,12 @@ from moe.plan.accounting import flops_per_token, param_counts
 from moe.precision import resolve_recipe
 from moe.spans import span
 from moe.train import determinism
-from moe.train.callbacks import Callback, LoadAlarmCallback, RouterHealthCallback
+from moe.train.callbacks import Callback, trainer_callbacks
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
-from moe.train.load_alarm import LoadAlarm
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, set_rng_state
-from moe.train.router_health import RouterHealth
 from moe.train.sinks import MetricsSink
 from moe.train.state import load_targets, save_entries
-from moe.train.step_profile import StepProfiler
 from moe.train.telemetry import MoETelemetry
 from moe.train.throughput import peak_tflops, throughput
 
@@ -112,12 +109,7 @@ class Trainer:
         )
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
-        self.callbacks: list[Callback] = list(callbacks)
-        if cfg.train.load_alarm.enabled:
-            self.callbacks.append(LoadAlarmCallback(LoadAlarm(cfg.train.load_alarm)))
-        if cfg.train.router_health.enabled:
-            moe_cfg = cfg.model.moe
-            self.callbacks.append(RouterHealthCallback(RouterHealth(cfg.train.router_health, moe_cfg.num_experts, moe_cfg.top_k)))
+        self.callbacks: list[Callback] = trainer_callbacks(cfg, callbacks)
         self._extra: dict[str, float] = {}  # callback metrics of the current step (logged with it)
         self._callback_s = 0.0  # time callbacks took since the last log point (not training time)
 
@@ -155,6 +147,11 @@ class Trainer:
         path = self.ckpt.save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
         self.last_checkpoint = path
         return path
+
+    def checkpoint(self) -> Path:
+        """Checkpoint this step, unless a non-finite step must stop the run (train.nonfinite=stop)."""
+        self._check_finite()
+        return self.save_checkpoint()
 
     def load_checkpoint(self, path: str | Path) -> None:
         from moe.train.checkpoint import read_meta
@@ -250,18 +247,16 @@ class Trainer:
             stop.agreed()  # creates the control group on every rank up front
         max_steps = self.cfg.train.max_steps
         end = min(max_steps, stop_at) if stop_at is not None else max_steps
-        every = self.cfg.checkpoint.every
         self._sync()
         t0, steps_since = time.perf_counter(), 0
         while self.step < end:
-            if self.step + 1 == self.cfg.train.profile_step:
-                self._profiled_step()
-            else:
-                self.train_step()
-                steps_since += 1
+            untimed_since = self._before_step(self.step + 1)
+            self.train_step()
             self.step += 1
+            if untimed_since is None:
+                steps_since += 1
             last = self.step == end
-            self._run_callbacks()
+            self._after_step(untimed_since)
             if self.step % self.cfg.train.log_every == 0 or last or self._extra:
                 self._sync()
                 elapsed = time.perf_counter() - t0 - self._callback_s
@@ -272,13 +267,11 @@ class Trainer:
                 self._sync()
                 if self._pending:
                     self._log(time.perf_counter() - t0, steps_since)
-                self._check_finite()
-                self.save_checkpoint()
+                self.checkpoint()
                 preempted = True
                 break
-            if self.cfg.checkpoint.save and (last or (every and self.step % every == 0)):
-                self._check_finite()
-                self.save_checkpoint()
+            for cb in self.callbacks:
+                cb.on_step_end(self, self.step, last)
         if self.step == self.start_step and self.step >= max_steps:
             log.info("nothing to do: already at step %d of %d", self.step, max_steps)
         self.layout.settle()  # the weights a caller reads after fit are the last step's
@@ -304,25 +297,30 @@ class Trainer:
             )
         return summary
 
-    def _profiled_step(self) -> None:
-        """One step under torch.profiler: where its time went joins the step's metrics
-        (``profile/*``); its time, slowed by the profiler, stays out of the throughput (the
-        steps queued before it finish first, inside their own interval's time)."""
-        self._sync()
-        start = time.perf_counter()
-        profiler = StepProfiler(self.device).start()
-        self.train_step()
-        self._extra.update(profiler.stop())
-        self._callback_s += time.perf_counter() - start
+    def _before_step(self, step: int) -> float | None:
+        """Callbacks before step ``step``. When one keeps the step out of the throughput (a
+        profiled step), the steps queued before it finish first, inside their own interval's
+        time, and the time it starts at is returned (None: a timed step)."""
+        since = None
+        if any(cb.untimed(step) for cb in self.callbacks):
+            self._sync()
+            since = time.perf_counter()
+        for cb in self.callbacks:
+            cb.before_step(self, step)
+        return since
 
-    def _run_callbacks(self) -> None:
+    def _after_step(self, untimed_since: float | None) -> None:
         """Side jobs after a step; the time of those that work (in-loop evaluation) is kept out
-        of the throughput: the device finishes the step first, then the callback is timed."""
+        of the throughput: the device finishes the step first, then the callback is timed. An
+        untimed step's own time, since ``untimed_since``, is kept out with theirs."""
         due = [cb for cb in self.callbacks if cb.due(self.step)]
-        if not due:
+        if untimed_since is not None:
+            start = untimed_since
+        elif due:
+            self._sync()
+            start = time.perf_counter()
+        else:
             return
-        self._sync()
-        start = time.perf_counter()
         for cb in due:
             self._extra.update(cb.after_step(self, self.step) or {})
         self._sync()
