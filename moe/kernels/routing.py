@@ -142,26 +142,39 @@ class _Combine(torch.autograd.Function):
             grad_rows = (weights.to(grad.dtype).unsqueeze(2) * grad.unsqueeze(1)).reshape(n_tokens * k, -1)
             grad_y = torch.empty_like(y).index_copy_(0, inverse, grad_rows)
             return grad_y, None, grad_w.to(weights.dtype)
-        grad_y = torch.empty_like(y)
-        grad_w = torch.empty(n_tokens * k, dtype=torch.float32, device=y.device)
-        if n_tokens:
-            d = y.shape[1]
-            _combine_backward_kernel[(n_tokens * k,)](
-                grad,
-                y.contiguous(),
-                inverse.contiguous(),
-                weights.contiguous().float(),
-                grad_y,
-                grad_w,
-                d,
-                K=k,
-                BLOCK=min(1024, triton.next_power_of_2(d)),
-            )
-        return grad_y, None, grad_w.view(n_tokens, k).to(weights.dtype)
+        grad_y, grad_w = combine_backward(grad, y, inverse, weights)
+        return grad_y, None, grad_w.to(weights.dtype)
 
 
 def combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return _Combine.apply(y, inverse, weights)
+
+
+def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of the weighted combine in one pass over grad_out: the rows
+    grad_y[inverse[t*k + j]] = weights[t, j] * grad_out[t] (multiplied in fp32, y's dtype) and the
+    weights' gradient grad_out[t] . y[inverse[t*k + j]] (fp32, [T, k])."""
+    n_tokens, k = weights.shape
+    grad_out = grad_out.contiguous()
+    if not use_triton(y):
+        rows = (weights.float().unsqueeze(2) * grad_out.float().unsqueeze(1)).reshape(n_tokens * k, -1).to(y.dtype)
+        return torch.empty_like(y).index_copy_(0, inverse, rows), combine_weight_grad(grad_out, y, inverse, k)
+    grad_y = torch.empty_like(y)
+    grad_w = torch.empty(n_tokens * k, dtype=torch.float32, device=y.device)
+    if n_tokens:
+        d = y.shape[1]
+        _combine_backward_kernel[(n_tokens * k,)](
+            grad_out,
+            y.contiguous(),
+            inverse.contiguous(),
+            weights.contiguous().float(),
+            grad_y,
+            grad_w,
+            d,
+            K=k,
+            BLOCK=min(1024, triton.next_power_of_2(d)),
+        )
+    return grad_y, grad_w.view(n_tokens, k)
 
 
 def combine_weight_grad(grad_out: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:

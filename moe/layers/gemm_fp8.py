@@ -58,7 +58,7 @@ import torch
 
 from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quantize_rows, swiglu_quantize
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
-from moe.kernels.routing import combine_weight_grad, gather_reduce, gather_token_rows
+from moe.kernels.routing import combine_backward, combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import GroupedLinear, check_routing_args, fused_wgrad, gradient_sinks, grouped_mm
 from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
@@ -203,11 +203,17 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         row_index = order // top_k
         row_weight = weights.reshape(-1).index_select(0, order).float()  # the weight of each expert-ordered row
-        grad_weights = combine_weight_grad(grad_out, y, inverse, top_k).to(weights.dtype) if ctx.needs_input_grad[5] else None
-        rows_bf16 = None
+        rows_bf16 = grad_weights = None
         sink = ctx.sink if ctx.needs_input_grad[1] and fused_wgrad.supports(grad_out, grad_out) else None
         if not (plan.dgrad and plan.wgrad) or sink is not None:
-            rows_bf16 = (grad_out.index_select(0, row_index).float() * row_weight[:, None]).to(grad_out.dtype)
+            # the weighted rows (routing weight x token gradient, in expert order) and the
+            # weights' gradient in one pass
+            rows_bf16, grad_weights = combine_backward(grad_out, y, inverse, weights)
+            grad_weights = grad_weights.to(weights.dtype)
+        elif ctx.needs_input_grad[5]:
+            grad_weights = combine_weight_grad(grad_out, y, inverse, top_k).to(weights.dtype)
+        if not ctx.needs_input_grad[5]:
+            grad_weights = None
         with torch.enable_grad():
             hh = h.detach().requires_grad_(True)
             a = swiglu(hh)
