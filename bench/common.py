@@ -149,6 +149,15 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     return path
 
 
+def save_result(name: str, payload: dict[str, Any], save: bool = True, out_dir: Path | None = None) -> Path | None:
+    """``write_result`` and say where it went (nothing when ``save`` is False: --no-save)."""
+    if not save:
+        return None
+    path = write_result(name, payload, out_dir)
+    print(f"wrote {path}")
+    return path
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

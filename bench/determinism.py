@@ -20,21 +20,22 @@ smoke run of the same plumbing.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe.parallel.env import free_port
+from moe.parallel.spawn import RankGroup, start_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,18 +69,27 @@ def _fingerprint(trainer) -> str:
 
 
 def child(spec: dict[str, Any]) -> int:
-    import torch
-
-    from moe.config import ExperimentConfig
+    """One rank of one run: train, then write this rank's summary next to ``spec["out"]``."""
     from moe.parallel.env import shutdown_distributed
     from moe.train.trainer import Trainer
 
-    cuda = spec["device"] == "cuda"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(_child_config(spec, int(os.environ.get("WORLD_SIZE", "1"))))
+    if spec.get("resume"):
+        trainer.maybe_resume()
+    times, sync_warnings = _train(trainer, spec)
+    out = _child_summary(trainer, spec, times, sync_warnings)
+    Path(spec["out"]).with_suffix(f".rank{trainer.env.rank}.json").write_text(json.dumps(out))
+    shutdown_distributed()
+    return 0
+
+
+def _child_config(spec: dict[str, Any], world: int):
+    from moe.config import ExperimentConfig
+
     model = {"preset": spec["preset"], "n_layers": spec["layers"], "max_seq_len": spec["seq"]}
     if spec["preset"] == "tiny":
         model["vocab_size"] = spec["vocab"]
-    cfg = ExperimentConfig.load(
+    return ExperimentConfig.load(
         {
             "model": model,
             "data": {"paths": [spec["data"]], "seq_len": spec["seq"], "verify_checksums": False},
@@ -94,12 +104,15 @@ def child(spec: dict[str, Any]) -> int:
             "schedule": {"warmup_steps": 1},
             "checkpoint": {"dir": spec["ckpt"]},
             "parallel": {"ep": spec["ep"]},
-            "precision": {"recipe": "bf16" if cuda else "fp32"},
+            "precision": {"recipe": "bf16" if spec["device"] == "cuda" else "fp32"},
         }
     )
-    trainer = Trainer(cfg)
-    if spec.get("resume"):
-        trainer.maybe_resume()
+
+
+def _train(trainer, spec: dict[str, Any]) -> tuple[list[float], list[str]]:
+    """The run's steps (killed at ``kill_at``, checkpointed at ``checkpoint_at``): the step times
+    after warm-up and the host syncs reported in the first step after it."""
+    cuda = spec["device"] == "cuda"
     times: list[float] = []
     sync_warnings: list[str] = []
     while trainer.step < spec["steps"]:
@@ -107,33 +120,50 @@ def child(spec: dict[str, Any]) -> int:
             trainer.train_step()  # queued on the device; killed while it runs
             os.kill(os.getpid(), signal.SIGKILL)
         sync_step = cuda and trainer.step == spec["warmup"] and not spec.get("resume")
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
+        elapsed, caught = _timed_step(trainer, cuda, sync_step)
         if sync_step:
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                trainer.train_step()
-            torch.cuda.set_sync_debug_mode(0)
-            sync_warnings = sorted({str(w.message).splitlines()[0][:200] for w in caught})
-        else:
-            trainer.train_step()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            elapsed = time.perf_counter() - t0
+            sync_warnings = caught
         trainer.step += 1
         if trainer.step > spec["warmup"] and not sync_step:
             times.append(elapsed)
         if spec.get("checkpoint_at") == trainer.step:
             trainer.save_checkpoint()
+    return times, sync_warnings
+
+
+def _timed_step(trainer, cuda: bool, sync_step: bool) -> tuple[float, list[str]]:
+    """One step's seconds (CUDA events on the GPU) and, on the sync step (under
+    set_sync_debug_mode("warn")), the host syncs it reported."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    caught_messages: list[str] = []
+    if sync_step:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_step()
+        torch.cuda.set_sync_debug_mode(0)
+        caught_messages = sorted({str(w.message).splitlines()[0][:200] for w in caught})
+    else:
+        trainer.train_step()
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3, caught_messages
+    return time.perf_counter() - t0, caught_messages
+
+
+def _child_summary(trainer, spec: dict[str, Any], times: list[float], sync_warnings: list[str]) -> dict[str, Any]:
+    import torch
+
+    cuda = spec["device"] == "cuda"
     losses = {s: v for s, v in zip([s for s, _ in trainer._pending], torch.stack([v for _, v in trainer._pending]).tolist(), strict=True)}
-    out = {
+    return {
         "rank": trainer.env.rank,
         "losses": losses,
         "fingerprint": _fingerprint(trainer),
@@ -144,49 +174,31 @@ def child(spec: dict[str, Any]) -> int:
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "start_step": trainer.start_step,
     }
-    Path(spec["out"]).with_suffix(f".rank{trainer.env.rank}.json").write_text(json.dumps(out))
-    shutdown_distributed()
-    return 0
 
 
 # ------------------------------------------------------------------ the driver
 
 
-def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> list[subprocess.Popen]:
-    """Start one run (len(gpus) ranks) in fresh processes; returns the processes."""
+def launch(spec: dict[str, Any], gpus: list[int], logs: Path) -> RankGroup:
+    """Start one run (len(gpus) ranks) in fresh processes; returns its ranks."""
     spec_path = Path(spec["out"]).with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
-    port, world = free_port(), len(gpus)
-    procs = []
-    for rank, _gpu in enumerate(gpus):
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO"):
-            env.pop(k, None)  # each run sets (or not) its own mode
-        if spec["device"] == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        if world > 1:
-            env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        log = open(logs / f"{spec['name']}.rank{rank}.log", "w")  # noqa: SIM115 - the child's log; must outlive this call
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.determinism", "--child", str(spec_path)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        )
-    return procs
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO"):
+        env.pop(k, None)  # each run sets (or not) its own mode
+    if spec["device"] == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    argv = [sys.executable, "-m", "bench.determinism", "--child", str(spec_path)]
+    return start_ranks(argv, len(gpus), env=env, cwd=ROOT, logs=[logs / f"{spec['name']}.rank{rank}.log" for rank in range(len(gpus))])
 
 
-def collect(spec: dict[str, Any], procs: list[subprocess.Popen], logs: Path, deadline: float) -> dict[str, Any]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline + 60 - time.perf_counter())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    ranks = []
-    for rank in range(len(procs)):
+def collect(spec: dict[str, Any], ranks: RankGroup, logs: Path, deadline: float) -> dict[str, Any]:
+    # every rank is waited for, a failed one's peers too (as a run with no such helper did)
+    codes = ranks.wait(timeout=max(1.0, deadline + 60 - time.perf_counter()), stop_on_failure=False)
+    summaries = []
+    for rank in range(ranks.world):
         path = Path(spec["out"]).with_suffix(f".rank{rank}.json")
-        ranks.append(json.loads(path.read_text()) if path.is_file() else None)
+        summaries.append(json.loads(path.read_text()) if path.is_file() else None)
     result: dict[str, Any] = {
         "name": spec["name"],
         "exit_codes": codes,
@@ -194,12 +206,12 @@ def collect(spec: dict[str, Any], procs: list[subprocess.Popen], logs: Path, dea
         "gpus": spec.get("gpus"),
         "ep": spec["ep"],
     }
-    if all(r is not None for r in ranks):
-        r0 = ranks[0]
+    if all(r is not None for r in summaries):
+        r0 = summaries[0]
         result.update(
             {
                 "losses": r0["losses"],
-                "fingerprint": "/".join(r["fingerprint"] for r in ranks),
+                "fingerprint": "/".join(r["fingerprint"] for r in summaries),
                 "step_s": r0["step_s"],
                 "step_times_s": r0["step_times_s"],
                 "peak_mem_gb": r0["peak_mem_gb"],
@@ -234,7 +246,7 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -249,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="pairs,resume,ep", help="which comparisons: pairs (reruns, cost), resume, ep")
     p.add_argument("--time-limit", type=float, default=1e9, help="start no new wave after this many seconds")
     p.add_argument("--no-save", action="store_true")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.child:
         return child(json.loads(a.child.read_text()))
-
-    from bench.model import make_data
-
     gpus = 1
     if a.device == "cuda":
         import torch
@@ -263,10 +276,66 @@ def main(argv: list[str] | None = None) -> int:
         if gpus < 1:
             print("bench.determinism needs a CUDA GPU (or --device cpu)", file=sys.stderr)
             return 2
-    vocab = 256 if a.preset == "tiny" else 50304
+    results, t_start = run(a, gpus)
+    return report(a, results, t_start, final=True)
+
+
+def run_spec(a: argparse.Namespace, vocab: int, tmp: Path, name: str, det: bool, gpu_list: list[int], **extra: Any) -> dict[str, Any]:
+    """What one run's ranks read (``child``): the shape, mode, GPUs, data and where to write."""
+    return {
+        "name": name,
+        "deterministic": det,
+        "device": a.device,
+        "preset": a.preset,
+        "vocab": vocab,
+        "layers": a.layers,
+        "seq": a.seq,
+        "micro": a.micro,
+        "accum": a.accum,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "data": str(tmp / "tokens"),
+        "ckpt": str(tmp / f"ck-{name}"),
+        "out": str(tmp / name),
+        "ep": 2 if len(gpu_list) > 1 else 1,
+        "gpus": gpu_list,
+        **extra,
+    }
+
+
+def plan_waves(a: argparse.Namespace, gpus: int, spec: Callable[..., dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Waves of runs started together. Timing comes from the runs alone on their GPU (on_a,
+    off_a on GPU 0; on_c, off_c on GPU 1); the rest only check equality, and some share a GPU
+    with another run (concurrency must not change the bits in the mode either)."""
     half = a.steps // 2
+    g1 = 1 if gpus > 1 else 0
+    parts = set(a.parts.split(","))
+    waves: list[list[dict[str, Any]]] = []
+    if "pairs" in parts:
+        waves += [[spec("on_a", True, [0]), spec("on_c", True, [g1])], [spec("off_a", False, [0]), spec("off_c", False, [g1])]]
+    third = [spec("on_b", True, [0]), spec("off_b", False, [0])] if "pairs" in parts else []
+    if "resume" in parts:
+        killed = spec("on_killed", True, [g1], checkpoint_at=half, kill_at=half + 1)
+        third += [killed] if "pairs" in parts else [spec("on_c", True, [g1]), killed]
+        waves += [third, [spec("on_resumed", True, [g1], resume=True, ckpt=killed["ckpt"])]]
+    elif third:
+        waves.append(third)
+    if "ep" in parts and a.ep and (gpus >= 2 or a.device == "cpu"):
+        waves += [[spec(f"ep2_{m}_{i}", m == "on", [0, 1]) for i in "ab"] for m in ("on", "off")]
+    if a.device == "cpu":  # one at a time on the CPU
+        waves = [[s] for w in waves for s in w]
+    return waves
+
+
+def run(a: argparse.Namespace, gpus: int) -> tuple[dict[str, dict[str, Any]], float]:
+    """Every wave's runs (the JSON rewritten after each wave); the results by run name and the
+    start time."""
+    from bench.model import make_data
+
+    vocab = 256 if a.preset == "tiny" else 50304
     shm = Path("/dev/shm")
     use_shm = shm.is_dir() and shutil.disk_usage(shm).free > 64 * 2**30
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=shm if use_shm else None) as tmp:
         tmp = Path(tmp)
         data, logs = tmp / "tokens", tmp / "logs"
@@ -274,66 +343,27 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir()
         world_max = 2 if a.ep else 1
         make_data(data, (a.seq + 1) * a.micro * a.accum * world_max * (a.steps + 2), vocab)
-
-        def spec(name: str, det: bool, gpu_list: list[int], **extra: Any) -> dict[str, Any]:
-            return {
-                "name": name,
-                "deterministic": det,
-                "device": a.device,
-                "preset": a.preset,
-                "vocab": vocab,
-                "layers": a.layers,
-                "seq": a.seq,
-                "micro": a.micro,
-                "accum": a.accum,
-                "steps": a.steps,
-                "warmup": a.warmup,
-                "data": str(data),
-                "ckpt": str(tmp / f"ck-{name}"),
-                "out": str(tmp / name),
-                "ep": 2 if len(gpu_list) > 1 else 1,
-                "gpus": gpu_list,
-                **extra,
-            }
-
-        g1 = 1 if gpus > 1 else 0
-        # Waves of runs started together. Timing comes from the runs alone on their GPU (on_a,
-        # off_a on GPU 0; on_c, off_c on GPU 1); the rest only check equality, and some share a
-        # GPU with another run (concurrency must not change the bits in the mode either).
-        parts = set(a.parts.split(","))
-        waves: list[list[dict[str, Any]]] = []
-        if "pairs" in parts:
-            waves += [[spec("on_a", True, [0]), spec("on_c", True, [g1])], [spec("off_a", False, [0]), spec("off_c", False, [g1])]]
-        third = [spec("on_b", True, [0]), spec("off_b", False, [0])] if "pairs" in parts else []
-        if "resume" in parts:
-            killed = spec("on_killed", True, [g1], checkpoint_at=half, kill_at=half + 1)
-            third += [killed] if "pairs" in parts else [spec("on_c", True, [g1]), killed]
-            waves += [third, [spec("on_resumed", True, [g1], resume=True, ckpt=killed["ckpt"])]]
-        elif third:
-            waves.append(third)
-        if "ep" in parts and a.ep and (gpus >= 2 or a.device == "cpu"):
-            waves += [[spec(f"ep2_{m}_{i}", m == "on", [0, 1]) for i in "ab"] for m in ("on", "off")]
-        if a.device == "cpu":  # one at a time on the CPU
-            waves = [[s] for w in waves for s in w]
-        results: dict[str, dict[str, Any]] = {}
+        waves = plan_waves(a, gpus, functools.partial(run_spec, a, vocab, tmp))
         t_start = time.perf_counter()
         for wave in waves:
             running = [(s, launch(s, s["gpus"], logs)) for s in wave]
-            for s, procs in running:
-                results[s["name"]] = collect(s, procs, logs, deadline=t_start + a.time_limit)
-                r = results[s["name"]]
-                print(
-                    f"[{time.perf_counter() - t_start:6.1f}s] {s['name']}: exit {r['exit_codes']} "
-                    f"step_s={r.get('step_s')} fingerprint={r.get('fingerprint')}",
-                    flush=True,
-                )
-                if "log_tail" in r and s["name"] != "on_killed":
-                    print("\n".join(r["log_tail"]), flush=True)
+            for s, ranks in running:
+                results[s["name"]] = collect(s, ranks, logs, deadline=t_start + a.time_limit)
+                _print_run(s["name"], results[s["name"]], t_start)
             if time.perf_counter() - t_start > a.time_limit:
                 print(f"time limit {a.time_limit}s reached: skipping the remaining runs", flush=True)
                 break
             report(a, results, t_start, final=False)
-    return report(a, results, t_start, final=True)
+    return results, t_start
+
+
+def _print_run(name: str, r: dict[str, Any], t_start: float) -> None:
+    print(
+        f"[{time.perf_counter() - t_start:6.1f}s] {name}: exit {r['exit_codes']} step_s={r.get('step_s')} fingerprint={r.get('fingerprint')}",
+        flush=True,
+    )
+    if "log_tail" in r and name != "on_killed":
+        print("\n".join(r["log_tail"]), flush=True)
 
 
 PAIRS = [

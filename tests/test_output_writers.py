@@ -26,6 +26,9 @@ ALLOWED = {
     "moe/train/sinks.py::_open_no_follow": "metrics.jsonl, opened with O_NOFOLLOW in a checked run directory",
     "moe/train/sinks.py::_open_from": "metrics.jsonl rewritten without the steps a resume re-runs (temporary + rename)",
     "moe/train/__main__.py::body": "the library CLI's --summary-json, the path its caller names (no pipeline/ there)",
+    "moe/parallel/spawn.py::_open_log": "rank logs at the paths the caller names (the local executor passes open_for_write instead)",
+    "moe/parallel/spawn.py::_rank_main": "a failed rank's traceback, inside its group's own mkdtemp folder",
+    "moe/parallel/spawn.py::_finish": "the group's own mkdtemp folder and torch's traceback files of its ranks, once read",
     # pipeline/
     "pipeline/run_lock.py::_take": "the run's .lock: O_NOFOLLOW | O_NONBLOCK, refused unless a plain file",
     "pipeline/resume.py::remove_own_checkpoints": "checkpoints proven ours (config hash and files checked) and stale",
