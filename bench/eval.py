@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import environment, matmul_peak_tflops, print_table, write_result
+from bench.common import environment, matmul_peak_tflops, print_table, save_result
 from moe.config import ExperimentConfig, ModelConfig
 from moe.eval.requests import Request, TaskRequests, load_task_requests
 from moe.eval.scoring import score_requests
@@ -177,7 +177,7 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, list[float], o
     return statistics.median(times), times, result
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=Path, required=True, help="`moe tasks --export` output")
     p.add_argument("--preset", default="olmoe-1b-7b")
@@ -195,167 +195,200 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-samples", type=int, default=48)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-save", action="store_true")
-    a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
-        return 2
-    tasks, meta = load_task_requests(a.requests)
-    if a.max_docs:
-        tasks = limited(tasks, a.max_docs)
-    pad = int(meta["pad_id"])
-    model = build_model(a, int(meta["vocab_size"]), device)
-    cfg = model.cfg
-    max_len = min(int(meta["max_len"]), cfg.max_seq_len)
-    ours = lambda ids: model(ids)  # noqa: E731
+    return p.parse_args(argv)
 
-    def suite(forward, chosen, batch_tokens=a.batch_tokens):
-        return evaluate_suite(forward, chosen, max_len=max_len, device=device, batch_tokens=batch_tokens, pad_id=pad)
 
-    all_requests = [r for t in tasks for r in t.requests]
-    docs = sum(len({r.doc_id for r in t.requests}) for t in tasks)
-    peers = limited(tasks, a.peer_limit)
-    peer_requests = [r for t in peers for r in t.requests]
-    peer_docs = sum(len({r.doc_id for r in t.requests}) for t in peers)
-    with torch.no_grad():
-        # warm-up and checks on the peer subset: ours vs unbatched, not degenerate
-        _, ours_peer = suite(ours, peers)
-        check_scores(ours_peer)
-        unbatched = check_unbatched(ours, peers, ours_peer, max_len, a.check_samples, device)
-        print(f"ours batched vs unbatched (no padding), {a.check_samples} sampled requests: max |diff| {unbatched:.4f} nats")
-        if unbatched > 0.25:
-            raise SystemExit("batched and unbatched scores disagree: refusing to time")
+@dataclasses.dataclass
+class Setup:
+    """What every row scores: the model, the requests (all, and the peers' subset) and how our
+    scorer batches them."""
 
-        matmul = matmul_peak_tflops() if device.type == "cuda" else None
-        spec = gpu_by_device_name(torch.cuda.get_device_name()) if device.type == "cuda" else None
-        datasheet = spec.peak_bf16_tflops if spec else None
-        rows = []
+    model: Transformer
+    tasks: list[TaskRequests]
+    peers: list[TaskRequests]  # the --peer-limit first documents of each task
+    meta: dict
+    max_len: int
+    pad: int
+    device: torch.device
+    batch_tokens: int
 
-        def row(what, seconds, times, n_docs, n_requests, flops, diff=None, note=""):
-            tflops = flops / seconds / 1e12
-            rows.append(
-                {
-                    "what": what,
-                    "docs": n_docs,
-                    "requests": n_requests,
-                    "seconds": seconds,
-                    "runs_s": times,
-                    "examples_per_s": n_docs / seconds,
-                    "requests_per_s": n_requests / seconds,
-                    "tflops": tflops,
-                    "of_matmul": tflops / matmul if matmul else None,
-                    "of_datasheet": tflops / datasheet if datasheet else None,
-                    "max_ll_diff_vs_ours": diff,
-                    "note": note,
-                }
-            )
+    @classmethod
+    def load(cls, a: argparse.Namespace, device: torch.device) -> Setup:
+        tasks, meta = load_task_requests(a.requests)
+        if a.max_docs:
+            tasks = limited(tasks, a.max_docs)
+        model = build_model(a, int(meta["vocab_size"]), device)
+        max_len = min(int(meta["max_len"]), model.cfg.max_seq_len)
+        return cls(model, tasks, limited(tasks, a.peer_limit), meta, max_len, int(meta["pad_id"]), device, a.batch_tokens)
 
-        # the peers, on the subset
-        subset_flops = sequence_flops(cfg, shared_sequences(peer_requests, max_len))
-        sec, times, _ = timed(lambda: suite(ours, peers), a.peer_repeats, device)
-        row("ours (subset)", sec, times, peer_docs, len(peer_requests), subset_flops, 0.0, f"batch_tokens={a.batch_tokens}")
-        plain = lambda: {
-            t.name: plain_scores(
-                ours,
-                list(t.requests),
-                max_len=max_len,
-                per_batch=a.plain_batch,
-                pad_id=pad,  # noqa: E731
-                device=device,
-            )
-            for t in peers
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    def ours(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+    def suite(self, forward, chosen: list[TaskRequests]):
+        return evaluate_suite(forward, chosen, max_len=self.max_len, device=self.device, batch_tokens=self.batch_tokens, pad_id=self.pad)
+
+
+def docs_and_requests(tasks: list[TaskRequests]) -> tuple[int, list[Request]]:
+    return sum(len({r.doc_id for r in t.requests}) for t in tasks), [r for t in tasks for r in t.requests]
+
+
+def row(what: str, seconds: float, times: list[float], tasks: list[TaskRequests], flops: float, peak: dict, diff=None, note="") -> dict:
+    """One timed row: rates per document, request and FLOP, against the measured and datasheet peaks."""
+    n_docs, requests = docs_and_requests(tasks)
+    tflops = flops / seconds / 1e12
+    matmul, datasheet = peak["matmul_measured_tflops"], peak["datasheet_bf16_tflops"]
+    return {
+        "what": what,
+        "docs": n_docs,
+        "requests": len(requests),
+        "seconds": seconds,
+        "runs_s": times,
+        "examples_per_s": n_docs / seconds,
+        "requests_per_s": len(requests) / seconds,
+        "tflops": tflops,
+        "of_matmul": tflops / matmul if matmul else None,
+        "of_datasheet": tflops / datasheet if datasheet else None,
+        "max_ll_diff_vs_ours": diff,
+        "note": note,
+    }
+
+
+def check_before_timing(a: argparse.Namespace, s: Setup) -> tuple[dict[str, dict[int, float]], float]:
+    """Warm-up and checks on the peer subset: ours against unbatched, not degenerate. Our scores
+    of the subset and the largest batched-unbatched difference."""
+    _, ours_peer = s.suite(s.ours, s.peers)
+    check_scores(ours_peer)
+    unbatched = check_unbatched(s.ours, s.peers, ours_peer, s.max_len, a.check_samples, s.device)
+    print(f"ours batched vs unbatched (no padding), {a.check_samples} sampled requests: max |diff| {unbatched:.4f} nats")
+    if unbatched > 0.25:
+        raise SystemExit("batched and unbatched scores disagree: refusing to time")
+    return ours_peer, unbatched
+
+
+def peaks(device: torch.device) -> dict:
+    matmul = matmul_peak_tflops() if device.type == "cuda" else None
+    spec = gpu_by_device_name(torch.cuda.get_device_name()) if device.type == "cuda" else None
+    return {"matmul_measured_tflops": matmul, "datasheet_bf16_tflops": spec.peak_bf16_tflops if spec else None}
+
+
+def subset_rows(a: argparse.Namespace, s: Setup, ours_peer: dict[str, dict[int, float]], peak: dict) -> list[dict]:
+    """The peers on the subset: ours, ours fed as a plain loop, and transformers (unless --no-hf)."""
+    _, peer_requests = docs_and_requests(s.peers)
+    subset_flops = sequence_flops(s.cfg, shared_sequences(peer_requests, s.max_len))
+    sec, times, _ = timed(lambda: s.suite(s.ours, s.peers), a.peer_repeats, s.device)
+    rows = [row("ours (subset)", sec, times, s.peers, subset_flops, peak, 0.0, f"batch_tokens={a.batch_tokens}")]
+
+    def plain():
+        return {
+            t.name: plain_scores(s.ours, list(t.requests), max_len=s.max_len, per_batch=a.plain_batch, pad_id=s.pad, device=s.device) for t in s.peers
         }
-        sec, times, got = timed(plain, a.peer_repeats, device)
-        row(
-            "ours, plain batches (subset)",
-            sec,
-            times,
-            peer_docs,
-            len(peer_requests),
-            forward_flops(cfg, peer_requests, max_len),
-            max_diff(ours_peer, got),
-            f"{a.plain_batch} requests per batch, data order",
-        )
-        if not a.no_hf:
-            with tempfile.TemporaryDirectory() as scratch:
-                hf, impl = hf_peer(model, pad, device, Path(scratch))
-            _, hf_scores = suite(hf, peers)  # warm-up, and the agreement
-            sec, times, _ = timed(lambda: suite(hf, peers), a.peer_repeats, device)
-            row(
-                "transformers OlmoeForCausalLM (subset)",
-                sec,
-                times,
-                peer_docs,
-                len(peer_requests),
-                subset_flops,
-                max_diff(ours_peer, hf_scores),
-                f"experts_implementation={impl}, our scorer",
-            )
-            del hf
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
 
-        # the whole suite
-        full_flops = sequence_flops(cfg, shared_sequences(all_requests, max_len))
-        sec, times, (results, _) = timed(lambda: suite(ours, tasks), a.repeats, device)
-        row("ours (whole suite)", sec, times, docs, len(all_requests), full_flops, None, f"batch_tokens={a.batch_tokens}")
+    sec, times, got = timed(plain, a.peer_repeats, s.device)
+    flops = forward_flops(s.cfg, peer_requests, s.max_len)
+    note = f"{a.plain_batch} requests per batch, data order"
+    rows.append(row("ours, plain batches (subset)", sec, times, s.peers, flops, peak, max_diff(ours_peer, got), note))
+    if not a.no_hf:
+        rows.append(transformers_row(a, s, ours_peer, subset_flops, peak))
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()  # transformers' model is gone
+    return rows
+
+
+def transformers_row(a: argparse.Namespace, s: Setup, ours_peer: dict[str, dict[int, float]], flops: float, peak: dict) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        hf, impl = hf_peer(s.model, s.pad, s.device, Path(scratch))
+    _, hf_scores = s.suite(hf, s.peers)  # warm-up, and the agreement
+    sec, times, _ = timed(lambda: s.suite(hf, s.peers), a.peer_repeats, s.device)
+    note = f"experts_implementation={impl}, our scorer"
+    return row("transformers OlmoeForCausalLM (subset)", sec, times, s.peers, flops, peak, max_diff(ours_peer, hf_scores), note)
+
+
+def run(a: argparse.Namespace, device: torch.device) -> dict:
+    """Every row, all on the same weights and requests; the whole suite's per-task results."""
+    s = Setup.load(a, device)
+    with torch.no_grad():
+        ours_peer, unbatched = check_before_timing(a, s)
+        peak = peaks(device)
+        rows = subset_rows(a, s, ours_peer, peak)
+        _, all_requests = docs_and_requests(s.tasks)
+        full_flops = sequence_flops(s.cfg, shared_sequences(all_requests, s.max_len))
+        sec, times, (results, _) = timed(lambda: s.suite(s.ours, s.tasks), a.repeats, device)
+        rows.append(row("ours (whole suite)", sec, times, s.tasks, full_flops, peak, None, f"batch_tokens={a.batch_tokens}"))
     base = rows[0]["seconds"]
     for r in rows[:-1]:
         r["time_vs_ours"] = r["seconds"] / base
+    return {"setup": s, "rows": rows, "results": results, "peak": peak, "unbatched": unbatched}
+
+
+ROW_COLUMNS = [
+    "what",
+    "docs",
+    "requests",
+    "seconds",
+    "examples_per_s",
+    "requests_per_s",
+    "tflops",
+    "of_matmul",
+    "max_ll_diff_vs_ours",
+    "time_vs_ours",
+    "note",
+]
+
+
+def report(a: argparse.Namespace, got: dict) -> None:
+    s, rows, results, peak = got["setup"], got["rows"], got["results"], got["peak"]
+    cfg, counts = s.cfg, param_counts(s.cfg)
     print(
         f"{a.preset} (d_model {cfg.d_model}, {cfg.moe.num_experts} experts), {a.layers} layers, "
-        f"{param_counts(cfg).total / 1e9:.2f}B params ({param_counts(cfg).active / 1e9:.2f}B active), "
-        f"{DTYPE[device.type]}, random init; {len(tasks)} tasks from {a.requests.name}; "
-        f"matmul ceiling {matmul or float('nan'):.0f} TFLOP/s, datasheet {datasheet}"
+        f"{counts.total / 1e9:.2f}B params ({counts.active / 1e9:.2f}B active), "
+        f"{DTYPE[s.device.type]}, random init; {len(s.tasks)} tasks from {a.requests.name}; "
+        f"matmul ceiling {peak['matmul_measured_tflops'] or float('nan'):.0f} TFLOP/s, datasheet {peak['datasheet_bf16_tflops']}"
     )
-    print_table(
-        rows,
-        [
-            "what",
-            "docs",
-            "requests",
-            "seconds",
-            "examples_per_s",
-            "requests_per_s",
-            "tflops",
-            "of_matmul",
-            "max_ll_diff_vs_ours",
-            "time_vs_ours",
-            "note",
-        ],
-    )
+    print_table(rows, ROW_COLUMNS)
     per_task = [
         {
-            "task": n,
+            "task": t.name,
             "docs": int(len({q.doc_id for q in t.requests})),
             "requests": len(t.requests),
-            "seconds": results[n]["seconds"],
-            "examples_per_s": len({q.doc_id for q in t.requests}) / results[n]["seconds"],
+            "seconds": results[t.name]["seconds"],
+            "examples_per_s": len({q.doc_id for q in t.requests}) / results[t.name]["seconds"],
         }
-        for n, t in ((t.name, t) for t in tasks)
+        for t in s.tasks
     ]
     print_table(per_task, ["task", "docs", "requests", "seconds", "examples_per_s"])
     payload = {
         "benchmark": "eval",
         "environment": environment(),
-        "config": {**{k: str(v) for k, v in vars(a).items()}, **meta},
+        "config": {**{k: str(v) for k, v in vars(a).items()}, **s.meta},
         "model": {
             "preset": a.preset,
             **cfg.to_dict(),
-            "dtype": str(DTYPE[device.type]),
+            "dtype": str(DTYPE[s.device.type]),
             "init": "random std 0.02 seed 0",
-            "params": param_counts(cfg).total,
-            "active_params": param_counts(cfg).active,
+            "params": counts.total,
+            "active_params": counts.active,
         },
         "flop_formula": "2 * matmul_active_params * tokens + 2 * layers * d_model * S^2 per sequence (forward, useful tokens)",
-        "peak": {"matmul_measured_tflops": matmul, "datasheet_bf16_tflops": datasheet},
+        "peak": peak,
         "routing": "learned router of a random model, dropless top-8",
-        "unbatched_max_diff": unbatched,
+        "unbatched_max_diff": got["unbatched"],
         "rows": rows,
         "per_task": per_task,
     }
-    if not a.no_save:
-        print(f"wrote {write_result('eval', payload)}")
+    save_result("eval", payload, save=not a.no_save)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
+        return 2
+    report(a, run(a, device))
     return 0
 
 

@@ -198,7 +198,7 @@ def plot(ours: list[float], theirs: list[float], window: int, path: Path) -> Non
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="a tokenised corpus (`moe tokenize` output: manifest.json and train/)")
     p.add_argument("--out", default="runs/hf_parity")
@@ -216,19 +216,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--tail", type=int, default=50)
     p.add_argument("--no-save", action="store_true")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     manifest = Path(a.data) / "manifest.json"
     if not manifest.is_file():
         print(f"{manifest}: not found (a tokenised corpus from `moe tokenize`)", file=sys.stderr)
         return 2
     vocab = max(256, int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"]))
+    report(a, run(a, vocab))
+    return 0
+
+
+def run(a: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Both trainings from the same weights: the config, the initial logits' agreement, and each
+    side's loss curve and seconds."""
     device_name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_name)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config(a, vocab, device_name)
-
     trainer = Trainer(cfg, sinks=[JsonlSink(out / "metrics.jsonl")])
+    hf, agree = same_weights_peer(trainer, cfg, device)
+    start = time.perf_counter()
+    summary = trainer.fit()
+    ours_s = time.perf_counter() - start
+    ours = [summary.losses[s] for s in sorted(summary.losses)]
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    theirs, hf_s = train_hf(hf, cfg, device)
+    return {"cfg": cfg, "agree": agree, "ours": ours, "ours_s": ours_s, "theirs": theirs, "hf_s": hf_s}
+
+
+def same_weights_peer(trainer: Trainer, cfg: ExperimentConfig, device: torch.device):
+    """transformers' model holding the trainer's fp32 master weights, and the relative error of its
+    logits against ours on a probe batch (refuses to go on when they do not agree)."""
     masters = {q.name: q.master.detach().clone() for q in trainer.opt.params}
     hf = hf_model(cfg, {k: v.float() for k, v in masters.items()}, device)
     probe = TokenDataset(cfg.data.paths, cfg.data.seq_len).batch(list(range(2))).to(device)
@@ -239,30 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"initial logits, ours vs transformers: rel err {agree:.2e}")
     if agree > 2e-2:
         raise SystemExit("the two models do not compute the same function: refusing to compare training")
-    del masters
-    start = time.perf_counter()
-    summary = trainer.fit()
-    ours_s = time.perf_counter() - start
-    ours = [summary.losses[s] for s in sorted(summary.losses)]
-    del trainer
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    theirs, hf_s = train_hf(hf, cfg, device)
+    return hf, agree
+
+
+def report(a: argparse.Namespace, got: dict[str, Any]) -> None:
+    """The table, the verdict, the PNG, ``--out``/result.json and the JSON in bench/results/."""
+    ours, theirs, cfg = got["ours"], got["theirs"], got["cfg"]
     result = compare(ours, theirs, a.window, min(a.tail, len(ours)))
     rows = [
         {
             "what": "moe train (ours)",
             "first": result["first_ours"],
             f"last {a.tail} mean": result["final_ours"],
-            "seconds": ours_s,
-            "s_per_step": ours_s / len(ours),
+            "seconds": got["ours_s"],
+            "s_per_step": got["ours_s"] / len(ours),
         },
         {
             "what": "transformers loop",
             "first": result["first_hf"],
             f"last {a.tail} mean": result["final_hf"],
-            "seconds": hf_s,
-            "s_per_step": hf_s / len(theirs),
+            "seconds": got["hf_s"],
+            "s_per_step": got["hf_s"] / len(theirs),
         },
     ]
     print_table(rows, ["what", "first", f"last {a.tail} mean", "seconds", "s_per_step"])
@@ -271,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         f"largest smoothed gap {result['max_rel_gap_smoothed']:.3%} at step {result['max_gap_step']}; first-step rel diff "
         f"{result['first_rel_diff']:.2e}"
     )
+    out = Path(a.out)
     png = out / "hf_parity.png"
     plot(ours, theirs, a.window, png)
     payload = {
         "benchmark": "hf_parity",
         "environment": environment(),
         "config": {**vars(a), "resolved": cfg.to_dict()},
-        "initial_logits_rel_err": agree,
+        "initial_logits_rel_err": got["agree"],
         "result": result,
         "rows": rows,
         "curves": {"ours": ours, "hf": theirs},
@@ -286,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "result.json").write_text(json.dumps(payload, indent=2) + "\n")
     if not a.no_save:
         print(f"wrote {write_result('hf_parity', payload)} and {png}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.common import environment, matmul_peak_tflops, print_table, rel_error, time_cuda, write_result
+from bench.common import environment, matmul_peak_tflops, print_table, rel_error, save_result, time_cuda
 from moe.config import MoEConfig
 from moe.layers import MoELayer
 
@@ -263,71 +263,14 @@ def run_shape(
 ) -> list[dict[str, Any]]:
     """args_weights_change: each timed call sees new weights (one layer call per optimizer step);
     False: the same weights every call (gradient accumulation, where FP8 weight copies are reused)."""
-    dtype = torch.bfloat16
     w = make_weights(shape, device)
     g = torch.Generator(device=device).manual_seed(1)
     x32 = torch.randn(1, tokens, shape.d, generator=g, device=device).bfloat16().float()
     grad32 = torch.randn(1, tokens, shape.d, generator=g, device=device).bfloat16().float()
-
-    # fp32 reference: our layer in fp32 (itself checked against a per-expert loop in the tests)
-    ref_layer = build_ours(shape, w, torch.float32).eval()
-    xr = x32.clone().requires_grad_(True)
-    ref_out = ref_layer(xr)
-    ref_out.backward(grad32)
-    ref_dx = xr.grad
-    del ref_layer
-
+    ref = fp32_reference(shape, w, x32, grad32)
     rows = []
     for key in peers:
-        name, builder = PEERS[key]
-        try:
-            module = builder(shape, w, dtype)
-        except PeerUnavailable as exc:
-            print(f"note: skipping {key} at {shape.label}: {exc}")
-            rows.append({"peer": key, "name": name, "shape": shape.label, "skipped": str(exc)})
-            continue
-        except Exception as exc:  # a peer that cannot be built is reported, not hidden
-            rows.append({"peer": key, "name": name, "shape": shape.label, "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        x = x32.to(dtype).requires_grad_(True)
-        grad = grad32.to(dtype)
-        custom = getattr(module, "bench_step", None)  # a peer that times something else than the layer call
-        if custom is not None:
-            module.prepare(x)
-            custom()
-            err_out, err_dx = module.bench_check()
-            out = None
-        else:
-            out = module(x)
-            out.backward(grad)
-            err_out, err_dx = rel_error(out, ref_out), rel_error(x.grad, ref_dx)
-        row: dict[str, Any] = {"peer": key, "name": name, "shape": shape.label, "rel_err_out": err_out, "rel_err_dx": err_dx}
-        if getattr(module, "bench_note", None):
-            row["note"] = module.bench_note
-        if not (err_out < TOLERANCE and err_dx < TOLERANCE):
-            row["error"] = "output disagrees with the fp32 reference; not timed"
-            rows.append(row)
-            continue
-
-        def step(module=module, x=x, grad=grad) -> None:
-            module(x).backward(grad)
-
-        def clear(module=module, x=x, custom=custom) -> None:
-            x.grad = None
-            module.zero_grad(set_to_none=True)
-            if custom is not None:
-                module.bench_clear()
-            if args_weights_change:
-                with torch.no_grad():  # an optimizer step: new weight versions (FP8 copies are remade)
-                    for p in module.parameters():
-                        p.mul_(1.0)
-
-        timing = time_cuda(custom or step, iters=iters, before=clear)
-        row.update(timing)
-        flops = getattr(module, "bench_flops", shape.flops)(tokens)
-        row["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
-        rows.append(row)
-        del module, out
+        rows.append(time_peer(key, shape, w, x32, grad32, ref, tokens, iters, args_weights_change))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ours = next((r for r in rows if r["peer"] == "ours" and "tflops" in r), None)
@@ -337,7 +280,89 @@ def run_shape(
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def fp32_reference(shape: Shape, w: dict[str, torch.Tensor], x32: torch.Tensor, grad32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of our layer in fp32 (itself checked against a per-expert loop in the tests)."""
+    ref_layer = build_ours(shape, w, torch.float32).eval()
+    xr = x32.clone().requires_grad_(True)
+    ref_out = ref_layer(xr)
+    ref_out.backward(grad32)
+    return ref_out, xr.grad
+
+
+def time_peer(
+    key: str,
+    shape: Shape,
+    w: dict[str, torch.Tensor],
+    x32: torch.Tensor,
+    grad32: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor],
+    tokens: int,
+    iters: int,
+    weights_change: bool,
+) -> dict[str, Any]:
+    """One peer's row: built, checked against the fp32 reference, then timed (a peer that cannot be
+    built is reported, not hidden; an optional one that does not import is skipped with a note)."""
+    dtype = torch.bfloat16
+    name, builder = PEERS[key]
+    base: dict[str, Any] = {"peer": key, "name": name, "shape": shape.label}
+    try:
+        module = builder(shape, w, dtype)
+    except PeerUnavailable as exc:
+        print(f"note: skipping {key} at {shape.label}: {exc}")
+        return {**base, "skipped": str(exc)}
+    except Exception as exc:
+        return {**base, "error": f"{type(exc).__name__}: {exc}"}
+    x = x32.to(dtype).requires_grad_(True)
+    grad = grad32.to(dtype)
+    err_out, err_dx = check_peer(module, x, grad, ref)
+    row: dict[str, Any] = {**base, "rel_err_out": err_out, "rel_err_dx": err_dx}
+    if getattr(module, "bench_note", None):
+        row["note"] = module.bench_note
+    if not (err_out < TOLERANCE and err_dx < TOLERANCE):
+        row["error"] = "output disagrees with the fp32 reference; not timed"
+        return row
+    step, clear = timed_call(module, x, grad, weights_change)
+    timing = time_cuda(step, iters=iters, before=clear)
+    row.update(timing)
+    flops = getattr(module, "bench_flops", shape.flops)(tokens)
+    row["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
+    return row
+
+
+def check_peer(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """Relative errors of the output and the input gradient (a peer that times something else than
+    the layer call checks itself)."""
+    if getattr(module, "bench_step", None) is not None:
+        module.prepare(x)
+        module.bench_step()
+        return module.bench_check()
+    out = module(x)
+    out.backward(grad)
+    return rel_error(out, ref[0]), rel_error(x.grad, ref[1])
+
+
+def timed_call(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, weights_change: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """What is timed (a layer call's forward + backward, or the peer's own step) and what runs
+    before each timed call (gradients cleared; with ``weights_change``, new weight versions)."""
+    custom = getattr(module, "bench_step", None)
+
+    def step() -> None:
+        module(x).backward(grad)
+
+    def clear() -> None:
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        if custom is not None:
+            module.bench_clear()
+        if weights_change:
+            with torch.no_grad():  # an optimizer step: new weight versions (FP8 copies are remade)
+                for p in module.parameters():
+                    p.mul_(1.0)
+
+    return custom or step, clear
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", action="append", help="d,h,E,k (repeatable); default: the two reference shapes")
     p.add_argument("--experts", help="expert sweep at the first shape's d,h,k, e.g. 8,16,32,64,128 (constant active parameters)")
@@ -348,19 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--peers", default="ours,hf,titan,sonic")
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.layer needs a CUDA GPU", file=sys.stderr)
-        return 2
+    return p.parse_args(argv)
+
+
+def shapes_of(args: argparse.Namespace) -> list[Shape]:
     shapes = [Shape(*map(int, s.split(","))) for s in args.shape] if args.shape else [Shape(*s) for s in REFERENCE_SHAPES]
     if args.experts:
         base = shapes[0]
         shapes = [Shape(base.d, base.h, int(e), base.top_k) for e in args.experts.split(",")]
-    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
-    unknown = set(peers) - set(PEERS)
-    if unknown:
-        print(f"unknown peers {sorted(unknown)}; known: {sorted(PEERS)}", file=sys.stderr)
-        return 2
+    return shapes
+
+
+def run(args: argparse.Namespace, shapes: list[Shape], peers: list[str]) -> dict[str, Any]:
+    """Every peer at every shape, against the measured matmul ceiling; with --experts, each
+    peer's throughput drop from the first to the last expert count."""
     device = torch.device("cuda")
     peak = matmul_peak_tflops()
     rows = []
@@ -369,15 +395,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if "tflops" in r:
             r["fraction_of_matmul_peak"] = r["tflops"] / peak
-    print(f"bf16 matmul 8192^3 on this GPU: {peak:.0f} TFLOP/s")
-    print_table(rows, ["shape", "peer", "median_ms", "tflops", "fraction_of_matmul_peak", "ours_over_peer", "rel_err_out", "rel_err_dx", "error"])
     sweep = {}
     if args.experts:
         for key in peers:
             series = [r for r in rows if r["peer"] == key and "tflops" in r]
             if len(series) >= 2:
                 sweep[key] = {"first": series[0]["shape"], "last": series[-1]["shape"], "drop": 1.0 - series[-1]["tflops"] / series[0]["tflops"]}
-                print(f"{key}: {series[0]['shape']} -> {series[-1]['shape']}: throughput drop {100 * sweep[key]['drop']:.1f}%")
+    return {"peak": peak, "rows": rows, "sweep": sweep}
+
+
+def report(args: argparse.Namespace, shapes: list[Shape], got: dict[str, Any]) -> None:
+    rows, sweep = got["rows"], got["sweep"]
+    print(f"bf16 matmul 8192^3 on this GPU: {got['peak']:.0f} TFLOP/s")
+    print_table(rows, ["shape", "peer", "median_ms", "tflops", "fraction_of_matmul_peak", "ours_over_peer", "rel_err_out", "rel_err_dx", "error"])
+    for key, s in sweep.items():
+        print(f"{key}: {s['first']} -> {s['last']}: throughput drop {100 * s['drop']:.1f}%")
     payload = {
         "benchmark": "moe_layer_fwd_bwd",
         "environment": environment(),
@@ -390,13 +422,27 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": [dataclasses.asdict(s) for s in shapes],
             "flops_formula": "6*T*(k*3*d*h + d*E); the gemm peer: 6*T*k*3*d*h (experts only)",
         },
-        "matmul_peak_tflops": peak,
+        "matmul_peak_tflops": got["peak"],
         "results": rows,
         "expert_sweep": sweep,
     }
-    if not args.no_save:
-        print(f"wrote {write_result('layer-sweep' if args.experts else 'layer', payload)}")
-    return 0 if all("error" not in r for r in rows) else 1
+    save_result("layer-sweep" if args.experts else "layer", payload, save=not args.no_save)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.layer needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = shapes_of(args)
+    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        print(f"unknown peers {sorted(unknown)}; known: {sorted(PEERS)}", file=sys.stderr)
+        return 2
+    got = run(args, shapes, peers)
+    report(args, shapes, got)
+    return 0 if all("error" not in r for r in got["rows"]) else 1
 
 
 if __name__ == "__main__":

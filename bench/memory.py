@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, print_table, timed_train_steps, write_result
+from bench.common import environment, print_table, save_result, timed_train_steps
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.hardware import GIB
@@ -210,7 +210,7 @@ def predict_from(path: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4, help="timed steps per config")
@@ -222,12 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--predict", type=Path, metavar="RESULT_JSON", help="no GPU: the current plan's predictions against the peaks measured in an earlier result"
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.predict:
         return predict_from(args.predict)
     if not torch.cuda.is_available():
         print("bench.memory needs a CUDA GPU", file=sys.stderr)
         return 2
+    report(args, run(args))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The sweep (within --budget-s) on random token ids, the calibration it gives and the
+    plan's prediction for every config."""
     deadline = time.perf_counter() + args.budget_s
     sweep = SWEEP[: args.only] if args.only else SWEEP
     rows: list = []
@@ -244,39 +255,42 @@ def main(argv: list[str] | None = None) -> int:
             run_config(args, data, Path(tmp), layers, micro, accum, modes, rows, deadline)
     calibration = calibrate(rows, args.seq)
     predict(rows, args.seq, calibration)
+    return {"sweep": sweep, "rows": rows, "calibration": calibration}
+
+
+COLUMNS = [
+    "layers",
+    "micro",
+    "accum",
+    "mode",
+    "static_gib",
+    "act_blocks_gib",
+    "act_bytes_per_token_layer",
+    "peak_gib",
+    "predicted_peak_gib",
+    "prediction_error",
+    "tokens_per_s",
+    "oom",
+]
+
+
+def report(args: argparse.Namespace, got: dict) -> None:
+    """The table, the JSON and (--write-calibration) the plan's calibration table."""
     total_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     print(f"GPU total memory {total_gib:.2f} GiB")
-    print_table(
-        rows,
-        [
-            "layers",
-            "micro",
-            "accum",
-            "mode",
-            "static_gib",
-            "act_blocks_gib",
-            "act_bytes_per_token_layer",
-            "peak_gib",
-            "predicted_peak_gib",
-            "prediction_error",
-            "tokens_per_s",
-            "oom",
-        ],
-    )
+    print_table(got["rows"], COLUMNS)
     payload = {
         "benchmark": "memory",
         "environment": environment(),
-        "config": {**vars(args), "sweep": [list(map(str, s)) for s in sweep]},
+        "config": {**vars(args), "sweep": [list(map(str, s)) for s in got["sweep"]]},
         "gpu_total_memory_gib": total_gib,
-        "calibration": calibration,
-        "rows": rows,
+        "calibration": got["calibration"],
+        "rows": got["rows"],
     }
-    if not args.no_save:
-        print(f"wrote {write_result('memory', payload)}")
+    save_result("memory", payload, save=not args.no_save)
     if args.write_calibration:
-        CALIBRATION.write_text(json.dumps(calibration, indent=2, sort_keys=True) + "\n")
+        CALIBRATION.write_text(json.dumps(got["calibration"], indent=2, sort_keys=True) + "\n")
         print(f"wrote {CALIBRATION}")
-    return 0
 
 
 if __name__ == "__main__":

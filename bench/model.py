@@ -20,11 +20,12 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from bench.common import environment, matmul_peak_tflops, print_table, timed_train_steps, write_result
+from bench.common import environment, matmul_peak_tflops, print_table, save_result, timed_train_steps
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.hardware import configure_cuda_allocator, gpu_by_device_name
@@ -58,7 +59,7 @@ def profile_step(trainer: Trainer, rows: int) -> None:
     print_table(table, ["category", "ms", "count", "kernel", "launched by"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
@@ -112,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         help="one more step with the allocator's history on: what is live at its peak, by allocation site (bench.memory_trace)",
     )
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     configure_cuda_allocator()  # as training does (moe.parallel.env.pick_device), before CUDA allocates
     if not torch.cuda.is_available():
         print("bench.model needs a CUDA GPU", file=sys.stderr)
@@ -123,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
 
         moe.nn.norm.rms_norm = rmsnorm.rms_norm_reference
         rope.fusable = lambda *a: False
+    report(args, run(args))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The measured matmul ceiling, then the training steps on random token ids (under --sdpa's
+    backend): the result row, step times, losses and the optional peak breakdown."""
     peak_measured = matmul_peak_tflops()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
@@ -132,16 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = build_config(args, data, Path(tmp) / "ck", total_steps)
         trainer = Trainer(cfg)
-        sdpa = contextlib.nullcontext()
-        if args.sdpa != "default":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_backend(args.sdpa):
+            return measure(args, cfg, trainer, peak_measured)
 
-            backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[
-                args.sdpa
-            ]
-            sdpa = sdpa_kernel([backend])
-        with sdpa:
-            return _measure(args, cfg, trainer, peak_measured, tmp)
+
+def sdpa_backend(name: str):
+    """--sdpa: SDPA restricted to one backend for the whole run (default: torch's choice)."""
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    return sdpa_kernel([backend])
 
 
 def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: int) -> ExperimentConfig:
@@ -194,21 +208,13 @@ def _planned_peak(cfg) -> float | None:
         return None
 
 
-def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
-    """Warm-up, one step under sync-debug "error", the timed steps, then the table and JSON."""
+def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, peak_measured: float) -> dict[str, Any]:
+    """Warm-up, one step under sync-debug "error", the timed steps, then the optional profiled step
+    and peak breakdown."""
     for _ in range(args.warmup):
         trainer.train_step()
         trainer.step += 1
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    syncs_ok, sync_error = True, None
-    try:
-        trainer.train_step()
-        trainer.step += 1
-    except RuntimeError as exc:
-        syncs_ok, sync_error = False, str(exc).splitlines()[0]
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    syncs_ok, sync_error = sync_check(trainer)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = timed_train_steps(trainer, args.steps)
@@ -223,13 +229,43 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
 
         breakdown = peak_breakdown(trainer.train_step)
         trainer.step += 1
+    fpt = flops_per_token(cfg.model, args.seq)
+    row = result_row(args, trainer, fpt, times, peak_measured, peak_mem, syncs_ok, _planned_peak(cfg))
+    return {
+        "row": row,
+        "flops_per_token": fpt,
+        "times": times,
+        "losses": losses,
+        "sync_error": sync_error,
+        "breakdown": breakdown,
+        "peak_measured": peak_measured,
+    }
+
+
+def sync_check(trainer: Trainer) -> tuple[bool, str | None]:
+    """One step with host syncs as errors: (no sync found, the first line of the error)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.train_step()
+        trainer.step += 1
+    except RuntimeError as exc:
+        return False, str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return True, None
+
+
+def result_row(
+    args, trainer: Trainer, fpt: float, times: list[float], peak_measured: float, peak_mem: float, syncs_ok: bool, plan_peak: float | None
+) -> dict[str, Any]:
+    """The table's row: throughput, MFU against both peaks, memory against the plan, host syncs."""
     step = statistics.median(times)
     tokens = args.micro * args.accum * args.seq
-    fpt = flops_per_token(cfg.model, args.seq)
     tflops = tokens * fpt / step / 1e12
     spec = gpu_by_device_name(torch.cuda.get_device_name())
     datasheet = spec.peak_bf16_tflops if spec else None
-    row = {
+    return {
         "recipe": args.recipe,
         "recompute": args.recompute,
         "sdpa": args.sdpa,
@@ -250,52 +286,53 @@ def _measure(args, cfg, trainer, peak_measured: float, tmp: str) -> int:
         "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None,
         "peak_mem_gb": peak_mem,
-        "plan_peak_gib": _planned_peak(cfg),
+        "plan_peak_gib": plan_peak,
         "zero_host_syncs": syncs_ok,
         "params_total": trainer.params_total,
         "params_active": trainer.params_active,
     }
-    print(f"bf16 matmul 8192^3 on this GPU: {peak_measured:.0f} TFLOP/s")
-    print_table(
-        [row],
-        [
-            "recipe",
-            "recompute",
-            "sdpa",
-            "fused_norm_rope",
-            "width",
-            "layers",
-            "experts",
-            "routing",
-            "expert_grad_accum",
-            "expert_wgrad",
-            "accum",
-            "tokens_per_step",
-            "step_s",
-            "tokens_per_s",
-            "tflops",
-            "mfu_measured_peak",
-            "mfu_datasheet",
-            "peak_mem_gb",
-            "plan_peak_gib",
-            "zero_host_syncs",
-        ],
-    )
-    if sync_error:
-        print(f"host sync found: {sync_error}")
+
+
+COLUMNS = [
+    "recipe",
+    "recompute",
+    "sdpa",
+    "fused_norm_rope",
+    "width",
+    "layers",
+    "experts",
+    "routing",
+    "expert_grad_accum",
+    "expert_wgrad",
+    "accum",
+    "tokens_per_step",
+    "step_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu_measured_peak",
+    "mfu_datasheet",
+    "peak_mem_gb",
+    "plan_peak_gib",
+    "zero_host_syncs",
+]
+
+
+def report(args: argparse.Namespace, got: dict[str, Any]) -> None:
+    print(f"bf16 matmul 8192^3 on this GPU: {got['peak_measured']:.0f} TFLOP/s")
+    print_table([got["row"]], COLUMNS)
+    if got["sync_error"]:
+        print(f"host sync found: {got['sync_error']}")
     payload = {
         "benchmark": "train_step",
         "environment": environment(),
-        "config": {**vars(args), "flops_per_token": fpt},
-        "matmul_peak_tflops": peak_measured,
-        "step_times_s": times,
-        "losses": losses,
-        "result": row,
-        **({"peak_breakdown": breakdown} if breakdown else {}),
+        "config": {**vars(args), "flops_per_token": got["flops_per_token"]},
+        "matmul_peak_tflops": got["peak_measured"],
+        "step_times_s": got["times"],
+        "losses": got["losses"],
+        "result": got["row"],
+        **({"peak_breakdown": got["breakdown"]} if got["breakdown"] else {}),
     }
-    if not args.no_save:
-        print(f"wrote {write_result('model', payload)}")
-    return 0
+    save_result("model", payload, save=not args.no_save)
 
 
 if __name__ == "__main__":

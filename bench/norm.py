@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import environment, print_table, rel_error, time_cuda, write_result
+from bench.common import environment, print_table, rel_error, save_result, time_cuda
 from moe.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 
 SHAPES = [(16384, 2048), (65536, 2048)]
@@ -150,17 +150,19 @@ def bench_shape(rows: int, width: int, fns: dict[str, Norm], iters: int, warmup:
     return result, table
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", action="append", help="rows,width (repeatable); default: 16384,2048 and 65536,2048")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.norm needs a CUDA GPU", file=sys.stderr)
-        return 2
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every shape checked, then timed where the check passed: the rows, the checks per shape,
+    the peers and their notes, and whether every check passed."""
     shapes = [tuple(map(int, s.split(","))) for s in args.shape] if args.shape else SHAPES
     fns, notes = peers(not args.no_compile)
     checks, rows, ok = {}, [], True
@@ -171,28 +173,40 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(table)
         if not result["ok"]:
             print(f"{r}x{d}: the check failed, not timed: {result}", file=sys.stderr)
-    print_table(rows, ["shape", "norm", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_gbps", "speedup_vs_eager", "saved_bytes_per_row"])
-    for shape, result in checks.items():
+    return {"shapes": shapes, "peers": sorted(fns), "notes": notes, "checks": checks, "rows": rows, "ok": ok}
+
+
+def report(args: argparse.Namespace, got: dict[str, Any]) -> None:
+    print_table(got["rows"], ["shape", "norm", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_gbps", "speedup_vs_eager", "saved_bytes_per_row"])
+    for shape, result in got["checks"].items():
         print(shape, {k: v for k, v in result.items() if k.startswith("fused_") or k.endswith("_error")})
     payload = {
         "benchmark": "rmsnorm",
         "environment": environment(),
         "config": {
-            "shapes": shapes,
+            "shapes": got["shapes"],
             "dtype": "bfloat16",
             "eps": EPS,
             "iters": args.iters,
             "warmup": args.warmup,
             "timing": "CUDA-event median",
-            "peers": sorted(fns),
-            "notes": notes,
+            "peers": got["peers"],
+            "notes": got["notes"],
         },
-        "checks": checks,
-        "results": rows,
+        "checks": got["checks"],
+        "results": got["rows"],
     }
-    if not args.no_save:
-        print(f"wrote {write_result('norm', payload)}")
-    return 0 if ok else 1
+    save_result("norm", payload, save=not args.no_save)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.norm needs a CUDA GPU", file=sys.stderr)
+        return 2
+    got = run(args)
+    report(args, got)
+    return 0 if got["ok"] else 1
 
 
 if __name__ == "__main__":

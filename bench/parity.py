@@ -35,7 +35,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from bench.common import environment
-    from moe.config import ExperimentConfig
     from moe.train.sinks import JsonlSink
     from moe.train.trainer import Trainer
 
@@ -50,33 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: exists and is not empty; choose a new --out", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model: dict[str, Any] = {"preset": args.preset, "vocab_size": max(vocab, 256), "max_seq_len": args.seq}
-    if args.layers:
-        model["n_layers"] = args.layers
-    precision: dict[str, Any] = {"recipe": args.recipe}
-    if args.recipe != "bf16" and args.recipe.startswith(("fp8", "mx")):
-        precision["fp8_min_dim"] = args.fp8_min_dim
-        if args.emulate:
-            precision["emulate"] = True
-    cfg = ExperimentConfig.load(
-        {
-            "model": model,
-            "data": {"paths": [str(data / "train")], "seq_len": args.seq},
-            "train": {
-                "global_batch_size": args.micro * args.accum,
-                "micro_batch_size": args.micro,
-                "max_steps": args.steps,
-                "log_every": 1,
-                "device": device,
-                "seed": args.seed,
-            },
-            "optim": {"lr": args.lr},
-            "schedule": {"warmup_steps": max(1, args.steps // 10)},
-            "checkpoint": {"dir": str(out / "checkpoints"), "every": 0, "save": False},
-            "precision": precision,
-        }
-    )
+    cfg = config(args, data, vocab, "cuda" if torch.cuda.is_available() else "cpu")
     trainer = Trainer(cfg, sinks=[JsonlSink(out / "metrics.jsonl")])
     start = time.perf_counter()
     summary = trainer.fit()
@@ -92,6 +65,38 @@ def run(args: argparse.Namespace) -> int:
     (out / "run.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{args.recipe}: {summary.steps} steps in {wall:.0f} s, final loss {summary.final_loss:.4f}")
     return 0
+
+
+def config(args: argparse.Namespace, data: Path, vocab: int, device: str):
+    """The run's config: the preset at ``--layers``, the recipe (FP8 every expert GEMM by default)."""
+    from moe.config import ExperimentConfig
+
+    model: dict[str, Any] = {"preset": args.preset, "vocab_size": max(vocab, 256), "max_seq_len": args.seq}
+    if args.layers:
+        model["n_layers"] = args.layers
+    precision: dict[str, Any] = {"recipe": args.recipe}
+    if args.recipe != "bf16" and args.recipe.startswith(("fp8", "mx")):
+        precision["fp8_min_dim"] = args.fp8_min_dim
+        if args.emulate:
+            precision["emulate"] = True
+    return ExperimentConfig.load(
+        {
+            "model": model,
+            "data": {"paths": [str(data / "train")], "seq_len": args.seq},
+            "train": {
+                "global_batch_size": args.micro * args.accum,
+                "micro_batch_size": args.micro,
+                "max_steps": args.steps,
+                "log_every": 1,
+                "device": device,
+                "seed": args.seed,
+            },
+            "optim": {"lr": args.lr},
+            "schedule": {"warmup_steps": max(1, args.steps // 10)},
+            "checkpoint": {"dir": str(Path(args.out) / "checkpoints"), "every": 0, "save": False},
+            "precision": precision,
+        }
+    )
 
 
 def load_curve(run_dir: Path) -> tuple[dict[str, Any], list[tuple[int, float]]]:
@@ -192,7 +197,7 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one training run (a GPU)")
@@ -217,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--experiment", default="fp8-loss-parity", help="the MLflow experiment `moe bench log` records it in")
     c.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
     c.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return run(args) if args.cmd == "run" else report(args)
 
 

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from bench.common import environment, matmul_peak_tflops, print_table, time_cuda, write_result
+from bench.common import environment, matmul_peak_tflops, print_table, save_result, time_cuda
 
 # name, d, h, experts, top_k, tokens per micro-batch, accumulator dtype
 CASES = [
@@ -108,15 +108,16 @@ def time_weight(label, grad, x, ends, acc, configs, iters) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="default", help="default (the shipped CUDA_CONFIG) or all")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-save", action="store_true")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.wgrad needs a CUDA GPU", file=sys.stderr)
-        return 2
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Every case and variant; each row also against the reference (grouped_mm + add_)."""
     from moe.kernels import grouped_wgrad as gw
 
     configs = CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG]
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ref = next(x for x in rows if x["case"] == r["case"] and x["variant"].startswith("grouped_mm +"))
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
     print_table(rows, ["case", "variant", "accumulator", "median_ms", "tflops", "reference_over_this", "rel_err"])
     if not args.no_save:
         payload = {
@@ -134,7 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             "matmul_peak_tflops": matmul_peak_tflops(),
             "rows": rows,
         }
-        print(f"wrote {write_result('wgrad', payload)}")
+        save_result("wgrad", payload)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.wgrad needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report(args, run(args))
     return 0
 
 
