@@ -4,7 +4,9 @@ no import circle, and no import from a lower floor to a higher one.
 Every ``import`` statement counts, a lazy one inside a function too: it is a dependency all
 the same. Packages: ``moe`` < ``pipeline``; ``bench`` stands beside ``pipeline`` (neither
 imports the other). Inside ``moe`` the floors are, from the ground: config/data/kernels/errors/
-hardware, nn/interop, layers, model/precision/optim, parallel, plan, train/eval.
+hardware, nn/interop, layers, model/precision/optim, parallel, plan, train/eval. Inside
+``pipeline``: the rest (helpers, executors, tracking, eval, the worker), stages, the paper's
+pipeline, and the command lines on top (nothing below imports ``pipeline/cli.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ MOE_FLOORS = [
     {"moe.parallel"},
     {"moe.plan"},  # the memory plan applies the real layouts to a meta model
     {"moe.train", "moe.eval"},
+]
+# The pipeline's floors, from the ground (a module is on the highest floor one of its prefixes names).
+PIPELINE_FLOORS = [
+    {"pipeline"},  # helpers, executors, tracking, eval, the worker
+    {"pipeline.stages"},
+    {"pipeline.paper"},
+    {"pipeline.cli", "pipeline.bench_cli", "pipeline.mlflow_cli", "pipeline.paper.cli", "pipeline.paper.__main__"},
 ]
 
 
@@ -138,6 +147,13 @@ def _floor(module: str) -> int | None:
     return 0 if module == "moe" else None
 
 
+def _pipeline_floor(module: str) -> int:
+    for i in reversed(range(len(PIPELINE_FLOORS))):
+        if any(module == p or module.startswith(p + ".") for p in PIPELINE_FLOORS[i]):
+            return i
+    raise AssertionError(f"{module}: not in the pipeline package")
+
+
 def test_no_import_runs_back_up():
     graph = import_graph()
     bad = []
@@ -153,6 +169,10 @@ def test_no_import_runs_back_up():
                 mf, tf = _floor(mod), _floor(t)
                 if mf is not None and tf is not None and tf > mf:
                     bad.append(f"{mod} -> {t} (floor {mf} imports floor {tf})")
+            elif top == ttop == "pipeline" and mod != "pipeline" and t != "pipeline":
+                mf, tf = _pipeline_floor(mod), _pipeline_floor(t)
+                if tf > mf:
+                    bad.append(f"{mod} -> {t} (pipeline floor {mf} imports floor {tf})")
     assert not bad, "imports that run back up:\n" + "\n".join(sorted(bad))
 
 
@@ -162,6 +182,14 @@ def test_the_walk_sees_known_arrows():
     assert "moe.config.base" in graph["moe.config.model"]
     assert "moe.model" in graph["moe.train.trainer"]
     assert any(t.startswith("moe.") for t in graph["pipeline.stages.train"])
+    assert "pipeline.stages.train" in graph["pipeline.cli"]
+
+
+def test_pipeline_floors_place_the_command_lines_on_top():
+    assert [_pipeline_floor(m) for m in ("pipeline.outputs", "pipeline.executors.local", "pipeline.tracking.job", "pipeline.worker")] == [0] * 4
+    assert _pipeline_floor("pipeline.stages.train") == 1 and _pipeline_floor("pipeline.paper.measure") == 2
+    assert _pipeline_floor("pipeline.cli") == _pipeline_floor("pipeline.paper.cli") == 3
+    assert _pipeline_floor("pipeline.client") == 0  # a prefix counts at a dot only
 
 
 def test_dynamic_imports_are_seen():
