@@ -214,8 +214,7 @@ def submit(
     """Submit the training job to Slurm (submitit); prints the job id. GPU jobs are planned
     first (`moe plan`) and refused when predicted not to fit (--ignore-plan overrides)."""
     from pipeline.executors.slurm import SlurmExecutor
-    from pipeline.run_lock import RunLock, command_line
-    from pipeline.stages.train import container_tags, finish_train, make_job, preflight, prepare_slurm_run
+    from pipeline.stages.train import finish_train, launch_train, make_job, preflight
 
     flags = {
         "slurm.nodes": nodes,
@@ -233,19 +232,15 @@ def submit(
         job = make_job(cfg, resolve_data=False)
         print(executor.sbatch_script(job), end="")
         return
-    # Every check before anything is created or changed: Slurm here, the job's inputs, the run
-    # directory's checkpoints (resumed, extended or refused; stale ones are removed only once
-    # sbatch has accepted the job), then the MLflow run.
+    # Every check before anything is created or changed: Slurm here, the job's inputs (a refusal
+    # opens no MLflow run); then launch_train prepares the run directory (checkpoints resumed,
+    # extended or refused; stale ones removed only once sbatch has accepted the job).
     checked = preflight(cfg)
-    with RunLock(cfg.executor.run_dir, cfg.checkpoint.dir).acquire(f"{command_line()} (preparing the job)"):
-        start, before_start = prepare_slurm_run(make_job(cfg, checked=checked))
     tracker = _tracker(cfg, "train", params, not no_mlflow)
     try:
         job = make_job(cfg, tracker, checked=checked)
         job.mlflow_finalize = not wait
-        if tracker:
-            tracker.set_tags({"train.start": start, **container_tags(cfg)})
-        job_id = executor.submit(job, before_start)  # a resuming job appends to metrics.jsonl
+        job_id = launch_train(cfg, job, tracker, wait=False).job_id  # a resuming job appends to metrics.jsonl
     except BaseException:
         if tracker:
             tracker.abandon()  # the job never ran: no FAILED run, the pipeline's parent as it was

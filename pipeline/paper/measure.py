@@ -20,8 +20,9 @@ from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.train.step_profile import PREFIX as PROFILE_PREFIX
 from pipeline.errors import JobFailed, PipelineError
-from pipeline.executors import TrainJob, build_executor
+from pipeline.executors import TrainJob
 from pipeline.params import PipelineConfig
+from pipeline.stages.train import launch_train
 
 MARKER = ".moe-paper-run"  # marks a run directory this module created (safe to replace)
 
@@ -87,7 +88,7 @@ def measure(
     exp = ExperimentConfig.from_dict(cfg).validate()
     layout = exp.check_world(world)
     job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world)
-    result = build_executor(base).run(job)
+    result = launch_train(base, job).result
     if not result.ok:
         raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
     rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]

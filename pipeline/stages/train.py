@@ -12,6 +12,7 @@ import io
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
+from pipeline.executors.base import JobResult
 from pipeline.executors.slurm import require_slurm
 from pipeline.outputs import csv_header, json_keys_within, write_output_file
 from pipeline.params import PipelineConfig
@@ -161,27 +163,51 @@ def preflight(cfg: PipelineConfig) -> ExperimentConfig:
     return check_train(cfg)
 
 
-def run_train(cfg: PipelineConfig, tracker=None, checked: ExperimentConfig | None = None) -> dict[str, Any]:
+@dataclass
+class Launch:
+    """A started training job: how it started (fresh, resume, extend, restart), and either its
+    result (it ran to its end) or its Slurm job id (queued, not waited for)."""
+
+    job: TrainJob
+    start: str
+    result: JobResult | None = None
+    job_id: str | None = None
+
+
+def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool = True) -> Launch:
+    """The one way a training job starts (`moe train`, `moe submit`, the paper stages): under the
+    run's lock its directory is prepared (checkpoints resumed, extended or refused; on Slurm
+    changed only once sbatch accepted the job, whose rank 0 then takes the lock), the tracker is
+    tagged, and the configured executor runs the job to its end, or with ``wait=False`` (Slurm)
+    until sbatch accepted it."""
     slurm = cfg.executor.kind == "slurm"
     if slurm:
         require_slurm("sbatch", "srun", "scontrol", "scancel")
-    job = make_job(cfg, tracker, checked=checked)
-    check_local_memory(cfg, ExperimentConfig.from_dict(job.config))
+    else:
+        check_local_memory(cfg, ExperimentConfig.from_dict(job.config))
+    if not (wait or slurm):
+        raise ValueError("launch_train: only a Slurm job can be left running (wait=False)")
     holder = "local executor" if not slurm else "preparing the Slurm job"
     lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} ({holder})")
     try:
         start, before_start = prepare_slurm_run(job) if slurm else (prepare_run(job), None)
         if tracker:
-            tracker.set_tags({"train.start": start})
-        if tracker and slurm:
-            tracker.set_tags(container_tags(cfg))
-        if slurm:
-            lock.release()  # the job's rank 0 takes it on the cluster
-            result = build_executor(cfg).run(job, before_start)
-        else:
-            result = build_executor(cfg).run(job)
+            tracker.set_tags({"train.start": start, **(container_tags(cfg) if slurm else {})})
+        executor = build_executor(cfg)
+        if not slurm:
+            return Launch(job, start, result=executor.run(job))
+        lock.release()  # the job's rank 0 takes it on the cluster
+        if not wait:
+            return Launch(job, start, job_id=executor.submit(job, before_start))
+        return Launch(job, start, result=executor.run(job, before_start))
     finally:
         lock.release()
+
+
+def run_train(cfg: PipelineConfig, tracker=None, checked: ExperimentConfig | None = None) -> dict[str, Any]:
+    """`moe train` and the DVC stage: launch the job, wait for it, read its outputs."""
+    job = make_job(cfg, tracker, checked=checked)
+    result = launch_train(cfg, job, tracker).result
     if not result.ok:
         raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
     return finish_train(cfg, job, tracker)
