@@ -163,63 +163,6 @@ if HAVE_TRITON:
             tl.store(out + i[None, :], tl.trans(v), mask=cmask[:, None] & (i < limit)[None, :])
 
     @triton.jit
-    def _quant_cols_grouped_serial_kernel(
-        x,
-        row_index,
-        row_scale,
-        ends,
-        dst_ends,
-        q,
-        s,
-        C,
-        stride_x,
-        stride_g,
-        stride_c,
-        PAD: tl.constexpr,
-        GATHER: tl.constexpr,
-        ROW_SCALE: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        g = tl.program_id(1)
-        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
-        end = tl.load(ends + g).to(tl.int64)
-        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            m = (rows < end)[:, None] & cmask[None, :]
-            src = source_rows(row_index, rows, rows < end, GATHER)  # token rows: no gathered copy
-            v = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if ROW_SCALE:  # row r is row_scale[r] * x[src] (a routing weight: the combine's gradient)
-                v = v * tl.load(row_scale + rows, mask=rows < end, other=0.0).to(tl.float32)[:, None]
-            acc = tl.maximum(acc, tl.max(tl.abs(v), axis=0))
-        enc = _pow2_encode_scale(acc)
-        tl.store(s + g * C + cols, 1.0 / enc, mask=cmask)
-        if PAD:
-            dst = tl.load(dst_ends + g - 1, mask=g > 0, other=0).to(tl.int64)
-            dst_end = tl.load(dst_ends + g).to(tl.int64)
-        else:
-            dst = 0
-            dst_end = end - start
-        out = q + g.to(tl.int64) * stride_g + cols[None, :].to(tl.int64) * stride_c
-        for r0 in range(start, end, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            m = (rows < end)[:, None] & cmask[None, :]
-            src = source_rows(row_index, rows, rows < end, GATHER)  # token rows: no gathered copy
-            v = tl.load(x + src[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if ROW_SCALE:  # row r is row_scale[r] * x[src] (a routing weight: the combine's gradient)
-                v = v * tl.load(row_scale + rows, mask=rows < end, other=0.0).to(tl.float32)[:, None]
-            v = _to_e4m3(tl.clamp(v * enc[None, :], -448.0, 448.0), q.dtype.element_ty)
-            tl.store(out + (dst + rows - start)[:, None], v, mask=m)
-        if PAD:
-            zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32).to(q.dtype.element_ty)
-            for j0 in range(dst + end - start, dst_end, BLOCK_R):
-                j = j0 + tl.arange(0, BLOCK_R)
-                tl.store(out + j[:, None], zeros, mask=(j < dst_end)[:, None] & cmask[None, :])
-
-    @triton.jit
     def _quant_cols_kernel(x, enc, q, R, C, W, stride_x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """q[c, r] = e4m3(x[r, c] * enc[c]) for r < W (zeros past R): one tile per program."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -378,31 +321,26 @@ def quantize_cols_grouped(
         flags = {"GATHER": gather, "ROW_SCALE": row_scale is not None}
         launch = COLS_LAUNCH
         block_r, block_c, warps = launch["BLOCK_R"], launch["BLOCK_C"], launch["num_warps"]
-        if launch.get("serial"):  # the previous kernel (bench.fp8 quant compares): one program per (column block, group)
-            _quant_cols_grouped_serial_kernel[(triton.cdiv(cols, block_c), groups)](
-                *args, dst_ends, q, s, cols, x.stride(0), stride_g, stride_c, PAD=pad, **flags, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps
-            )
-        else:
-            grid = (triton.cdiv(cols, block_c), groups, cols_splits(rows, groups, cols, launch))
-            amax = torch.zeros(groups * cols, dtype=torch.float32, device=x.device)
-            _amax_cols_grouped_kernel[grid](*args, amax, cols, x.stride(0), **flags, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-            _quant_cols_grouped_kernel[grid](
-                *args,
-                dst_ends,
-                amax,
-                q,
-                s,
-                cols,
-                x.stride(0),
-                stride_g,
-                stride_c,
-                PAD=pad,
-                ALIGNED=pad or (rows // groups) % ALIGN == 0,
-                **flags,
-                BLOCK_R=block_r,
-                BLOCK_C=block_c,
-                num_warps=warps,
-            )
+        grid = (triton.cdiv(cols, block_c), groups, cols_splits(rows, groups, cols, launch))
+        amax = torch.zeros(groups * cols, dtype=torch.float32, device=x.device)
+        _amax_cols_grouped_kernel[grid](*args, amax, cols, x.stride(0), **flags, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        _quant_cols_grouped_kernel[grid](
+            *args,
+            dst_ends,
+            amax,
+            q,
+            s,
+            cols,
+            x.stride(0),
+            stride_g,
+            stride_c,
+            PAD=pad,
+            ALIGNED=pad or (rows // groups) % ALIGN == 0,
+            **flags,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            num_warps=warps,
+        )
     return q, (s if pad else s.view(groups, cols)), dst_ends
 
 
