@@ -44,7 +44,11 @@ class Fp8Rule:
     85.7K tokens/s), at 512 rows -3.6%, at 256 rows -9.9%; OLMoE width (d=2048, 64 experts of
     1024, top-8) at 2,048 rows -3.5%. So FP8 needs GEMMs at least 4096 wide both ways and 1,024
     rows per expert: the quantisation passes cost a fixed amount per element moved, the FP8
-    GEMM saves in proportion to the GEMM's depth, and only wide, tall GEMMs come out ahead."""
+    GEMM saves in proportion to the GEMM's depth, and only wide, tall GEMMs come out ahead.
+    Re-measured after the column quantiser's rebuild and with wgrad through the optimizer's
+    gradient sink (bench/NOTES.md "FP8 at paper width, second pass"): paper width at 1,024 rows
+    +4% (96.4K vs 92.4-92.7K tokens/s, model-NVIDIA-H200-20261202T135414Z.json); OLMoE width with
+    every expert GEMM in FP8 -3.6% (T125544Z, before the sink change): the thresholds stand."""
 
     min_dim: int = 4096
     min_rows: int | None = None
