@@ -14,20 +14,28 @@ import yaml
 from tests.helpers import make_corpus, need_slurm
 from tests.workspace import REPO, TINY_PARAMS, write_corpus
 
+# The longest modules first (CI's durations, two workers, --dist loadfile hands out whole modules
+# in collection order): a long module that starts last leaves the other worker idle at the end.
+# The three that use the one Slurm cluster are spread out so that the two workers rarely wait for
+# each other's turn on it.
+SLOW_MODULES_FIRST = (
+    "tests/containers/test_image.py",  # cluster
+    "tests/pipeline/test_dvc_e2e.py",
+    "tests/train/test_trainer.py",
+    "tests/pipeline/test_slurm.py",  # cluster
+    "tests/pipeline/test_dvc_workspaces.py",
+    "tests/pipeline/eval/test_olmo_eval_reference.py",
+    "tests/pipeline/paper/test_pipeline.py",  # cluster
+    "tests/pipeline/test_local_executor.py",
+    "tests/pipeline/eval/test_gold_bpb.py",
+    "tests/parallel/test_grad_sync.py",
+    "tests/parallel/test_layouts.py",
+)
 
-def _share_cores() -> None:
-    """Each test worker, and every process it starts (ranks, jobs, CLIs), gets its share of the
-    cores for torch's intra-op threads: with torch's default of one thread per core, two xdist
-    workers on CI's two cores ran each test 1.3-1.7x slower than alone, and the tests that start
-    two ranks up to 7x (the paper parity test: 32 s alone, 225 s in CI). A value the caller set
-    is kept."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    share = max(1, (os.cpu_count() or 1) // workers)
-    threads = int(os.environ.setdefault("OMP_NUM_THREADS", str(share)))
-    torch.set_num_threads(threads)
 
-
-_share_cores()
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture

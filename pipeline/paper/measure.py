@@ -88,7 +88,7 @@ def measure(
     exp = ExperimentConfig.from_dict(cfg).validate()
     layout = exp.check_world(world)
     job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world)
-    result = launch_train(base, job).result
+    result = launch_train(base, job, markers=(MARKER,)).result
     if not result.ok:
         raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
     rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]

@@ -130,27 +130,28 @@ def _eval_inputs(cfg: PipelineConfig, exp: ExperimentConfig) -> dict[str, Any] |
     return eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir)
 
 
-def prepare_run(job: TrainJob, act: bool = True) -> str:
+def prepare_run(job: TrainJob, act: bool = True, markers: tuple[str, ...] = ()) -> str:
     """Under the run's lock: its directories hold only what runs write, and the checkpoints
     there are resumed, extended or refused (pipeline.resume); never deleted unless stored.
     ``act=False`` checks and decides only (a Slurm job changes the directory once sbatch has
-    accepted it)."""
-    check_run_dirs(job.run_dir, job.checkpoint_dir)
+    accepted it). ``markers``: files the caller's own runs add to the run directory (the paper
+    pipeline's)."""
+    check_run_dirs(job.run_dir, job.checkpoint_dir, also=markers)
     start = prepare_checkpoints(job.config, act)  # DVC keeps the run dir (persist); resume only the same config
     if act and start in ("fresh", "restart") and job.metrics_path.is_file() and not job.metrics_path.is_symlink():
         job.metrics_path.unlink()  # our own history of a run whose checkpoints are gone; a resumed job keeps it
     return start
 
 
-def prepare_slurm_run(job: TrainJob) -> tuple[str, Callable[[], None] | None]:
+def prepare_slurm_run(job: TrainJob, markers: tuple[str, ...] = ()) -> tuple[str, Callable[[], None] | None]:
     """(how the job starts, what to change once sbatch accepted it): nothing is removed here."""
-    start = prepare_run(job, act=False)
+    start = prepare_run(job, act=False, markers=markers)
     if start not in ("fresh", "restart"):
         return start, None
 
     def before_start() -> None:
         with RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} (the queued Slurm job's run directory)"):
-            prepare_run(job)
+            prepare_run(job, markers=markers)
 
     return start, before_start
 
@@ -174,12 +175,12 @@ class Launch:
     job_id: str | None = None
 
 
-def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool = True) -> Launch:
+def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool = True, markers: tuple[str, ...] = ()) -> Launch:
     """The one way a training job starts (`moe train`, `moe submit`, the paper stages): under the
     run's lock its directory is prepared (checkpoints resumed, extended or refused; on Slurm
     changed only once sbatch accepted the job, whose rank 0 then takes the lock), the tracker is
     tagged, and the configured executor runs the job to its end, or with ``wait=False`` (Slurm)
-    until sbatch accepted it."""
+    until sbatch accepted it. ``markers``: files the caller's own runs add to the run directory."""
     slurm = cfg.executor.kind == "slurm"
     if slurm:
         require_slurm("sbatch", "srun", "scontrol", "scancel")
@@ -190,7 +191,7 @@ def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool
     holder = "local executor" if not slurm else "preparing the Slurm job"
     lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} ({holder})")
     try:
-        start, before_start = prepare_slurm_run(job) if slurm else (prepare_run(job), None)
+        start, before_start = prepare_slurm_run(job, markers) if slurm else (prepare_run(job, markers=markers), None)
         if tracker:
             tracker.set_tags({"train.start": start, **(container_tags(cfg) if slurm else {})})
         executor = build_executor(cfg)
