@@ -84,6 +84,16 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _group_columns(ends, C, BLOCK_C: tl.constexpr):
+        """This program's (group, row split, splits, the group's rows start:end, its columns and
+        their mask) on the grid (column block, group, row split) of the column quantisation."""
+        g = tl.program_id(1)
+        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
+        end = tl.load(ends + g).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return g, tl.program_id(2), tl.num_programs(2), start, end, cols, cols < C
+
+    @triton.jit
     def _amax_cols_grouped_kernel(
         x,
         row_index,
@@ -99,12 +109,7 @@ if HAVE_TRITON:
     ):
         """amax[g, c] = max |x[r, c]| over group g's rows: the rows split over program_id(2),
         each split's maximum combined by an atomic max (exact and order-free: bitwise reruns)."""
-        g = tl.program_id(1)
-        split, splits = tl.program_id(2), tl.num_programs(2)
-        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
-        end = tl.load(ends + g).to(tl.int64)
-        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
+        g, split, splits, start, end, cols, cmask = _group_columns(ends, C, BLOCK_C)
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for r0 in range(start + split * BLOCK_R, end, splits * BLOCK_R):
             v = _cols_tile(x, row_index, row_scale, r0 + tl.arange(0, BLOCK_R), end, cols, cmask, stride_x, GATHER, ROW_SCALE)
@@ -137,12 +142,7 @@ if HAVE_TRITON:
         padded group's length is a multiple of ALIGN (ALIGNED: equal groups of such a length), so a
         column's rows leave as 16-byte stores (a store masked at an unaligned bound would go out a
         byte at a time)."""
-        g = tl.program_id(1)
-        split, splits = tl.program_id(2), tl.num_programs(2)
-        start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
-        end = tl.load(ends + g).to(tl.int64)
-        cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
+        g, split, splits, start, end, cols, cmask = _group_columns(ends, C, BLOCK_C)
         enc = _pow2_encode_scale(tl.load(amax + g * C + cols, mask=cmask, other=0.0))
         if split == 0:
             tl.store(s + g * C + cols, 1.0 / enc, mask=cmask)
