@@ -567,7 +567,20 @@ GOLD_BPB = [
     "codex_mbpp_gold_bpb_3shot",
     *(f"mt_mbpp_{lang}_gold_bpb_3shot" for lang in MT_MBPP),
 ]
-# Named groups: what OLMoE's training config evaluated in the loop, a short in-loop set, and the two above.
+# BPB-first development set over `core`'s benchmarks (what OLMo's development runs read, in the
+# formulation a small context holds): each task's gold answer scored as bits per byte, zero-shot,
+# one request per document (OLMES's rc_0shot requests; MMLU's zero-shot validation questions), so
+# it affords about four times the documents of `core` at the same cost. The default in-loop set
+# (params.yaml train.eval_tasks; the README's "During training" has the measurement).
+CORE_BPB = [
+    *(
+        f"{t}_rc_0shot_bpb"
+        for t in ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "sciq", "openbookqa", "socialiqa", "csqa")
+    ),
+    *(f"mmlu_{c}_bpb" for c in MMLU_CATEGORIES),
+]
+# Named groups: what OLMoE's training config evaluated in the loop, a short in-loop set, its BPB
+# counterpart, and the two above.
 SUITES = {
     "olmoe": [
         "piqa",
@@ -598,6 +611,7 @@ SUITES = {
         "commonsense_qa",
         *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
     ],
+    "core_bpb": CORE_BPB,
     "fast": FAST,
     "gold_bpb": GOLD_BPB,
 }
