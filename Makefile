@@ -36,8 +36,11 @@ repro: setup
 
 # Every test, the slow end-to-end suites included (what CI runs), on two workers: a module's
 # tests stay together, one module at a time uses the local Slurm cluster (tests/conftest.py).
+# One torch thread per process (the workers and every rank, job and CLI they start): on CI's two
+# cores, torch's default of a thread per core made each worker's threads wait on the other's
+# (measured: a 42 s test took 77 s beside a second copy with one thread, over 18 min with two).
 test: setup
-	$(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60 -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --timeout=1200 -p no:cacheprovider --durations=60 -n 2 --dist loadfile
 
 # Without the slow suites (a few minutes).
 test-fast: setup

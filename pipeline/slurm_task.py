@@ -54,12 +54,13 @@ class SlurmTrainTask:
 
 
 def _set_threads(tasks_on_node: int) -> None:
-    """One intra-op thread pool per task sized to its CPUs (no oversubscription)."""
+    """One intra-op thread pool per task sized to its CPUs (no oversubscription); an
+    OMP_NUM_THREADS the job was given wins (several node daemons may share one host's cores)."""
     import torch
 
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     if cpus is None and os.environ.get("SLURM_CPUS_ON_NODE"):
         cpus = str(max(1, int(os.environ["SLURM_CPUS_ON_NODE"]) // max(1, tasks_on_node)))
     if cpus:
-        os.environ.setdefault("OMP_NUM_THREADS", cpus)
-        torch.set_num_threads(int(cpus))
+        given = os.environ.setdefault("OMP_NUM_THREADS", cpus)
+        torch.set_num_threads(int(given) if given.isdigit() and int(given) > 0 else int(cpus))

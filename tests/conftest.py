@@ -23,7 +23,6 @@ SLOW_MODULES_FIRST = (
     "tests/pipeline/test_dvc_e2e.py",
     "tests/train/test_trainer.py",
     "tests/pipeline/test_slurm.py",  # cluster
-    "tests/pipeline/test_dvc_workspaces.py",
     "tests/pipeline/eval/test_olmo_eval_reference.py",
     "tests/pipeline/paper/test_pipeline.py",  # cluster
     "tests/pipeline/test_local_executor.py",

@@ -68,7 +68,7 @@ ELSEWHERE = {
     "make lock": "rewrites the locks from PyPI; tests/test_locks.py resolves them for every target",
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
     "PATH=$PWD/.venv/bin:$PATH dvc exp run --queue -S ++optim.lr=0.001": (
-        "DVC's queue: tests/pipeline/test_dvc_workspaces.py::test_queued_experiment_logs_to_the_project_store"
+        "DVC's queue: tests/pipeline/test_dvc_e2e.py::test_queued_experiment_logs_to_the_project_store"
     ),
     "PATH=$PWD/.venv/bin:$PATH dvc exp run --run-all": "as above",
 }

@@ -1,58 +1,74 @@
-"""`dvc repro` end to end in a temporary clone of this repository, on a tiny config."""
+"""`dvc repro` end to end and DVC as users run it, in one temporary clone of this repository on a
+tiny config: the whole pipeline, a no-op rerun, the README's commands for a trained workspace,
+persistent, temporary and queued experiments through `.venv/bin/dvc` with nothing on PATH, and an
+interrupted `dvc repro` resumed while a changed config restarts. One workspace, trained once, in
+test order (each test continues from the state the previous one left)."""
 
+import contextlib
 import csv
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from tests.helpers import copy_checkout, sh
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+
+VENV = Path(sys.executable).parent.parent
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory):
-    dest = copy_checkout(tmp_path_factory.mktemp("clone"))
+def project(tmp_path_factory):
+    """A git+DVC clone whose .venv is this interpreter's environment; PATH holds no `moe`/`dvc`."""
+    dest = copy_checkout(tmp_path_factory.mktemp("project"))
+    (dest / ".venv").symlink_to(VENV)
     params = yaml.safe_load((dest / "params.yaml").read_text())
     params["tokenize"].update({"max_bytes": 400_000, "vocab_size": 384})
     params["model"]["vocab_size"] = 384
     # 150 steps and checkpoints every 50 as params.yaml has them: the README's `moe evaluate --checkpoint` names steps 100 and 150
     params["train"].update({"max_steps": 150, "log_every": 10, "global_batch_size": 4, "micro_batch_size": 4})
     params["data"]["seq_len"] = 64
-    params["evaluate"]["max_batches"] = 4
+    params["evaluate"].update({"max_batches": 4, "generate_tokens": 8})
     params["train"].update({"eval_every": 50, "eval_tasks": ["arc_easy", "piqa"], "eval_limit": 8})
     params["evaluate"].update({"tasks": ["arc_easy", "piqa"], "limit": 16})
     params["checkpoint"]["every"] = 50
     params.setdefault("schedule", {})["warmup_steps"] = 5
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(dest),
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MOE_PIPELINE_KEY", "PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"PATH": "/usr/bin:/bin", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
     sh("git", "init", "-q", cwd=dest, env=env)
     sh("git", "add", "-A", cwd=dest, env=env)
     sh("git", "commit", "-qm", "clone", cwd=dest, env=env)
     return dest, env
 
 
+def venv(project, tool, *args, check=True):
+    """`.venv/bin/<tool> ...` in the project, as the README writes it."""
+    dest, env = project
+    return sh(str(dest / ".venv/bin" / tool), *args, cwd=dest, env=env, check=check)
+
+
 def ran_stages(output: str) -> list[str]:
     return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")]
 
 
-def test_repro_end_to_end_then_incremental(clone):
-    dest, env = clone
-    first = sh("moe", "repro", cwd=dest, env=env)
+def train_runs(dest):
+    client = MlflowClient(f"sqlite:///{dest / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("moe")
+    return client.search_runs([exp.experiment_id], "tags.`moe.stage` = 'train'", order_by=["attributes.start_time ASC"]) if exp else []
+
+
+def test_repro_end_to_end_then_noop(project):
+    dest, env = project
+    first = venv(project, "moe", "repro")
     assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate", "release"], first.stdout
     ev = json.loads((dest / "metrics/eval_detail.json").read_text())
     assert ev["hf_rel_diff"] < 1e-4 and ev["generation_matches_hf"] == 1.0
@@ -79,11 +95,9 @@ def test_repro_end_to_end_then_incremental(clone):
 
     assert type(AutoModelForCausalLM.from_pretrained(dest / "runs/release")).__name__ == "OlmoeForCausalLM"
 
-    again = sh("dvc", "repro", cwd=dest, env=env)
+    again = venv(project, "dvc", "repro")
     assert ran_stages(again.stdout) == []
-
-    sh("dvc", "metrics", "show", cwd=dest, env=env)
-    plots = sh("dvc", "plots", "show", "--json", cwd=dest, env=env)
+    plots = venv(project, "dvc", "plots", "show", "--json")
     for png in (
         "plots/train/loss.png",
         "plots/train/lr.png",
@@ -94,34 +108,104 @@ def test_repro_end_to_end_then_incremental(clone):
         "plots/train/eval_curve.png",
     ):
         assert png in plots.stdout, png
-    sh("dvc", "plots", "show", "-o", "plots_html", cwd=dest, env=env)
+    venv(project, "dvc", "plots", "show", "-o", "plots_html")
     html = (dest / "plots_html/index.html").read_text()
     assert "<img" in html and "<script src=" not in html  # renders offline: no vega from a CDN
-
-    params = yaml.safe_load((dest / "params.yaml").read_text())
-    params["model"].setdefault("moe", {})["top_k"] = 1
-    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    changed = sh("dvc", "repro", cwd=dest, env=env)
-    assert ran_stages(changed.stdout) == ["train", "convert", "evaluate", "release"], changed.stdout
-
-    exp = sh("dvc", "exp", "run", "-S", "+model.moe.expert_hidden=32", cwd=dest, env=env)  # a key the preset supplies: added with +
-    assert "Ran experiment" in exp.stdout + exp.stderr
-
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{dest / 'mlflow.db'}")
-    exp_id = client.get_experiment_by_name("moe").experiment_id
-    stages = [r.data.tags["moe.stage"] for r in client.search_runs([exp_id], max_results=100)]
-    assert stages.count("tokenize") == 1 and stages.count("train") >= 3 and "pipeline" in stages
+    sh("git", "add", "-A", cwd=dest, env=env)
+    sh("git", "commit", "-qm", "baseline", cwd=dest, env=env)
 
 
-def test_readme_commands_in_a_trained_workspace(clone):
-    """The README's commands for after `make repro`, as written (`.venv/bin/...` is this environment)."""
+def test_readme_commands_in_a_trained_workspace(project):
+    """The README's commands for after `make repro`, as written (`.venv/bin/...` is this environment):
+    two temporary experiments, `+` for a key the preset supplies, evaluate, release, checkpoints."""
     from tests.readme_commands import WORKSPACE, argv, readme_commands
 
-    dest, env = clone
+    dest, env = project
+    before = len(train_runs(dest))
     assert [c for c in readme_commands() if c in WORKSPACE] == WORKSPACE
     for cmd in WORKSPACE:
         sh(*argv(cmd), cwd=dest, env=env)
-    names = sh(*argv(".venv/bin/dvc exp ls --name-only"), cwd=dest, env=env).stdout.split()
-    assert len(names) >= 3, names  # test_repro's experiment, the README's and its queued one
+    made = train_runs(dest)[before:]
+    assert len(made) == 2 and "0.002" in {r.data.params.get("optim.lr") for r in made}, [r.data.params for r in made]
+    assert "128" in {r.data.params.get("model.d_model") for r in made}, [r.data.params for r in made]
+    assert not list((dest / ".dvc/tmp").rglob("mlflow.db"))  # nothing went to a throwaway store
+    names = [r.data.tags.get("mlflow.runName", "") for r in made]
+    assert all(n.startswith("train (") for n in names), names  # carries the DVC experiment's name
+    assert len(venv(project, "dvc", "exp", "ls", "--name-only").stdout.split()) >= 2
+
+
+def test_exp_run_with_venv_dvc_logs_to_the_project_store(project):
+    """A persistent experiment (`moe` not on PATH) lands in the project's store under its name."""
+    dest, env = project
+    before = len(train_runs(dest))
+    r = venv(project, "dvc", "exp", "run", "-S", "++optim.lr=0.0025")
+    assert "Ran experiment" in r.stdout + r.stderr
+    (run,) = train_runs(dest)[before:]
+    assert run.data.params["optim.lr"] == "0.0025" and run.data.tags["mlflow.runName"].startswith("train (")
+    client = MlflowClient(f"sqlite:///{dest / 'mlflow.db'}")
+    stages = [r.data.tags["moe.stage"] for r in client.search_runs([run.info.experiment_id], max_results=200)]
+    assert stages.count("tokenize") == 1 and "pipeline" in stages
+    sh("git", "checkout", "params.yaml", cwd=dest, env=env)
+
+
+def test_queued_experiment_logs_to_the_project_store(project):
+    """`dvc exp run --queue` + `--run-all` as the README shows them (the venv on PATH: DVC's
+    queue workers start `dvc` by name): the experiment runs in DVC's temporary workspace and its
+    MLflow runs land in the project's store under the experiment's name."""
+    dest, env = project
+    env = {**env, "PATH": f"{dest / '.venv/bin'}:{env['PATH']}"}
+    sh("dvc", "exp", "run", "--queue", "-S", "++optim.lr=0.0021", "-S", "train.max_steps=60", cwd=dest, env=env)
+    sh("dvc", "exp", "run", "--run-all", cwd=dest, env=env)
+    status = sh("dvc", "queue", "status", cwd=dest, env=env).stdout
+    assert "Success" in status and "Failed" not in status, status
+    runs = [r for r in train_runs(dest) if r.data.params.get("optim.lr") == "0.0021"]
+    assert runs and runs[-1].info.status == "FINISHED"
+    assert "(" in runs[-1].data.tags["mlflow.runName"]  # "train (<experiment name>)"
+
+
+def test_interrupted_repro_resumes_and_a_changed_config_does_not(project):
+    """Killed mid-training, `dvc repro` resumes from the last checkpoint; a changed training
+    config restarts and reruns exactly the stages below it (not tokenize)."""
+    dest, env = project
+    params = yaml.safe_load((dest / "params.yaml").read_text())
+    params["train"]["seed"] = 1
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    ckpts, summary = dest / "runs/train/checkpoints", dest / "runs/train/summary.json"
+    before = {p.name for p in ckpts.glob("step_*")}  # the last experiment's (DVC-cached: the restart removes them)
+    finished_before = summary.stat().st_mtime_ns if summary.exists() else None
+    proc = subprocess.Popen(
+        [str(dest / ".venv/bin/dvc"), "repro", "train"],
+        cwd=dest,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def checkpointed() -> bool:  # a step of this run (keep_last deletes older ones as training goes on)
+        return ckpts.is_dir() and any(p.name.startswith("step_") and p.name not in before for p in ckpts.iterdir())
+
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not checkpointed():
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole `dvc repro` at once, mid-training
+    proc.wait()
+    assert checkpointed(), "no checkpoint before the deadline"
+    ended = summary.exists() and summary.stat().st_mtime_ns != finished_before
+    assert not ended, "training ended before it could be interrupted"
+
+    rerun = venv(project, "dvc", "repro", "train")
+    assert "Running stage 'train'" in rerun.stdout
+    log = (dest / "runs/train/logs/rank0.log").read_text()
+    assert "resumed from" in log, log[-2000:]
+    assert train_runs(dest)[-1].data.tags["train.start"] == "resume"
+    assert json.loads(summary.read_text())["steps"] == 150
+
+    params["optim"] = {**(params.get("optim") or {}), "lr": 0.002}
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    changed = venv(project, "dvc", "repro")
+    assert ran_stages(changed.stdout) == ["train", "convert", "evaluate", "release"], changed.stdout
+    assert train_runs(dest)[-1].data.tags["train.start"] == "restart"
+    assert "resumed from" not in (dest / "runs/train/logs/rank0.log").read_text()
+    sh("git", "checkout", "params.yaml", cwd=dest, env=env)
