@@ -217,21 +217,14 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         with torch.enable_grad():
             hh = h.detach().requires_grad_(True)
             a = swiglu(hh)
-        grad_w = None
-        wgrad_left = bool(ctx.needs_input_grad[1])
-        if wgrad_left and _sink_wgrad(sink, rows_bf16, a.detach, offsets):
-            # wgrad first: then FP8 dgrad does not hold the bf16 rows beside their FP8 copy
-            # (measured: the paper FP8 stage's peak 63 MB above bf16's with dgrad first)
-            wgrad_left = False
-            if plan.dgrad:
-                rows_bf16 = None
         if plan.dgrad:
             gq, sg = gather_quantized_rows(*quantize_rows(grad_out), row_index)
             wt, swt = cache.cols(w)
             grad_a = scaled_grouped_mm(gq, wt.transpose(-2, -1), sg * row_weight, swt, offsets, emulate)
         else:
             grad_a = grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
-        if wgrad_left:
+        grad_w = None
+        if ctx.needs_input_grad[1] and not _sink_wgrad(sink, rows_bf16, a.detach, offsets):
             if plan.wgrad:
                 gt, sgt, padded = quantize_cols_grouped(grad_out, offsets, pad=True, row_index=row_index, row_scale=row_weight)
                 at, sat, _ = quantize_cols_grouped(a.detach(), offsets, pad=True)
