@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from tests.containers import image_build
 from tests.helpers import make_corpus, need_slurm
 from tests.workspace import REPO, TINY_PARAMS, write_corpus
 
@@ -19,7 +20,6 @@ from tests.workspace import REPO, TINY_PARAMS, write_corpus
 # The three that use the one Slurm cluster are spread out so that the two workers rarely wait for
 # each other's turn on it.
 SLOW_MODULES_FIRST = (
-    "tests/containers/test_image.py",  # cluster
     "tests/pipeline/test_dvc_e2e.py",
     "tests/train/test_trainer.py",
     "tests/pipeline/test_slurm.py",  # cluster
@@ -29,6 +29,7 @@ SLOW_MODULES_FIRST = (
     "tests/pipeline/eval/test_gold_bpb.py",
     "tests/parallel/test_grad_sync.py",
     "tests/parallel/test_layouts.py",
+    "tests/containers/test_image.py",  # cluster; after the image the session builds in the background (below)
 )
 
 
@@ -101,11 +102,19 @@ def _one_module_on_the_cluster_at_a_time(request):
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
         config.hostile_dir = tempfile.mkdtemp(prefix="moe-hostile-")
+        # The container tests' image (minutes of network and disk waits) builds beside the workers.
+        config.image_build = image_build.start_in_background(config)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        image_build.stop_background(config)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     node.workerinput["hostile_dir"] = node.config.hostile_dir
+    node.workerinput["image_build"] = str(node.config.image_build or "")
 
 
 def pytest_sessionfinish(session):

@@ -7,19 +7,16 @@ MOE_REQUIRE_CONTAINER=1, so none of this skips there."""
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.containers import image_build
 from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
-ROOTFS = Path("/var/tmp/moe-ci-rootfs")
-IMAGE_DIR = Path("/var/tmp/moe-images/moe-cpu")
 
 
 def _need(what):
@@ -36,44 +33,26 @@ def sh(*cmd, timeout=1200, **kw):
 
 
 @pytest.fixture(scope="session")
-def cpu_image():
-    for tool in ("debootstrap", "ch-image", "ch-run", "ch-convert"):
-        if not shutil.which(tool):
-            _need(f"{tool} not installed (apt-get install debootstrap charliecloud-runtime charliecloud-builders python3-lark)")
-    if os.geteuid() != 0:
-        _need("debootstrap needs root")
-    t0 = time.time()
-    if not (ROOTFS / "usr/bin/python3").exists():
-        shutil.rmtree(ROOTFS, ignore_errors=True)
-        sh(
-            "debootstrap",
-            "--variant=minbase",
-            "--include=python3,python3-venv,python3-pip,ca-certificates",
-            "bookworm",
-            str(ROOTFS),
-            "http://deb.debian.org/debian",
-        )
-        for entry in (ROOTFS / "dev").iterdir():  # device nodes would be copied as files
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-    sh("/usr/bin/python3", shutil.which("ch-image"), "import", str(ROOTFS), "moe-ci-base")
-    r = sh(
-        "make",
-        "container",
-        "BASE_IMAGE=moe-ci-base",
-        "LOCK=requirements/cpu.lock",
-        "TAG=moe:cpu",
-        f"IMAGE_DIR={IMAGE_DIR}",
-        f"BIN={Path(sys.executable).parent}",
-        cwd=REPO,
-        timeout=2400,
-    )
-    build_s = time.time() - t0
-    print(f"image build (debootstrap + import + build + export): {build_s:.0f} s")
-    (REPO / "bench" / "results").mkdir(exist_ok=True)
-    return {"dir": IMAGE_DIR, "build_s": build_s, "log": r.stdout}
+def cpu_image(request):
+    """The image the session started building in the background (tests/conftest.py), else built here."""
+    why = image_build.missing()
+    if why:
+        _need(why)
+    result = image_build.background_result(request.config)
+    if result is None:
+        try:
+            built = image_build.build()
+        except RuntimeError as e:
+            pytest.fail(str(e))
+    else:
+        t0 = time.time()
+        while not result.exists() and time.time() - t0 < 2400:
+            time.sleep(1)
+        assert result.exists(), f"the background image build wrote no result in 2400 s ({result})"
+        built = json.loads(result.read_text())
+        assert built.pop("ok"), f"the background image build failed: {built['error']}"
+    print(f"image build (debootstrap + import + build + export): {built['build_s']:.0f} s")
+    return {"dir": Path(built["dir"]), "build_s": built["build_s"], "log": built["log"]}
 
 
 def test_image_holds_the_pinned_environment(cpu_image):
