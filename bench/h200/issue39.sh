@@ -4,6 +4,8 @@
 #   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
 #   bench/h200/issue39.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
 #                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
+#   bench/h200/issue39.sh sweep    # OLMoE width, 8 layers: every expert GEMM FP8 vs bf16 at micro 1/2/4 (512/1,024/2,048 rows
+#                                  # per expert), and the paper width's peak breakdown at micro 1, seq 8192, random routing
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -54,11 +56,22 @@ case "${1:-}" in
       cp "/tmp/parity/paper-lr1e-4-$recipe/run.json" "$OUT/parity-paper-lr1e-4-$recipe.run.json" 2>/dev/null
     done
     ;;
+  sweep)  # the rule's thresholds at OLMoE width after the gradient-sink change; pairs run back to back
+    common=(--layers 8 --accum 4 --warmup 2 --steps 5)
+    for micro in 1 2 4; do
+      run python3 -m bench.model "${common[@]}" --micro "$micro" --recipe fp8_rowwise --fp8-min-dim 0
+      run python3 -m bench.model "${common[@]}" --micro "$micro"
+    done
+    # where the paper FP8 stage's extra 63 MB comes from: what is live at the peak, FP8 then bf16
+    peak=(--width paper --layers 2 --seq 8192 --micro 1 --accum 4 --routing random --warmup 2 --steps 3 --peak-breakdown)
+    run python3 -m bench.model "${peak[@]}" --recipe fp8_rowwise --fp8-min-dim 0
+    run python3 -m bench.model "${peak[@]}"
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|quant" >&2; exit 2 ;;
 esac
 exit $status
