@@ -6,6 +6,8 @@
 #                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
 #   bench/h200/issue39.sh sweep    # OLMoE width, 8 layers: every expert GEMM FP8 vs bf16 at micro 1/2/4 (512/1,024/2,048 rows
 #                                  # per expert), and the paper width's peak breakdown at micro 1, seq 8192, random routing
+#   bench/h200/issue39.sh rule     # the candidate rule (fp8_min_dim 1024: 1,024 rows per expert) against bf16 at OLMoE width,
+#                                  # with FP8 dense projections too, and the paper stage's peak with bf16 expert-gradient accumulation
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -67,11 +69,22 @@ case "${1:-}" in
     run python3 -m bench.model "${peak[@]}" --recipe fp8_rowwise --fp8-min-dim 0
     run python3 -m bench.model "${peak[@]}"
     ;;
+  rule)
+    common=(--layers 8 --accum 4 --warmup 2 --steps 5)
+    for micro in 1 2 4; do
+      run python3 -m bench.model "${common[@]}" --micro "$micro" --recipe fp8_rowwise --fp8-min-dim 1024
+      run python3 -m bench.model "${common[@]}" --micro "$micro"
+      [ "$micro" = 1 ] || run python3 -m bench.model "${common[@]}" --micro "$micro" --recipe fp8_rowwise --fp8-min-dim 1024 --fp8-dense
+    done
+    peak=(--width paper --layers 2 --seq 8192 --micro 1 --accum 4 --routing random --expert-grad-accum bf16 --warmup 2 --steps 3 --peak-breakdown)
+    run python3 -m bench.model "${peak[@]}" --recipe fp8_rowwise --fp8-min-dim 0
+    run python3 -m bench.model "${peak[@]}"
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|quant" >&2; exit 2 ;;
 esac
 exit $status
