@@ -227,7 +227,7 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
     if args.peak_breakdown:
         from bench.memory_trace import peak_breakdown
 
-        breakdown = peak_breakdown(trainer.train_step)
+        breakdown = peak_breakdown(trainer.train_step, top=60)
         trainer.step += 1
     fpt = flops_per_token(cfg.model, args.seq)
     row = result_row(args, trainer, fpt, times, peak_measured, peak_mem, syncs_ok, _planned_peak(cfg))

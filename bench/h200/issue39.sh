@@ -8,6 +8,8 @@
 #                                  # per expert), and the paper width's peak breakdown at micro 1, seq 8192, random routing
 #   bench/h200/issue39.sh rule     # the candidate rule (fp8_min_dim 1024: 1,024 rows per expert) against bf16 at OLMoE width,
 #                                  # with FP8 dense projections too, and the paper stage's peak with bf16 expert-gradient accumulation
+#   bench/h200/issue39.sh small    # the expert layer alone, FP8 vs bf16, at widths below the paper's (1,024 and 2,048 rows per
+#                                  # expert), and the FP8 peak breakdown with every site listed
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -80,11 +82,22 @@ case "${1:-}" in
     run python3 -m bench.model "${peak[@]}" --recipe fp8_rowwise --fp8-min-dim 0
     run python3 -m bench.model "${peak[@]}"
     ;;
+  small)
+    for shape in 1024,1024,64,8 2048,1024,64,8 1024,512,64,8; do
+      for tokens in 8192 16384; do
+        run python3 -m bench.layer --shape "$shape" --tokens "$tokens" --peers ours,ours_fp8_all --iters 30 --same-weights
+      done
+    done
+    run python3 -m bench.model --width paper --layers 2 --seq 8192 --micro 1 --accum 4 --routing random \
+      --expert-grad-accum bf16 --warmup 2 --steps 3 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
+    (cd bench/results && tar -czf "$OUT/small.tgz" $(find . -name '*.json' -newer /tmp/run-start))
+    rm -f "$OUT"/*.json
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|quant" >&2; exit 2 ;;
 esac
 exit $status
