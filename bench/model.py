@@ -72,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--width",
         default="olmoe",
-        choices=["olmoe", "paper"],
-        help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads",
+        choices=list(WIDTHS),
+        help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads; "
+        "narrow: d=1024, 64x1024 experts, top-8, 16 heads",
     )
     p.add_argument(
         "--expert-grad-accum",
@@ -158,6 +159,14 @@ def sdpa_backend(name: str):
     return sdpa_kernel([backend])
 
 
+# each width's overrides of the olmoe-1b-7b preset: (model, model.moe)
+WIDTHS = {
+    "olmoe": ({}, {}),
+    "paper": ({"d_model": 4096, "n_heads": 32}, {"expert_hidden": 4096, "top_k": 4}),
+    "narrow": ({"d_model": 1024, "n_heads": 16}, {"expert_hidden": 1024}),
+}
+
+
 def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: int) -> ExperimentConfig:
     """The benchmark's training config from its arguments (tests rebuild it from a result's JSON)."""
     return ExperimentConfig.load(
@@ -166,11 +175,11 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 "preset": "olmoe-1b-7b",
                 "n_layers": args.layers,
                 "max_seq_len": args.seq,
-                **({"d_model": 4096, "n_heads": 32} if args.width == "paper" else {}),
+                **WIDTHS[args.width][0],
                 "moe": {
                     "routing": args.routing,
                     "num_experts": args.experts,
-                    **({"expert_hidden": 4096, "top_k": 4} if args.width == "paper" else {}),
+                    **WIDTHS[args.width][1],
                 },
             },
             "data": {"paths": [str(data)], "seq_len": args.seq, "verify_checksums": False},
@@ -267,6 +276,8 @@ def result_row(
     datasheet = spec.peak_bf16_tflops if spec else None
     return {
         "recipe": args.recipe,
+        "fp8_min_dim": args.fp8_min_dim,
+        "fp8_dense": args.fp8_dense,
         "recompute": args.recompute,
         "sdpa": args.sdpa,
         "fused_norm_rope": not args.eager_norm_rope,

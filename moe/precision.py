@@ -135,10 +135,17 @@ def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> 
 
 
 def resolve_recipe(
-    name: str, device: torch.device, *, emulate: bool = False, fp8_min_dim: int | None = None, fp8_dense: bool = False
+    name: str,
+    device: torch.device,
+    *,
+    emulate: bool = False,
+    fp8_min_dim: int | None = None,
+    fp8_dense: bool = False,
+    fp8_dense_min_dim: int | None = None,
 ) -> PrecisionRecipe:
     """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device.
-    ``fp8_dense`` (fp8_rowwise only): the dense projections in FP8 too, by the same rule."""
+    ``fp8_dense`` (fp8_rowwise only): the dense projections in FP8 too, by the same rule with
+    ``fp8_dense_min_dim`` (default 4096)."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     try:
@@ -151,13 +158,13 @@ def resolve_recipe(
     if fp8_dense:
         if name != "fp8_rowwise":
             raise ConfigError(f"precision.fp8_dense: FP8 dense projections come with recipe fp8_rowwise, not {name}")
-        recipe = dataclasses.replace(recipe, dense_fp8=_dense_fp8_factory(emulate, fp8_min_dim))
+        recipe = dataclasses.replace(recipe, dense_fp8=_dense_fp8_factory(emulate, fp8_dense_min_dim))
     return recipe
 
 
 def _dense_fp8_factory(emulate: bool, min_dim: int | None) -> Callable[[nn.Module], object]:
-    from moe.layers.gemm_fp8 import Fp8Rule
     from moe.nn.fp8_linear import to_fp8
+    from moe.nn.fp8_policy import DENSE_MIN_DIM, Fp8Rule
 
-    rule = Fp8Rule() if min_dim is None else Fp8Rule(min_dim)
+    rule = Fp8Rule(DENSE_MIN_DIM if min_dim is None else min_dim)
     return lambda module: to_fp8(module, rule, emulate)

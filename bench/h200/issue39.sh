@@ -10,6 +10,8 @@
 #                                  # with FP8 dense projections too, and the paper stage's peak with bf16 expert-gradient accumulation
 #   bench/h200/issue39.sh small    # the expert layer alone, FP8 vs bf16, at widths below the paper's (1,024 and 2,048 rows per
 #                                  # expert), and the FP8 peak breakdown with every site listed
+#   bench/h200/issue39.sh rule2    # the default rule (fp8_min_dim 1024; 2,048 rows below width 4096) against bf16 at OLMoE
+#                                  # width and at a narrow width (d=1024, 64 experts of 1024)
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -93,11 +95,24 @@ case "${1:-}" in
     (cd bench/results && tar -czf "$OUT/small.tgz" $(find . -name '*.json' -newer /tmp/run-start))
     rm -f "$OUT"/*.json
     ;;
+  rule2)
+    common=(--layers 8 --accum 4 --warmup 2 --steps 8)
+    for micro in 1 2 4; do
+      run python3 -m bench.model "${common[@]}" --micro "$micro" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}" --micro "$micro"
+    done
+    for micro in 4 8; do
+      run python3 -m bench.model "${common[@]}" --width narrow --micro "$micro" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}" --width narrow --micro "$micro"
+    done
+    (cd bench/results && tar -czf "$OUT/rule2.tgz" $(find . -name '*.json' -newer /tmp/run-start))
+    rm -f "$OUT"/*.json
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|quant" >&2; exit 2 ;;
 esac
 exit $status

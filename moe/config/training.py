@@ -250,16 +250,20 @@ class PrecisionConfig(Config):
     # fp8_rowwise/mxfp8 with an emulated GEMM on any device (slow; tests and CPU checks).
     emulate: bool = False
     # fp8_rowwise: an expert GEMM runs in FP8 only if its output columns and contraction are both
-    # >= this and its mean rows per expert >= min(this, 1024) (thinner GEMMs stay bf16: FP8 was
-    # measured slower there, moe.kernels.fp8.Fp8Rule); 0 = always.
-    fp8_min_dim: int = 4096
+    # >= this and its mean rows per expert >= 1,024 (both dimensions >= 4,096) or 2,048 (narrower);
+    # thinner or shorter GEMMs stay bf16, where FP8 was measured slower (moe.nn.fp8_policy.Fp8Rule);
+    # 0 = always.
+    fp8_min_dim: int = 1024
     # fp8_rowwise: the dense projections (attention, dense and shared-expert MLPs; never the LM
-    # head or the router) in FP8 too, by the same rule (moe.nn.fp8_linear). Measured at the paper's
-    # width (bench/NOTES.md): +4.8% over bf16 with FP8 experts, against +3.2% for the experts alone.
+    # head or the router) in FP8 too (moe.nn.fp8_linear), by the same rule with fp8_dense_min_dim.
+    # Measured at the paper's width (bench/NOTES.md): +2% over FP8 experts alone; at OLMoE width
+    # (2048) FP8 attention lost, hence 4096.
     fp8_dense: bool = False
+    fp8_dense_min_dim: int = 4096
 
     def _check(self, p: str) -> None:
         require(self.fp8_min_dim >= 0, _k(p, "fp8_min_dim"), f"must be >= 0, got {self.fp8_min_dim}")
+        require(self.fp8_dense_min_dim >= 0, _k(p, "fp8_dense_min_dim"), f"must be >= 0, got {self.fp8_dense_min_dim}")
         require(
             not self.fp8_dense or self.recipe == "fp8_rowwise",
             _k(p, "fp8_dense"),

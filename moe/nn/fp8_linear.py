@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moe.kernels.fp8 import quantize_cols, quantize_rows
-from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
+from moe.nn.fp8_policy import DENSE_MIN_DIM, Fp8Rule, Plan, WeightCache
 
 
 def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch.Tensor:
@@ -77,7 +77,7 @@ class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` (no bias) whose GEMMs run in FP8 rowwise where ``rule`` says; made by
     :func:`to_fp8` from an existing module (same parameter, same state-dict keys)."""
 
-    rule: Fp8Rule = Fp8Rule()
+    rule: Fp8Rule = Fp8Rule(DENSE_MIN_DIM)
     emulate = False
     _fp8_cache: WeightCache | None = None
 

@@ -28,37 +28,51 @@ class Plan:
         return self.fwd or self.dgrad or self.wgrad
 
 
+# The dense projections' threshold (precision.fp8_dense_min_dim's default): see Fp8Rule.
+DENSE_MIN_DIM = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Rule:
     """FP8 for a GEMM whose output columns and contraction are both at least ``min_dim`` (and
-    multiples of 16) and whose mean rows per expert are at least ``min_rows`` (default
-    min(min_dim, 1024)); the rest stay bf16.
+    multiples of 16) and whose mean rows per expert (for a dense projection: the micro-batch's
+    tokens) reach :meth:`rows_needed`; the rest stay bf16.
 
     Shapes come from tensor sizes (the mean rows per expert, N / G), never from the routing, so
     the choice costs no host sync. ``min_dim=0`` forces FP8 everywhere (benchmarks).
 
-    The defaults come from full training steps on one H200 (bench.model, learned routing, 4
-    micro-batches, every expert GEMM in FP8 against bf16; bench/NOTES.md "FP8 weights from the
-    masters", JSON bench/results/model-NVIDIA-H200-20261202T0404*.json to T0406*.json):
-    paper width (d=4096, 64 experts of 4096, top-4) at 1,024 rows per expert +3.2% (88.4K vs
-    85.7K tokens/s), at 512 rows -3.6%, at 256 rows -9.9%; OLMoE width (d=2048, 64 experts of
-    1024, top-8) at 2,048 rows -3.5%. So FP8 needs GEMMs at least 4096 wide both ways and 1,024
-    rows per expert: the quantisation passes cost a fixed amount per element moved, the FP8
-    GEMM saves in proportion to the GEMM's depth, and only wide, tall GEMMs come out ahead.
-    Re-measured after the column quantiser's rebuild and with wgrad through the optimizer's
-    gradient sink (bench/NOTES.md "FP8 at paper width, second pass"): paper width at 1,024 rows
-    +4% (96.4K vs 92.4-92.7K tokens/s, model-NVIDIA-H200-20261202T135414Z.json); OLMoE width with
-    every expert GEMM in FP8 -3.6% (T125544Z, before the sink change): the thresholds stand."""
+    The thresholds come from full training steps on one H200 (bench.model, learned routing, 8
+    layers at OLMoE width or 2 at the paper's, 4 micro-batches, every expert GEMM in FP8 against
+    bf16, pairs run back to back; bench/NOTES.md "The FP8 rule from the step sweep"). The
+    quantisation passes cost a fixed amount per element moved and the FP8 GEMM saves in
+    proportion to its depth, so only wide, tall GEMMs come out ahead:
 
-    min_dim: int = 4096
+    - paper width (d=4096, 64 experts of 4096, top-4): 1,024 rows per expert +2.9% to +4.3%
+      (model-NVIDIA-H200-20261202T165051Z.json, T135414Z), 512 rows -1.6% (T192317Z).
+    - OLMoE width (d=2048, 64 experts of 1024, top-8; GEMMs 2048x2048 and 2048x1024): 2,048 rows
+      +3.8% and +3.9% (T192245Z, T192639Z), 1,024 rows +0.3% (T192551Z against T192604Z), 512
+      rows -12.9% (T192146Z).
+
+    Hence 1,024 rows where both dimensions reach 4,096 and 2,048 rows below that, down to
+    ``min_dim`` = 1,024 (``min_rows`` overrides both). The dense projections keep their own rule
+    (``precision.fp8_dense_min_dim``, 4,096: FP8 attention at OLMoE width lost 2.2%, T192621Z)."""
+
+    min_dim: int = 1024
     min_rows: int | None = None
 
-    @property
-    def rows_needed(self) -> int:
-        return min(self.min_dim, 1024) if self.min_rows is None else self.min_rows
+    WIDE = 4096  # both dimensions at least this: 1,024 rows per expert suffice
+
+    def rows_needed(self, dim: int) -> int:
+        """Mean rows per expert a GEMM whose smaller dimension is ``dim`` needs to run in FP8."""
+        if self.min_rows is not None:
+            return self.min_rows
+        if self.min_dim == 0:
+            return 0
+        return 1024 if dim >= self.WIDE else 2048
 
     def use(self, rows: float, n: int, k: int) -> bool:
-        return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed
+        dim = min(n, k)
+        return n % 16 == 0 and k % 16 == 0 and dim >= self.min_dim and rows >= self.rows_needed(dim)
 
     def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
         rows = tokens / max(groups, 1)

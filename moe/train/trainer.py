@@ -76,7 +76,14 @@ class Trainer:
         self.layout: Layout = build_layout(cfg, self.env)
         self.sinks = list(sinks) if self.env.is_main else []
         prec = cfg.precision
-        self.recipe = resolve_recipe(prec.recipe, self.device, emulate=prec.emulate, fp8_min_dim=prec.fp8_min_dim, fp8_dense=prec.fp8_dense)
+        self.recipe = resolve_recipe(
+            prec.recipe,
+            self.device,
+            emulate=prec.emulate,
+            fp8_min_dim=prec.fp8_min_dim,
+            fp8_dense=prec.fp8_dense,
+            fp8_dense_min_dim=prec.fp8_dense_min_dim,
+        )
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):
