@@ -12,6 +12,8 @@
 #                                  # expert), and the FP8 peak breakdown with every site listed
 #   bench/h200/issue39.sh rule2    # the default rule (fp8_min_dim 1024; 2,048 rows below width 4096) against bf16 at OLMoE
 #                                  # width and at a narrow width (d=1024, 64 experts of 1024)
+#   bench/h200/issue39.sh rule3    # the narrow width at 2,048 rows under the default rule (two pairs), the paper width's peak
+#                                  # breakdown at micro 1 after freeing dgrad's rows early, then the paper FP8 stage
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -108,11 +110,23 @@ case "${1:-}" in
     (cd bench/results && tar -czf "$OUT/rule2.tgz" $(find . -name '*.json' -newer /tmp/run-start))
     rm -f "$OUT"/*.json
     ;;
+  rule3)
+    common=(--layers 8 --accum 4 --warmup 2 --steps 8 --width narrow --micro 4)
+    for pair in 1 2; do
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}"
+    done
+    run python3 -m bench.model --width paper --layers 2 --seq 8192 --micro 1 --accum 4 --routing random \
+      --expert-grad-accum bf16 --warmup 2 --steps 3 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
+    (cd bench/results && tar -czf "$OUT/rule3.tgz" $(find . -name '*.json' -newer /tmp/run-start))
+    rm -f "$OUT"/*.json
+    RUN_TIMEOUT=330 run bash bench/h200/paper.sh fp8
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|quant" >&2; exit 2 ;;
 esac
 exit $status

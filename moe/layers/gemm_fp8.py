@@ -164,6 +164,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
             grad_tokens = gather_reduce(grad_rows, inverse, None, ctx.top_k)
+            del grad_rows  # freed before wgrad gathers its token rows: this was the FP8 step's peak
         if ctx.needs_input_grad[4] and not _sink_wgrad(ctx.sink, grad, lambda: tokens.index_select(0, row_index), offsets):
             grad_w = _wgrad(grad, tokens, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
         return grad_tokens, None, None, None, grad_w, None, None, None, None

@@ -53,26 +53,33 @@ class Fp8Rule:
       +3.8% and +3.9% (T192245Z, T192639Z), 1,024 rows +0.3% (T192551Z against T192604Z), 512
       rows -12.9% (T192146Z).
 
-    Hence 1,024 rows where both dimensions reach 4,096 and 2,048 rows below that, down to
-    ``min_dim`` = 1,024 (``min_rows`` overrides both). The dense projections keep their own rule
-    (``precision.fp8_dense_min_dim``, 4,096: FP8 attention at OLMoE width lost 2.2%, T192621Z)."""
+    - narrow (d=1024, 64 experts of 1024, top-8; GEMMs 2048x1024 and 1024x1024), every expert
+      GEMM in FP8: 2,048 rows -0.4% (T......Z), 4,096 rows +2.1%.
+
+    Hence, by the GEMM's smaller and larger dimension: both >= 4,096 needs 1,024 rows per
+    expert; the smaller >= 1,024 and the larger >= 2,048 needs 2,048 rows; both in [1,024, 2,048)
+    needs 4,096 rows; below ``min_dim`` (1,024) bf16 (``min_rows`` overrides the tiers). The dense
+    projections keep their own rule (``precision.fp8_dense_min_dim``, 4,096: FP8 attention at
+    OLMoE width lost 2.2%, T192621Z)."""
 
     min_dim: int = 1024
     min_rows: int | None = None
 
     WIDE = 4096  # both dimensions at least this: 1,024 rows per expert suffice
 
-    def rows_needed(self, dim: int) -> int:
-        """Mean rows per expert a GEMM whose smaller dimension is ``dim`` needs to run in FP8."""
+    def rows_needed(self, n: int, k: int) -> int:
+        """Mean rows per expert an n x k GEMM (either way round) needs to run in FP8."""
         if self.min_rows is not None:
             return self.min_rows
         if self.min_dim == 0:
             return 0
-        return 1024 if dim >= self.WIDE else 2048
+        small, large = min(n, k), max(n, k)
+        if small >= self.WIDE:
+            return 1024
+        return 2048 if large >= 2048 else 4096
 
     def use(self, rows: float, n: int, k: int) -> bool:
-        dim = min(n, k)
-        return n % 16 == 0 and k % 16 == 0 and dim >= self.min_dim and rows >= self.rows_needed(dim)
+        return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed(n, k)
 
     def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
         rows = tokens / max(groups, 1)

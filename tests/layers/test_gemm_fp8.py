@@ -83,19 +83,23 @@ def test_fp8_gemm_agrees_with_bf16_and_each_gemm_can_fall_back():
                 assert err < 1e-2, (plan, name, err)  # the bf16 GEMM itself
 
 
-def test_the_rule_keeps_thin_gemms_in_bf16():
-    # the default (full-step measurements on an H200): OLMoE width stays bf16; the paper's width
-    # goes to FP8 from 1,024 rows per expert (16K tokens x top-4 over 64 experts), not at 512
-    assert not Fp8Rule().plan(131072, 64, 2048, 2048).any and not Fp8Rule().plan(32768, 64, 8192, 4096).any
-    assert Fp8Rule().plan(65536, 64, 8192, 4096) == Plan(True, True, True)
-    rule = Fp8Rule(1024)
-    # OLMoE width, 16K tokens x top-8 over 64 experts: 2048 rows per expert
+def test_the_rule_keeps_thin_and_short_gemms_in_bf16():
+    # the defaults (full-step measurements on an H200, Fp8Rule's docstring): the paper's width goes
+    # to FP8 from 1,024 rows per expert (16K tokens x top-4 over 64 experts), not at 512; OLMoE
+    # width (GEMMs 2048x2048 and 2048x1024) from 2,048 rows (16K tokens x top-8), not at 1,024
+    rule = Fp8Rule()
+    assert rule.plan(65536, 64, 8192, 4096) == Plan(True, True, True)
+    assert not rule.plan(32768, 64, 8192, 4096).any
     assert rule.plan(131072, 64, 2048, 2048) == Plan(True, True, True)
     assert rule.plan(131072, 64, 2048, 1024) == Plan(True, True, True)
-    # a hidden size of 768 (contraction of down, output of its dgrad) stays bf16
-    assert rule.plan(131072, 128, 2048, 768) == Plan(False, False, False)
-    # few rows per expert
-    assert not rule.plan(8192, 64, 2048, 2048).any
+    assert not rule.plan(65536, 64, 2048, 2048).any and not rule.plan(65536, 64, 2048, 1024).any
+    # both dimensions under 2,048 (d = h = 1024: the down projection) need 4,096 rows
+    assert not rule.plan(131072, 64, 1024, 1024).any and rule.plan(262144, 64, 1024, 1024).any
+    # a hidden size of 768 (contraction of down, output of its dgrad) stays bf16 at any rows
+    assert rule.plan(1 << 20, 128, 2048, 768) == Plan(False, False, False)
+    # a GEMM wide one way and thin the other is decided by its thin side
+    assert not Fp8Rule(4096).plan(1 << 20, 64, 8192, 2048).any
+    assert Fp8Rule(min_rows=16).plan(1024, 64, 2048, 1024).any  # min_rows overrides both tiers
     assert not Fp8Rule(0).use(4096, 40, 64)  # FP8 operands need multiples of 16
 
 

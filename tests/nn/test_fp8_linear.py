@@ -12,6 +12,7 @@ from moe.kernels.fp8 import pow2_encode_scale
 from moe.layers.gemm_fp8 import Fp8Rule
 from moe.model import Transformer
 from moe.nn.fp8_linear import Fp8Linear, dense_linears, to_fp8
+from moe.nn.fp8_policy import DENSE_MIN_DIM
 from moe.precision import resolve_recipe
 
 CPU = torch.device("cpu")
@@ -73,7 +74,7 @@ def test_the_recipe_swaps_every_dense_projection_but_the_lm_head():
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
     plain = Transformer(cfg)
     keys = set(plain.state_dict())
-    model = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0, fp8_dense=True).prepare(plain)
+    model = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0, fp8_dense=True, fp8_dense_min_dim=0).prepare(plain)
     swapped = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
     assert swapped and len(swapped) == len(dense_linears(model))
     assert not isinstance(model.lm_head, Fp8Linear) and all(n.endswith("_proj") for n in swapped)
@@ -102,7 +103,7 @@ def test_a_run_with_fp8_dense_projections_trains_like_bf16(tmp_path, corpus):
     losses = {}
     for name, precision in {
         "bf16": {"recipe": "bf16"},
-        "fp8": {"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0, "fp8_dense": True},
+        "fp8": {"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0, "fp8_dense": True, "fp8_dense_min_dim": 0},
     }.items():
         trainer = Trainer(tiny_config(corpus, tmp_path / name, train={"max_steps": 2}, checkpoint={"save": False}, precision=precision))
         if name == "fp8":
@@ -112,7 +113,8 @@ def test_a_run_with_fp8_dense_projections_trains_like_bf16(tmp_path, corpus):
         assert abs(losses["fp8"][step] - loss) < 0.02 * loss, (step, losses["fp8"][step], loss)
 
 
-def test_a_directly_built_fp8_linear_has_the_default_rule():
+def test_a_directly_built_fp8_linear_has_the_dense_default_rule():
     lin = Fp8Linear(64, 48, bias=False).bfloat16()
-    assert lin.rule.min_dim == Fp8Rule().min_dim
+    assert lin.rule.min_dim == DENSE_MIN_DIM == ExperimentConfig.load({}).precision.fp8_dense_min_dim
+    assert Fp8Rule().min_dim == ExperimentConfig.load({}).precision.fp8_min_dim
     assert lin(torch.randn(3, 64).bfloat16()).shape == (3, 48)
