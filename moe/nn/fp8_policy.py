@@ -73,10 +73,8 @@ class Fp8Rule:
             return self.min_rows
         if self.min_dim == 0:
             return 0
-        small, large = min(n, k), max(n, k)
-        if small >= self.WIDE:
-            return 1024
-        return 2048 if large >= 2048 else 4096
+        small = min(n, k)
+        return 1024 if small >= self.WIDE else 2048 if small >= 2048 else 4096
 
     def use(self, rows: float, n: int, k: int) -> bool:
         return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed(n, k)
