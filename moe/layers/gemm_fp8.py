@@ -322,7 +322,7 @@ class Fp8GroupedGemm:
         down_cache = self._cache_for(down)
         wd = down.to(torch.bfloat16)
         groups, out_dim, in_dim = wd.shape
-        down_plan = self.rule.plan(rows, groups, out_dim, in_dim)
+        down_plan = self.rule.plan_down(rows, groups, out_dim, in_dim)
         if down_plan.dgrad or down_plan.wgrad:
             h = h.to(torch.bfloat16)
             return _Fp8SwiGLULinearCombine.apply(h, wd, offsets, order, inverse, weights, down_plan, self.emulate, down_cache)
@@ -332,7 +332,7 @@ class Fp8GroupedGemm:
         """self(swiglu(h), w, offsets), with the SwiGLU writing FP8 when the GEMM is FP8."""
         cache = self._cache_for(w)
         h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
-        plan = self._plan(h, w)
+        plan = self.rule.plan_down(h.shape[0], *w.shape)
         if not plan.any and not cache.reads_master(w):
             return GroupedLinear.apply(swiglu(h), w, offsets)
         return _Fp8SwiGLULinear.apply(h, w, offsets, plan, self.emulate, cache)

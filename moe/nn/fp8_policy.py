@@ -53,12 +53,13 @@ class Fp8Rule:
       +3.8% and +3.9% (T192245Z, T192639Z), 1,024 rows +0.3% (T192551Z against T192604Z), 512
       rows -12.9% (T192146Z).
 
-    - narrow (d=1024, 64 experts of 1024, top-8; GEMMs 2048x1024 and 1024x1024), every expert
-      GEMM in FP8: 2,048 rows -0.4% (T......Z), 4,096 rows +2.1%.
+    - narrow (d=1024, 64 experts of 1024, top-8; GEMMs 2048x1024 and 1024x1024): every expert
+      GEMM in FP8 at 2,048 rows -0.4% (T192727Z... see NOTES), the up projection alone -1.0% and
+      -1.4% (T194042Z, T194108Z); at 4,096 rows every GEMM +2.1% (rule2's pair).
 
-    Hence, by the GEMM's smaller and larger dimension: both >= 4,096 needs 1,024 rows per
-    expert; the smaller >= 1,024 and the larger >= 2,048 needs 2,048 rows; both in [1,024, 2,048)
-    needs 4,096 rows; below ``min_dim`` (1,024) bf16 (``min_rows`` overrides the tiers). The dense
+    Hence, by the GEMM's smaller dimension: >= 4,096 needs 1,024 rows per expert, >= 2,048 needs
+    2,048 rows, >= ``min_dim`` (1,024) needs 4,096 rows, below it bf16 (``min_rows`` overrides
+    the tiers); an expert MLP's down projection follows its up projection (:meth:`plan_down`). The dense
     projections keep their own rule (``precision.fp8_dense_min_dim``, 4,096: FP8 attention at
     OLMoE width lost 2.2%, T192621Z)."""
 
@@ -87,6 +88,16 @@ class Fp8Rule:
             # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
             wgrad=self.use(rows, out_dim, in_dim),
         )
+
+    def plan_down(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+        """The expert MLP's down projection ([out_dim=d, in_dim=h]) follows its up projection
+        ([2h, d]): the two run in FP8 together or not at all, because the step measurements
+        behind the tiers are of whole MLPs (OLMoE width's down projection alone in bf16 gave
+        +2.7% against +3.9% for both in FP8, T194323Z). Its own dimensions must still reach
+        ``min_dim`` and be multiples of 16."""
+        up = self.plan(tokens, groups, 2 * in_dim, out_dim)
+        ok = out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim) >= self.min_dim
+        return Plan(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok)
 
 
 class WeightCache:

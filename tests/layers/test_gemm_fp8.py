@@ -91,10 +91,16 @@ def test_the_rule_keeps_thin_and_short_gemms_in_bf16():
     assert rule.plan(65536, 64, 8192, 4096) == Plan(True, True, True)
     assert not rule.plan(32768, 64, 8192, 4096).any
     assert rule.plan(131072, 64, 2048, 2048) == Plan(True, True, True)
-    assert rule.plan(131072, 64, 2048, 1024) == Plan(True, True, True)
-    assert not rule.plan(65536, 64, 2048, 2048).any and not rule.plan(65536, 64, 2048, 1024).any
-    # both dimensions under 2,048 (d = h = 1024: the down projection) need 4,096 rows
+    assert not rule.plan(65536, 64, 2048, 2048).any
+    # a GEMM whose smaller dimension is under 2,048 needs 4,096 rows on its own...
+    assert not rule.plan(131072, 64, 2048, 1024).any and rule.plan(262144, 64, 2048, 1024).any
     assert not rule.plan(131072, 64, 1024, 1024).any and rule.plan(262144, 64, 1024, 1024).any
+    # ...but a down projection follows its MLP's up projection: OLMoE's (2048 x 1024) goes with
+    # its 2048 x 2048 up projection, d = h = 1024's with its 2048 x 1024 one
+    assert rule.plan_down(131072, 64, 2048, 1024) == Plan(True, True, True)
+    assert not rule.plan_down(65536, 64, 2048, 1024).any
+    assert not rule.plan_down(131072, 64, 1024, 1024).any and rule.plan_down(262144, 64, 1024, 1024).any
+    assert not rule.plan_down(1 << 20, 64, 2048, 768).any  # its own dimensions still reach min_dim
     # a hidden size of 768 (contraction of down, output of its dgrad) stays bf16 at any rows
     assert rule.plan(1 << 20, 128, 2048, 768) == Plan(False, False, False)
     # a GEMM wide one way and thin the other is decided by its thin side
