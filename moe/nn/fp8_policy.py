@@ -51,11 +51,10 @@ class Fp8Rule:
       (model-NVIDIA-H200-20261202T165051Z.json, T135414Z), 512 rows -1.6% (T192317Z).
     - OLMoE width (d=2048, 64 experts of 1024, top-8; GEMMs 2048x2048 and 2048x1024): 2,048 rows
       +3.8% and +3.9% (T192245Z, T192639Z), 1,024 rows +0.3% (T192551Z against T192604Z), 512
-      rows -12.9% (T192146Z).
-
+      rows -12.9% (T192146Z); the up projection alone at 2,048 rows +2.7% (T194323Z).
     - narrow (d=1024, 64 experts of 1024, top-8; GEMMs 2048x1024 and 1024x1024): every expert
-      GEMM in FP8 at 2,048 rows -0.4% (T192727Z... see NOTES), the up projection alone -1.0% and
-      -1.4% (T194042Z, T194108Z); at 4,096 rows every GEMM +2.1% (rule2's pair).
+      GEMM in FP8 at 2,048 rows -0.4% (T193734Z), the up projection alone -1.0% and
+      -1.4% (T194042Z, T194108Z); at 4,096 rows every GEMM +2.1% (T193809Z).
 
     Hence, by the GEMM's smaller dimension: >= 4,096 needs 1,024 rows per expert, >= 2,048 needs
     2,048 rows, >= ``min_dim`` (1,024) needs 4,096 rows, below it bf16 (``min_rows`` overrides
