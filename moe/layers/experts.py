@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import ExpertGemm, GroupedMM
 
 
@@ -24,7 +23,7 @@ class GroupedExperts(nn.Module):
     @property
     def reads_token_rows(self) -> bool:
         """Whether the GEMM gathers token rows itself (:meth:`forward_tokens`)."""
-        return getattr(self.gemm, "expert_mlp", None) is not None
+        return self.gemm.reads_token_rows
 
     def forward_tokens(self, tokens: torch.Tensor, state, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The experts on token rows tokens[order // k] (expert order, never materialised) and the
@@ -35,14 +34,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: [N, D] rows grouped by expert (group sizes tokens_per_expert, on the device)."""
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        if self.reads_token_rows:
-            return self.gemm.expert_mlp(x, self.gate_up, self.down, offsets)
-        h = self.gemm(x, self.gate_up, offsets)
-        # A GEMM may fuse the activation into its input (FP8: SwiGLU writes the FP8 operand).
-        fused = getattr(self.gemm, "swiglu_linear", None)
-        if fused is not None:
-            return fused(h, self.down, offsets)
-        return self.gemm(swiglu(h), self.down, offsets)
+        return self.gemm.expert_mlp(x, self.gate_up, self.down, offsets)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up, mean=0.0, std=std)

@@ -1,7 +1,8 @@
 """The expert GEMM seam: out[rows of group g] = x[rows of group g] @ w[g].T.
 
-One small interface so FP8 (Hopper) and MXFP8 (Blackwell) kernels can replace the bf16
-grouped GEMM without touching the MoE layer.
+One declared base (:class:`ExpertGemm`) so FP8 (Hopper) and MXFP8 (Blackwell) kernels can
+replace the bf16 grouped GEMM without touching the MoE layer: a backend implements the GEMM and
+may override the expert MLP's hooks.
 """
 
 from __future__ import annotations
@@ -13,16 +14,49 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe.kernels import grouped_wgrad as fused_wgrad
+from moe.kernels.swiglu import swiglu
 
 # torch's grouped GEMM (public in newer torch, torch._grouped_mm before): every backend's bf16 path
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
-class ExpertGemm(Protocol):
+class ExpertGemm:
+    """The expert GEMM seam. A backend implements :meth:`__call__` and may override the hooks:
+
+    - :meth:`swiglu_linear`: the down projection of SwiGLU(h) (FP8: the SwiGLU writes the FP8
+      operand);
+    - :meth:`expert_mlp`: the whole expert MLP; with ``reads_token_rows`` it also takes token rows
+      and the routing permutation and returns the weighted combine (the rows are never gathered
+      into a bf16 copy);
+    - ``deterministic``: same inputs, same bits (``train.deterministic`` refuses a backend that
+      does not declare it)."""
+
+    deterministic: bool = False
+    reads_token_rows: bool = False
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x: [N, K] rows sorted by group; w: [G, M, K]; offsets: [G] int32 cumulative row ends
         (on the device). Returns [N, M]."""
-        ...
+        raise NotImplementedError
+
+    def swiglu_linear(self, h: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self(swiglu(h), w, offsets)
+
+    def expert_mlp(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        offsets: torch.Tensor,
+        *,
+        order: torch.Tensor | None = None,
+        inverse: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The expert MLP on expert-ordered rows (the unfused default: up, SwiGLU, down)."""
+        if check_routing_args(order, inverse, weights):
+            raise NotImplementedError(f"{type(self).__name__} does not read token rows (reads_token_rows is False)")
+        return self.swiglu_linear(self(x, gate_up, offsets), down, offsets)
 
 
 def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -74,7 +108,7 @@ class GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class GroupedMM:
+class GroupedMM(ExpertGemm):
     """torch's grouped GEMM (full speed in bf16 on sm90/sm100; runs on CPU too).
 
     Rows must have 16-byte strides (bf16: K and M multiples of 8). Empty groups are fine."""

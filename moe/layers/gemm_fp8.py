@@ -60,7 +60,7 @@ from moe.kernels.fp8 import gather_quantized_rows, quantize_cols_grouped, quanti
 from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_backward, combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
-from moe.layers.gemm import GroupedLinear, check_routing_args, fused_wgrad, gradient_sinks, grouped_mm
+from moe.layers.gemm import ExpertGemm, GroupedLinear, check_routing_args, fused_wgrad, gradient_sinks, grouped_mm
 from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
 
 
@@ -264,9 +264,11 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
-class Fp8GroupedGemm:
+class Fp8GroupedGemm(ExpertGemm):
     """The ``fp8_rowwise`` expert GEMM (see the module docstring). Weights and activations arrive
     in bf16 (or fp32) and leave in bf16; the FP8 copies live only inside the GEMM calls."""
+
+    reads_token_rows = True
 
     def __init__(self, rule: Fp8Rule | None = None, *, emulate: bool = False) -> None:
         self.rule, self.emulate = rule or Fp8Rule(), emulate
@@ -359,7 +361,7 @@ def _mx(t: torch.Tensor) -> torch.Tensor:
     return mx_dequantize(*mx_quantize(t)).to(t.dtype)
 
 
-class MxFp8GroupedGemm:
+class MxFp8GroupedGemm(ExpertGemm):
     """The ``mxfp8`` expert GEMM: MX fake quantisation (see the module docstring)."""
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
