@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import copy_checkout, sh
@@ -66,10 +67,53 @@ def train_runs(dest):
     return client.search_runs([exp.experiment_id], "tags.`moe.stage` = 'train'", order_by=["attributes.start_time ASC"]) if exp else []
 
 
+def check_stage_runs(dest):
+    """What MLflow users look for after one `moe repro`: system metrics, dataset inputs, the
+    converted model as a logged model scored by evaluate, MLflow's source tags, and a parent run
+    that spans the pipeline and holds its final metrics and plots."""
+    client = MlflowClient(f"sqlite:///{dest / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("moe")
+    runs = {r.data.tags["moe.stage"]: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"pipeline", "tokenize", "train", "convert", "evaluate"}, set(runs)  # release logs no run
+    train, parent = runs["train"], runs["pipeline"]
+
+    assert any(k.startswith("system/cpu_utilization") for k in train.data.metrics), sorted(train.data.metrics)
+    assert any(k.startswith("system/system_memory_usage") for k in train.data.metrics)
+    for tag in ("mlflow.source.name", "mlflow.source.type", "mlflow.user"):
+        assert train.data.tags.get(tag), tag
+
+    def inputs(run):
+        full = client.get_run(run.info.run_id)
+        return {(d.dataset.name, next(t.value for t in d.tags if t.key == "mlflow.data.context")) for d in full.inputs.dataset_inputs}
+
+    assert inputs(runs["tokenize"]) == {("tokens/train", "training"), ("tokens/val", "validation")}
+    assert inputs(train) == {("tokens/train", "training")}
+    assert inputs(runs["evaluate"]) == {("tokens/val", "evaluation")}
+
+    model_files = {f.path for f in client.list_artifacts(runs["convert"].info.run_id, "hf_model")}
+    assert "hf_model/config.json" in model_files and any(p.endswith(".safetensors") for p in model_files)
+
+    # the converted model is an MLflow 3 logged model of the convert run, scored by the evaluate run
+    (model,) = client.search_logged_models([exp.experiment_id])
+    assert model.source_run_id == runs["convert"].info.run_id and model.status == LoggedModelStatus.READY
+    assert model.params["artifacts"] == f"runs:/{runs['convert'].info.run_id}/hf_model" and "step" in model.params
+    scores = {m.key: m for m in model.metrics}
+    assert "val_loss" in scores and scores["val_loss"].run_id == runs["evaluate"].info.run_id
+    assert runs["evaluate"].data.tags["moe.model_id"] == model.model_id == runs["convert"].data.tags["moe.model_id"]
+
+    assert parent.info.status == "FINISHED"
+    assert parent.info.start_time <= runs["tokenize"].info.start_time and parent.info.end_time >= runs["evaluate"].info.end_time
+    for key in ("train/final_loss", "train/tokens_per_s_per_device", "eval/val_loss", "eval/val_perplexity"):
+        assert key in parent.data.metrics, key
+    assert any(f.path == "plots" for f in client.list_artifacts(parent.info.run_id))
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for s, r in runs.items() if s != "pipeline")
+
+
 def test_repro_end_to_end_then_noop(project):
     dest, env = project
     first = venv(project, "moe", "repro")
     assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate", "release"], first.stdout
+    check_stage_runs(dest)  # (was tests/pipeline/tracking/test_stage_run.py, with its own pipeline run)
     ev = json.loads((dest / "metrics/eval_detail.json").read_text())
     assert ev["hf_rel_diff"] < 1e-4 and ev["generation_matches_hf"] == 1.0
     assert set(ev["tasks"]) == {"arc_easy", "piqa"} and all(t["hf_rel_diff"] < 1e-4 for t in ev["tasks"].values())
@@ -142,6 +186,7 @@ def test_exp_run_with_venv_dvc_logs_to_the_project_store(project):
     assert "Ran experiment" in r.stdout + r.stderr
     (run,) = train_runs(dest)[before:]
     assert run.data.params["optim.lr"] == "0.0025" and run.data.tags["mlflow.runName"].startswith("train (")
+    assert run.data.tags["mlflow.runName"] == f"train ({run.data.tags['dvc.exp_name']})"  # DVC's experiment name, tagged
     client = MlflowClient(f"sqlite:///{dest / 'mlflow.db'}")
     stages = [r.data.tags["moe.stage"] for r in client.search_runs([run.info.experiment_id], max_results=200)]
     assert stages.count("tokenize") == 1 and "pipeline" in stages

@@ -4,16 +4,12 @@ requests are the ones ai2-olmo-eval's own builder makes."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
 from pipeline.eval.data import data_root
 from pipeline.eval.tasks import SUITES, TABLE, TASKS, resolve_tasks
 from pipeline.params import load_params
-from tests.pipeline.eval.test_gold_bpb import _BUILD
+from tests.pipeline.eval.reference_requests import ours_and_reference
 from tests.workspace import REPO
 
 # `core`'s member -> its zero-shot gold-answer BPB label (ai2-olmo-eval's names)
@@ -83,39 +79,8 @@ def test_the_default_in_loop_suite_is_core_bpb():
 def test_every_member_s_requests_equal_ai2_olmo_eval_s_own(tmp_path, reference_python):
     """The same check test_gold_bpb makes for a sample of the generative gold-answer files, here
     for every member: doc ids, token ids of context and continuation, label and byte length."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from pipeline.eval.requests import prepare_tasks
-    from pipeline.tokenizer import describe
-
     members = SUITES["core_bpb"]
     root = data_root()
     text = [d.contexts[0] + d.continuations[0] for n in members for d in TASKS[n].build(root)[:20]]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(
-        text, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    info = describe(tok)
-    max_len = 1 << 14
-    ours = {t.name: t for t in prepare_tasks(members, info, limit=8, data_dir=None, key="test", max_len=max_len)}
-    assert list(ours) == members
-    spec = {"tokenizer": str(tmp_path / "tokenizer.json"), "eos_id": info.eos_id, "max_len": max_len}
-    spec["doc_ids"] = {n: sorted({q.doc_id for q in t.requests}) for n, t in ours.items()}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    (tmp_path / "build.py").write_text(_BUILD)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [str(reference_python), str(tmp_path / "build.py"), str(tmp_path / "spec.json"), str(tmp_path / "ref.json")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = json.loads((tmp_path / "ref.json").read_text())
-    for name, t in ours.items():
-        mine = sorted([q.doc_id, q.cont_id, list(q.ctx), list(q.cont), q.label, q.cont_bytes] for q in t.requests)
-        assert len(mine) == 8 and mine == sorted(ref[name]), name
+    for name, (mine, ref) in ours_and_reference(tmp_path, reference_python, text, members, limit=8).items():
+        assert len(mine) == 8 and mine == ref, name

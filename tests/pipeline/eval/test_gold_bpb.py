@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
 
 import pytest
 
 from pipeline.errors import PipelineError
 from pipeline.eval.data import data_root
 from pipeline.eval.tasks import GOLD_BPB, SUITES, TABLE, TASKS
+from tests.pipeline.eval.reference_requests import ours_and_reference
 
 # olmo_core/eval/task_groups.py FAST_TASKS (allenai/OLMo-core fa6c5014c), verbatim
 OLMO_CORE_FAST = [
@@ -108,53 +107,10 @@ SAMPLE = [  # every kind of label the new files carry: text, a list of answers, 
     "basic_skills_coding_rc_5shot",
     "copycolors_10way",
 ]
-_BUILD = """
-import json, sys
-from olmo_eval.tasks import build_task
-from olmo_eval.tokenizer import HFTokenizer
-spec = json.load(open(sys.argv[1]))
-tok = HFTokenizer(spec["tokenizer"], pad_token_id=spec["eos_id"], eos_token_id=spec["eos_id"])
-out = {}
-for label, doc_ids in spec["doc_ids"].items():
-    keep = set(doc_ids)
-    out[label] = [[s["doc_id"], s["cont_id"], s["ctx"], s["continuation"], s["label_id"], s["cont_byte_len"]]
-                  for s in build_task(label, tok, model_ctx_len=spec["max_len"]).samples if s["doc_id"] in keep]
-json.dump(out, open(sys.argv[2], "w"))
-"""
 
 
 @pytest.mark.slow
 def test_the_requests_equal_ai2_olmo_eval_s_own(tmp_path, reference_python):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from pipeline.eval.requests import prepare_tasks
-    from pipeline.tokenizer import describe
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     text = [r["request"]["context"] + r["request"]["continuation"] for n in SAMPLE for r in _file_rows(TABLE["olmes"][n]["requests"])[:20]]
-    tok.train_from_iterator(
-        text, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    info = describe(tok)
-    max_len = 1 << 14
-    ours = {t.name: t for t in prepare_tasks(SAMPLE, info, limit=6, data_dir=None, key="test", max_len=max_len)}
-    spec = {"tokenizer": str(tmp_path / "tokenizer.json"), "eos_id": info.eos_id, "max_len": max_len}
-    spec["doc_ids"] = {n: sorted({q.doc_id for q in t.requests}) for n, t in ours.items()}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    (tmp_path / "build.py").write_text(_BUILD)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [str(reference_python), str(tmp_path / "build.py"), str(tmp_path / "spec.json"), str(tmp_path / "ref.json")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    ref = json.loads((tmp_path / "ref.json").read_text())
-    for name, t in ours.items():
-        mine = sorted([q.doc_id, q.cont_id, list(q.ctx), list(q.cont), q.label, q.cont_bytes] for q in t.requests)
-        assert len(mine) >= 6 and mine == sorted(ref[name]), name
+    for name, (mine, ref) in ours_and_reference(tmp_path, reference_python, text, SAMPLE, limit=6).items():
+        assert len(mine) >= 6 and mine == ref, name
