@@ -41,6 +41,7 @@ def die_with_parent() -> None:
 def run(job: TrainJob, stop=None) -> dict:
     """Train; return the summary (rank 0 also writes it)."""
     cfg = ExperimentConfig.from_dict(job.config).validate()
+    resolved = job.resolved  # resolved once where the job was built; the layout checks the world size
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
     if job.mlflow_run_id:
         from pathlib import Path
@@ -57,7 +58,7 @@ def run(job: TrainJob, stop=None) -> dict:
         from pipeline.eval.inloop import build_eval_callback
 
         callbacks.append(build_eval_callback(cfg, job.eval_inputs))
-    trainer, fitted = train(cfg, sinks, callbacks, stop)
+    trainer, fitted = train(cfg, sinks, callbacks, stop, resolved=resolved)
     summary = dataclasses.asdict(fitted)
     if summary["steps"] == summary["start_step"] and not summary["preempted"]:
         summary = finished_summary(job, summary)

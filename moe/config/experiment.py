@@ -58,24 +58,14 @@ class ExperimentConfig(Config):
             "parallel.pp",
             f"model.n_layers={m.n_layers} is not divisible by parallel.pp={par.pp}",
         )
-        if par.pp > 1 and par.pp_schedule == "interleaved_1f1b":
-            stages = par.pp * par.pp_virtual_stages
+        if par.interleaved:
+            stages = par.pp * par.virtual_stages
             require(
                 m.n_layers % stages == 0,
                 "parallel.pp_virtual_stages",
                 f"model.n_layers={m.n_layers} is not divisible by pp * pp_virtual_stages = {stages}",
             )
-        if par.data_parallel == "fsdp":
-            require(
-                par.pp == 1 and par.ep == 1 and not par.shard_optimizer,
-                "parallel.data_parallel",
-                "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false",
-            )
-            require(
-                par.grad_reduce_dtype == "fp32",
-                "parallel.grad_reduce_dtype",
-                "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
-            )
+        self._check_fsdp()
         if self.precision.fp8_dense:
             # FSDP2 re-gathers weights into the same storage without a new version: the FP8
             # copies (keyed on the version) would go stale
@@ -100,8 +90,26 @@ class ExperimentConfig(Config):
             f"{self.schedule.warmup_steps} is longer than train.max_steps={tr.max_steps}",
         )
 
-    def check_world(self, world_size: int) -> ResolvedLayout:
-        """Validate the layout against a world size; return the resolved sizes."""
+    def _check_fsdp(self) -> None:
+        """The FSDP baseline's shape: validate() and resolve() both refuse what it cannot run
+        (resolve() for a config that was built or changed without validate())."""
+        par = self.parallel
+        if par.data_parallel != "fsdp":
+            return
+        require(
+            par.pp == 1 and par.ep == 1 and not par.shard_optimizer,
+            "parallel.data_parallel",
+            "fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false",
+        )
+        require(
+            par.grad_reduce_dtype == "fp32",
+            "parallel.grad_reduce_dtype",
+            "fsdp reduces its fp32 shards in fp32; bf16 applies to data_parallel=ddp only",
+        )
+
+    def resolve(self, world_size: int) -> ResolvedLayout:
+        """The layout on ``world_size`` processes, checked against it: call it once per run and
+        hand the result on (a training job carries it; the layouts and the planner take it)."""
         par, tr = self.parallel, self.train
         if world_size % par.pp:
             raise ConfigError(f"parallel.pp: world size {world_size} is not divisible by pp={par.pp}")
@@ -117,18 +125,57 @@ class ExperimentConfig(Config):
                 f"micro_batch_size * data-parallel size = {tr.micro_batch_size} * {dp}"
             )
         accum = tr.global_batch_size // per_step
-        if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and accum % par.pp:
+        if par.interleaved and accum % par.pp:
             raise ConfigError(
                 f"parallel.pp_schedule: interleaved_1f1b needs the micro-batches per step ({accum} = global_batch_size / "
                 f"(dp * micro_batch_size)) to be a multiple of pp={par.pp}"
             )
-        return ResolvedLayout(world_size=world_size, pp=par.pp, dp=dp, ep=par.ep, grad_accum=accum)
+        self._check_fsdp()
+        if par.data_parallel == "fsdp" and tr.loss_chunk_tokens:
+            raise ConfigError("train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only (set it to 0 for fsdp)")
+        return ResolvedLayout(
+            world_size=world_size,
+            pp=par.pp,
+            dp=dp,
+            ep=par.ep,
+            grad_accum=accum,
+            virtual_stages=par.virtual_stages,
+            data_parallel=par.data_parallel,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedLayout:
+    """A config's layout on one world size (ExperimentConfig.resolve): what every rank builds.
+    Plain data, so it travels in a training job (``to_dict``/``from_dict``)."""
+
     world_size: int
     pp: int
     dp: int
     ep: int
-    grad_accum: int
+    grad_accum: int  # micro-batches per step: global_batch_size / (dp * micro_batch_size)
+    virtual_stages: int = 1  # pipeline stages on every rank (interleaved_1f1b: pp_virtual_stages)
+    data_parallel: str = "ddp"  # ddp (the paper's layout) or fsdp (the baseline)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "layout") -> ResolvedLayout:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (expected {', '.join(fields)})")
+        missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{where}: missing {', '.join(missing)}")
+        for name, value in data.items():
+            kind = str if name == "data_parallel" else int
+            if type(value) is not kind:
+                raise ConfigError(f"{where}.{name}: expected {kind.__name__}, got {value!r}")
+        return cls(**data)
+
+    def check_master_weights(self, master_weights: bool) -> None:
+        """FSDP keeps fp32 shards: a recipe with fp32 master weights (bf16 on a GPU) is refused."""
+        if self.data_parallel == "fsdp" and master_weights:
+            raise ConfigError("parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 (FSDP keeps fp32 shards)")

@@ -222,6 +222,16 @@ class ParallelConfig(Config):
     # ddp: gradients are reduced (and ZeRO-1 weights broadcast) in flat buckets of about this size.
     grad_bucket_mb: float = 25.0
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether the pipeline runs the interleaved 1F1B schedule (pp > 1)."""
+        return self.pp > 1 and self.pp_schedule == "interleaved_1f1b"
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages on every rank: pp_virtual_stages when interleaved, else 1."""
+        return self.pp_virtual_stages if self.interleaved else 1
+
     def _check(self, p: str) -> None:
         require(self.pp >= 1, _k(p, "pp"), f"must be >= 1, got {self.pp}")
         require(self.ep >= 1, _k(p, "ep"), f"must be >= 1, got {self.ep}")

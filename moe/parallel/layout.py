@@ -112,15 +112,28 @@ def world_mean(local: torch.Tensor, divisor: int) -> torch.Tensor:
     return total / divisor
 
 
+def resolved_for(cfg: ExperimentConfig, env: DistEnv, resolved: ResolvedLayout | None) -> ResolvedLayout:
+    """``resolved`` (the run's layout, resolved once when its job was built) for this world, or
+    the config resolved here when none was given (library use)."""
+    if resolved is None:
+        return cfg.resolve(env.world_size)
+    if resolved.world_size != env.world_size:
+        raise ConfigError(
+            f"parallel: the job's layout was resolved for world size {resolved.world_size}, "
+            f"but this run has world size {env.world_size} (rebuild the job for this world)"
+        )
+    return resolved
+
+
 class ParallelLayout:
-    def __init__(self, cfg: ExperimentConfig, env: DistEnv) -> None:
+    def __init__(self, cfg: ExperimentConfig, env: DistEnv, resolved: ResolvedLayout | None = None) -> None:
         self.cfg, self.env = cfg, env
-        self.resolved = cfg.check_world(env.world_size)
+        self.resolved = resolved_for(cfg, env, resolved)
         r = self.resolved
         self.mesh = build_mesh(r.pp, r.dp, r.ep)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
         self.zero = cfg.parallel.shard_optimizer
-        self.virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
+        self.virtual = r.virtual_stages
         self.runner: PipelineRunner | None = None
         self.sync: GradSync | None = None
         self.opt: MasterWeightAdamW | None = None
@@ -203,13 +216,9 @@ class FsdpLayout:
     Weights, gradients and optimizer state are sharded; every block's weights are gathered
     for each micro-batch's forward and backward."""
 
-    def __init__(self, cfg: ExperimentConfig, env: DistEnv) -> None:
+    def __init__(self, cfg: ExperimentConfig, env: DistEnv, resolved: ResolvedLayout | None = None) -> None:
         self.cfg, self.env = cfg, env
-        self.resolved = cfg.check_world(env.world_size)
-        if self.resolved.pp > 1 or self.resolved.ep > 1 or cfg.parallel.shard_optimizer:
-            raise ConfigError("parallel.data_parallel: fsdp is the baseline layout; it takes pp=1, ep=1, shard_optimizer=false")
-        if cfg.train.loss_chunk_tokens:
-            raise ConfigError("train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only (set it to 0 for fsdp)")
+        self.resolved = resolved_for(cfg, env, resolved)  # resolve() holds FSDP's rules (pp=1, ep=1, no ZeRO-1, no chunked loss)
         self.mesh = build_mesh(1, self.resolved.dp, 1)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
 
@@ -230,8 +239,7 @@ class FsdpLayout:
         return model
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
-        if master_weights:
-            raise ConfigError("parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 (FSDP keeps fp32 shards)")
+        self.resolved.check_master_weights(master_weights)
         return MasterWeightAdamW(model, cfg, master_weights=False)
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
@@ -252,7 +260,8 @@ class FsdpLayout:
         return world_mean(local, self.env.world_size)
 
 
-def build_layout(cfg: ExperimentConfig, env: DistEnv) -> Layout:
+def build_layout(cfg: ExperimentConfig, env: DistEnv, resolved: ResolvedLayout | None = None) -> Layout:
+    """The config's layout; ``resolved``: the run's layout as its job carries it (None: resolved here)."""
     if cfg.parallel.data_parallel == "fsdp":
-        return FsdpLayout(cfg, env)
-    return ParallelLayout(cfg, env)
+        return FsdpLayout(cfg, env, resolved)
+    return ParallelLayout(cfg, env, resolved)

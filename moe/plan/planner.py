@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from moe.config import ConfigError, ExperimentConfig
+from moe.config import ConfigError, ExperimentConfig, ResolvedLayout
 from moe.config.model import ModelConfig
 from moe.errors import PlanError
 from moe.hardware import GIB, GPUS, capability_problem, recipe_on
@@ -76,14 +76,14 @@ def _in_flight(cfg: ExperimentConfig, stage: int, pp: int, n_micro: int) -> int:
     return max(1, min(n_micro, pp - stage))
 
 
-def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: dict[str, Any]) -> dict[str, float]:
+def rank_memory(cfg: ExperimentConfig, state: RankState, resolved: ResolvedLayout, calibration: dict[str, Any]) -> dict[str, float]:
     """Bytes of one rank at its peak, line by line."""
     m = cfg.model
     mode = cfg.train.recompute
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     factors = calibration.get("layer_factor", {})
-    fsdp = cfg.parallel.data_parallel == "fsdp"
-    layer_indices = _stage_layer_indices(cfg, resolved.pp, state.stage)
+    fsdp = resolved.data_parallel == "fsdp"
+    layer_indices = _stage_layer_indices(cfg, resolved, state.stage)
     per_layer = [analytic_layer_bytes(m, mode, m.is_moe_layer(i)) * factors.get(mode, 1.0) for i in layer_indices]
     in_flight = _in_flight(cfg, state.stage, resolved.pp, resolved.grad_accum)
     acts = tokens * sum(per_layer) * in_flight
@@ -123,12 +123,12 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved, calibration: 
     return {k: v / GIB for k, v in lines.items()}
 
 
-def _stage_layer_indices(cfg: ExperimentConfig, pp: int, stage: int) -> list[int]:
+def _stage_layer_indices(cfg: ExperimentConfig, resolved: ResolvedLayout, stage: int) -> list[int]:
     from moe.parallel.pipeline import stage_indices, stage_layers
 
+    pp, virtual = resolved.pp, resolved.virtual_stages
     if pp == 1:
         return list(range(cfg.model.n_layers))
-    virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1
     mesh = layout_mesh(pp, 1, 1, stage)
     return [int(k) for s in stage_indices(mesh, virtual) for k in stage_layers(cfg.model.n_layers, pp * virtual, s)]
 
@@ -155,8 +155,8 @@ def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knob
     if problem:
         raise PlanError(f"{problem} (--gpu {gpu})")
     calibration = calibration if calibration is not None else load_calibration()
-    resolved = cfg.check_world(gpus)
-    states = rank_states(cfg, gpus)
+    resolved = cfg.resolve(gpus)  # once: the ranks and their memory take it
+    states = rank_states(cfg, resolved)
     per_rank = [(s, rank_memory(cfg, s, resolved, calibration)) for s in states]
     worst, lines = max(per_rank, key=lambda sr: (sum(sr[1].values()), -sr[0].rank))
     counts = param_counts(cfg.model)
@@ -171,7 +171,7 @@ def make_plan(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float = 0.4, knob
             "ep": resolved.ep,
             "grad_accum": resolved.grad_accum,
             "zero1": cfg.parallel.shard_optimizer,
-            "data_parallel": cfg.parallel.data_parallel,
+            "data_parallel": resolved.data_parallel,
             "recompute": cfg.train.recompute,
             "micro_batch_size": cfg.train.micro_batch_size,
             "seq_len": cfg.data.seq_len,

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from moe.config import ConfigError, ExperimentConfig
+from moe.config import ExperimentConfig, ResolvedLayout
 from moe.config.model import ModelConfig
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import recipe_on
@@ -58,27 +58,27 @@ def layout_mesh(pp: int, dp: int, ep: int, rank: int):
     return mesh
 
 
-def rank_states(cfg: ExperimentConfig, world: int, param_dtype: torch.dtype | None = None, master_weights: bool | None = None) -> list[RankState]:
-    """Every rank's parameter and optimizer bytes (one meta model per pipeline stage)."""
+def rank_states(
+    cfg: ExperimentConfig, r: ResolvedLayout, param_dtype: torch.dtype | None = None, master_weights: bool | None = None
+) -> list[RankState]:
+    """Every rank's parameter and optimizer bytes (one meta model per pipeline stage); ``r``: the
+    config's layout on the planned world (ExperimentConfig.resolve, called once by the caller)."""
     from moe.parallel.expert_parallel import apply_expert_parallel
     from moe.parallel.grad_sync import GradSync
     from moe.parallel.pipeline import prune_for_stages
 
     if param_dtype is None or master_weights is None:
         param_dtype, master_weights = _param_dtype(cfg)
-    r = cfg.check_world(world)
-    if cfg.parallel.data_parallel == "fsdp":
-        if master_weights:  # as FsdpLayout.optimizer refuses it
-            raise ConfigError("parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 (FSDP keeps fp32 shards)")
-        return _fsdp_states(cfg, world)
-    virtual = cfg.parallel.pp_virtual_stages if cfg.parallel.pp_schedule == "interleaved_1f1b" and r.pp > 1 else 1
+    r.check_master_weights(master_weights)  # as FsdpLayout.optimizer refuses it
+    if r.data_parallel == "fsdp":
+        return _fsdp_states(cfg, r.world_size)
     elem = torch.empty((), dtype=param_dtype).element_size()
     out = []
     for stage in range(r.pp):
         mesh = layout_mesh(r.pp, r.dp, r.ep, stage * r.dp)
         model = apply_expert_parallel(_meta_model(cfg.model), mesh)
         if r.pp > 1:
-            model, _ = prune_for_stages(model, mesh, virtual)
+            model, _ = prune_for_stages(model, mesh, r.virtual_stages)
         sync = GradSync(model, mesh, cfg.parallel.shard_optimizer)
         seen, params = set(), []
         for name, p in model.named_parameters():

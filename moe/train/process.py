@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from moe.config import ExperimentConfig
+from moe.config import ExperimentConfig, ResolvedLayout
 from moe.errors import exit_code_of
 from moe.parallel.env import shutdown_distributed
 from moe.train.determinism import set_environment
@@ -17,12 +17,15 @@ from moe.train.trainer import Trainer, TrainSummary
 T = TypeVar("T")
 
 
-def train(cfg: ExperimentConfig, sinks: Sequence = (), callbacks: Sequence = (), stop=None) -> tuple[Trainer, TrainSummary]:
+def train(
+    cfg: ExperimentConfig, sinks: Sequence = (), callbacks: Sequence = (), stop=None, resolved: ResolvedLayout | None = None
+) -> tuple[Trainer, TrainSummary]:
     """Build the trainer (after the deterministic mode's environment, when the config asks for
-    it) and run it; (the trainer, its summary)."""
+    it) and run it; (the trainer, its summary). ``resolved``: the layout the job carries (None:
+    resolved against this world when the trainer builds its layout)."""
     if cfg.train.deterministic:
         set_environment()
-    trainer = Trainer(cfg, sinks=list(sinks), callbacks=list(callbacks))
+    trainer = Trainer(cfg, sinks=list(sinks), callbacks=list(callbacks), resolved=resolved)
     return trainer, trainer.fit(stop=stop)
 
 

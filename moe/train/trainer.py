@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe.config import ConfigError, ExperimentConfig, ModelConfig
+from moe.config import ConfigError, ExperimentConfig, ModelConfig, ResolvedLayout
 from moe.data import BatchLoader, TokenDataset
 from moe.errors import NonFiniteLossError, TokenDataError
 from moe.model import Transformer
@@ -67,13 +67,16 @@ class Trainer:
         sinks: Sequence[MetricsSink] = (),
         dataset: TokenDataset | None = None,
         callbacks: Sequence[Callback] = (),
+        resolved: ResolvedLayout | None = None,
     ) -> None:
+        """``resolved``: the run's layout, resolved once when its job was built (None: the layout
+        resolves ``cfg`` against this world)."""
         self.cfg = cfg
         # First: the mode's environment must be in place before CUDA and NCCL start.
         self.determinism = determinism.configure(cfg.train.deterministic)
         self.env = env or init_distributed(cfg.train.device)
         self.device = self.env.device
-        self.layout: Layout = build_layout(cfg, self.env)
+        self.layout: Layout = build_layout(cfg, self.env, resolved)
         self.sinks = list(sinks) if self.env.is_main else []
         prec = cfg.precision
         self.recipe = resolve_recipe(

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from moe.config import ResolvedLayout
 
 
 @dataclasses.dataclass
@@ -24,6 +27,15 @@ class TrainJob:
     max_requeues: int | None = None
     # In-loop evaluation's inputs (pipeline.eval.inloop.eval_inputs), when train.eval_every > 0.
     eval_inputs: dict[str, Any] | None = None
+    # The config's layout on nprocs processes (ResolvedLayout.to_dict()), resolved once where the
+    # job was built; the worker hands it to the layout, which checks only the world size.
+    layout: dict[str, Any] | None = None
+
+    @property
+    def resolved(self) -> ResolvedLayout | None:
+        from moe.config import ResolvedLayout
+
+        return None if self.layout is None else ResolvedLayout.from_dict(self.layout, "job.layout")
 
     @property
     def spec_path(self) -> Path:

@@ -86,8 +86,8 @@ def measure(
         "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1, "save": False},
     }
     exp = ExperimentConfig.from_dict(cfg).validate()
-    layout = exp.check_world(world)
-    job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world)
+    layout = exp.resolve(world)
+    job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world, layout=layout.to_dict())
     result = launch_train(base, job, markers=(MARKER,)).result
     if not result.ok:
         raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
@@ -105,15 +105,15 @@ def measure(
         "layout": {
             "pp": layout.pp,
             "dp": layout.dp,
-            "ep": exp.parallel.ep,
-            "data_parallel": exp.parallel.data_parallel,
+            "ep": layout.ep,
+            "data_parallel": layout.data_parallel,
             "shard_optimizer": exp.parallel.shard_optimizer,
         },
         "model": exp.model.to_dict(),
         "seq_len": seq,
         "micro_batch_size": micro,
         "global_batch_size": world_batch,
-        "accumulation": world_batch // (micro * layout.dp),
+        "accumulation": layout.grad_accum,
         "tokens_per_step_per_device": world_batch * seq / world,
         "routing": exp.model.moe.routing,
         "dropless": exp.parallel.ep_capacity_factor is None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe.config import ConfigError, ExperimentConfig
+from moe.config import ConfigError, ExperimentConfig, ResolvedLayout
 from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.errors import JobFailed, PipelineError
@@ -57,11 +57,15 @@ def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
     return exp.replace(data=data).validate()
 
 
-def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentConfig:
+Checked = tuple[ExperimentConfig, ResolvedLayout]  # a config check_train accepted and its layout on the job's world
+
+
+def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> Checked:
     """Everything `moe train` checks before any work (`moe params` runs it too): the layout
-    against the process count, directories, the device, the tokenizer against the model."""
+    against the process count (resolved here, once per run: the job carries it), directories,
+    the device, the tokenizer against the model."""
     exp = resolve_experiment(cfg) if resolve_data else cfg.experiment()
-    exp.check_world(world_size(cfg))
+    layout = exp.resolve(world_size(cfg))
     for key, value in (("executor.run_dir", cfg.executor.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         for p in (Path(value), *Path(value).parents):
             if p.exists() and not p.is_dir():
@@ -77,7 +81,7 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> ExperimentCon
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
         check_precision_here(exp)
-    return exp
+    return exp, layout
 
 
 def check_precision_here(exp: ExperimentConfig) -> None:
@@ -104,9 +108,10 @@ def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
         check_host_memory(exp, world_size(cfg))
 
 
-def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, checked: ExperimentConfig | None = None) -> TrainJob:
-    """The job spec; ``checked``: the experiment `preflight` already checked (not checked twice)."""
-    exp = checked if checked is not None else check_train(cfg, resolve_data)
+def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, checked: Checked | None = None) -> TrainJob:
+    """The job spec; ``checked``: the experiment and layout `preflight` already checked (not
+    checked twice)."""
+    exp, layout = checked if checked is not None else check_train(cfg, resolve_data)
     uri = tracker.uri if tracker else None
     if uri and has_password(uri):  # job.json (a DVC output) keeps no password; jobs inherit it
         os.environ[SECRET_URI_ENV] = uri
@@ -119,6 +124,7 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, check
         mlflow_flush_every=cfg.mlflow.flush_every,
         max_requeues=cfg.slurm.max_requeues,
         eval_inputs=_eval_inputs(cfg, exp),
+        layout=layout.to_dict(),
     )
 
 
@@ -156,7 +162,7 @@ def prepare_slurm_run(job: TrainJob, markers: tuple[str, ...] = ()) -> tuple[str
     return start, before_start
 
 
-def preflight(cfg: PipelineConfig) -> ExperimentConfig:
+def preflight(cfg: PipelineConfig) -> Checked:
     """What `moe train` checks before it opens an MLflow run or touches the run directory:
     Slurm present for the Slurm executor, the config against the data and the world."""
     if cfg.executor.kind == "slurm":
@@ -205,7 +211,7 @@ def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool
         lock.release()
 
 
-def run_train(cfg: PipelineConfig, tracker=None, checked: ExperimentConfig | None = None) -> dict[str, Any]:
+def run_train(cfg: PipelineConfig, tracker=None, checked: Checked | None = None) -> dict[str, Any]:
     """`moe train` and the DVC stage: launch the job, wait for it, read its outputs."""
     job = make_job(cfg, tracker, checked=checked)
     result = launch_train(cfg, job, tracker).result

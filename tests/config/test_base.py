@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from moe.config import ConfigError, ExperimentConfig, parse_value
+from moe.config import ConfigError, ExperimentConfig, ResolvedLayout, parse_value
 
 
 def load(*overrides, data=None):
@@ -64,14 +66,68 @@ def test_section_must_be_a_mapping():
 
 def test_world_layout_checks():
     cfg = load("parallel.ep=2", "train.global_batch_size=8", "train.micro_batch_size=2")
-    assert cfg.check_world(4).dp == 4
-    assert cfg.check_world(4).grad_accum == 1
+    assert cfg.resolve(4).dp == 4
+    assert cfg.resolve(4).grad_accum == 1
     with pytest.raises(ConfigError, match="parallel.ep: data-parallel size 3"):
-        cfg.check_world(3)
+        cfg.resolve(3)
     with pytest.raises(ConfigError, match="parallel.pp: world size 3 is not divisible by pp=2"):
-        load("parallel.pp=2").check_world(3)
+        load("parallel.pp=2").resolve(3)
     with pytest.raises(ConfigError, match="train.global_batch_size: 8 is not divisible by micro_batch_size"):
-        load("train.micro_batch_size=4").check_world(4)
+        load("train.micro_batch_size=4").resolve(4)
+
+
+def test_resolve_carries_the_virtual_stages_and_round_trips_through_its_dict_form():
+    cfg = load("model.n_layers=8", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "train.global_batch_size=8", "train.micro_batch_size=2")
+    r = cfg.resolve(4)
+    assert (r.world_size, r.pp, r.dp, r.ep, r.grad_accum, r.virtual_stages, r.data_parallel) == (4, 2, 2, 1, 2, 2, "ddp")
+    assert ResolvedLayout.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    assert load("parallel.pp=2", "parallel.pp_virtual_stages=4").resolve(2).virtual_stages == 1  # 1f1b: one stage a rank
+    assert load("parallel.pp_schedule=interleaved_1f1b").resolve(1).virtual_stages == 1  # pp=1: no pipeline
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"world_size": 2, "pp": 1, "dp": 2, "ep": 1}, "job.layout: missing grad_accum"),
+        ({"world_size": 2, "pp": 1, "dp": 2, "ep": 1, "grad_accum": 1, "tp": 1}, "job.layout: unknown key(s) tp"),
+        ({"world_size": "2", "pp": 1, "dp": 2, "ep": 1, "grad_accum": 1}, "job.layout.world_size: expected int, got '2'"),
+        ({"world_size": 2, "pp": 1, "dp": 2, "ep": 1, "grad_accum": True}, "job.layout.grad_accum: expected int, got True"),
+    ],
+)
+def test_a_resolved_layout_from_a_bad_dict_is_refused(data, message):
+    with pytest.raises(ConfigError) as info:
+        ResolvedLayout.from_dict(data, "job.layout")
+    assert message in str(info.value)
+
+
+FSDP_SHAPE = "parallel.data_parallel: fsdp is the baseline layout; it takes pp=1, ep=1 and shard_optimizer=false"
+
+
+@pytest.mark.parametrize("change", [{"ep": 2}, {"pp": 2}, {"shard_optimizer": True}])
+def test_fsdp_shape_is_refused_by_validate_and_by_resolve_with_one_message(change):
+    overrides = ["parallel.data_parallel=fsdp", *(f"parallel.{k}={str(v).lower()}" for k, v in change.items())]
+    with pytest.raises(ConfigError) as info:
+        load(*overrides)
+    assert str(info.value) == FSDP_SHAPE
+    # a config changed without validate(): resolve() refuses it, as the FSDP layout used to
+    cfg = load("train.micro_batch_size=1")
+    unchecked = cfg.replace(parallel=cfg.parallel.replace(data_parallel="fsdp", **change))
+    with pytest.raises(ConfigError) as info:
+        unchecked.resolve(4)
+    assert str(info.value) == FSDP_SHAPE
+
+
+def test_fsdp_chunked_loss_and_master_weights_are_refused_from_the_resolved_layout():
+    cfg = load("parallel.data_parallel=fsdp", "train.loss_chunk_tokens=16")  # validate() leaves it to resolve()
+    with pytest.raises(ConfigError) as info:
+        cfg.resolve(1)
+    assert str(info.value) == "train.loss_chunk_tokens: the chunked loss runs with parallel.data_parallel=ddp only (set it to 0 for fsdp)"
+    r = load("parallel.data_parallel=fsdp", "train.micro_batch_size=4").resolve(2)
+    assert r.data_parallel == "fsdp"
+    r.check_master_weights(False)
+    with pytest.raises(ConfigError, match=r"parallel.data_parallel=fsdp: use precision.recipe fp32 or amp_bf16 \(FSDP keeps fp32 shards\)"):
+        r.check_master_weights(True)
+    load().resolve(1).check_master_weights(True)  # ddp keeps fp32 masters
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,7 @@ def resume_rank(rank, world, corpus, ckpt, parallel, micro, lb):
 def test_invalid_layouts_fail_clearly(tmp_path, corpus, parallel, world, message):
     with pytest.raises(ConfigError) as info:
         cfg = config(corpus, tmp_path / "x", parallel, 2)
-        cfg.check_world(world)
+        cfg.resolve(world)
     assert message in str(info.value)
 
 

@@ -56,7 +56,7 @@ MODELS = [
 @pytest.mark.parametrize("name, model, recipe", MODELS, ids=[m[0] for m in MODELS])
 def test_single_process_bytes_equal_the_built_model(tmp_path, corpus, name, model, recipe):
     cfg = config(corpus, tmp_path / "ck", model=model, recipe=recipe)
-    (state,) = rank_states(cfg, 1)
+    (state,) = rank_states(cfg, cfg.resolve(1))
     assert planned(state) == built_bytes(Trainer(cfg))
 
 
@@ -75,7 +75,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("name, parallel, recipe, micro", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_every_rank_equals_the_built_model(tmp_path, corpus, name, parallel, recipe, micro):
     results = run_ranks(rank_bytes, 2, str(corpus), str(tmp_path / "ck"), parallel, recipe, micro)
-    states = rank_states(config(corpus, tmp_path / "ck", parallel, recipe=recipe, micro=micro), 2)
+    cfg = config(corpus, tmp_path / "ck", parallel, recipe=recipe, micro=micro)
+    states = rank_states(cfg, cfg.resolve(2))
     assert [s.rank for s in states] == [0, 1]
     for state, built in zip(states, results, strict=True):
         assert planned(state) == built, state.rank
@@ -83,8 +84,9 @@ def test_every_rank_equals_the_built_model(tmp_path, corpus, name, parallel, rec
 
 def test_zero1_shards_masters_and_moments_over_four_ranks(tmp_path, corpus):
     cfg = config(corpus, tmp_path, {"ep": 2, "shard_optimizer": True}, micro=1)
-    plain = rank_states(config(corpus, tmp_path, {"ep": 2}, micro=1), 4)
-    sharded = rank_states(cfg, 4)
+    base = config(corpus, tmp_path, {"ep": 2}, micro=1)
+    plain = rank_states(base, base.resolve(4))
+    sharded = rank_states(cfg, cfg.resolve(4))
     assert sum(s.optimizer for s in sharded) == 8 * param_counts(cfg.model).total  # every moment exactly once
     assert sum(s.masters for s in sharded) == 4 * param_counts(cfg.model).total
     assert max(s.optimizer for s in sharded) < min(s.optimizer for s in plain)
