@@ -162,6 +162,14 @@ def resolve_recipe(
     return recipe
 
 
+def recipe_for(precision, device: torch.device) -> PrecisionRecipe:
+    """:func:`resolve_recipe` from a ``precision`` config section (moe.config.PrecisionConfig)."""
+    p = precision
+    return resolve_recipe(
+        p.recipe, device, emulate=p.emulate, fp8_min_dim=p.fp8_min_dim, fp8_dense=p.fp8_dense, fp8_dense_min_dim=p.fp8_dense_min_dim
+    )
+
+
 def _dense_fp8_factory(emulate: bool, min_dim: int | None) -> Callable[[nn.Module], object]:
     from moe.nn.fp8_linear import to_fp8
     from moe.nn.fp8_policy import DENSE_MIN_DIM, Fp8Rule

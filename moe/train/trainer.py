@@ -29,7 +29,7 @@ from moe.parallel.env import DistEnv, init_distributed
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
 from moe.plan.accounting import flops_per_token, param_counts
-from moe.precision import resolve_recipe
+from moe.precision import recipe_for
 from moe.spans import span
 from moe.train import determinism
 from moe.train.callbacks import Callback, trainer_callbacks
@@ -78,15 +78,7 @@ class Trainer:
         self.device = self.env.device
         self.layout: Layout = build_layout(cfg, self.env, resolved)
         self.sinks = list(sinks) if self.env.is_main else []
-        prec = cfg.precision
-        self.recipe = resolve_recipe(
-            prec.recipe,
-            self.device,
-            emulate=prec.emulate,
-            fp8_min_dim=prec.fp8_min_dim,
-            fp8_dense=prec.fp8_dense,
-            fp8_dense_min_dim=prec.fp8_dense_min_dim,
-        )
+        self.recipe = recipe_for(cfg.precision, self.device)
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):

@@ -56,6 +56,20 @@ def fresh_run_dir(path: Path) -> Path:
     return path
 
 
+def _experiment(sections: dict[str, Any], data_dir: Path, run_dir: Path, steps: int, total_steps: int, profile: bool) -> ExperimentConfig:
+    """The measured run's config: the stage's sections on the given tokens, logging every
+    ``steps`` steps, no checkpoints, (``profile``) the last step under the profiler."""
+    train = sections["train"]
+    cfg = {
+        **sections,
+        "data": {"verify_checksums": False, **sections["data"], "paths": [str(data_dir)]},
+        "train": {"log_every": steps, "max_steps": total_steps, **({"profile_step": total_steps} if profile else {}), **train},
+        "schedule": {"warmup_steps": 1, **sections.get("schedule", {})},
+        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1, "save": False},
+    }
+    return ExperimentConfig.from_dict(cfg).validate()
+
+
 def measure(
     base: PipelineConfig,
     name: str,
@@ -78,14 +92,7 @@ def measure(
     if data_dir is None:
         per_step = train["global_batch_size"] * (seq + 1)
         data_dir = random_tokens(work_dir / "data", per_step * (total_steps + 2), model["vocab_size"])
-    cfg = {
-        **sections,
-        "data": {"verify_checksums": False, **sections["data"], "paths": [str(data_dir)]},
-        "train": {"log_every": steps, "max_steps": total_steps, **({"profile_step": total_steps} if profile else {}), **train},
-        "schedule": {"warmup_steps": 1, **sections.get("schedule", {})},
-        "checkpoint": {"dir": str(run_dir / "checkpoints"), "every": 0, "keep_last": 1, "save": False},
-    }
-    exp = ExperimentConfig.from_dict(cfg).validate()
+    exp = _experiment(sections, data_dir, run_dir, steps, total_steps, profile)
     layout = exp.resolve(world)
     job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world, layout=layout.to_dict())
     result = launch_train(base, job, markers=(MARKER,)).result

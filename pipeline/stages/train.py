@@ -89,12 +89,11 @@ def check_precision_here(exp: ExperimentConfig) -> None:
     FP8 recipe on a CPU or an older GPU is refused by `moe params` and `moe train` at once)."""
     import torch
 
-    from moe.precision import resolve_recipe
+    from moe.precision import recipe_for
 
-    p = exp.precision
     gpu = exp.train.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")  # the trainer's choice, without selecting a GPU here
-    resolve_recipe(p.recipe, device, emulate=p.emulate, fp8_min_dim=p.fp8_min_dim, fp8_dense=p.fp8_dense, fp8_dense_min_dim=p.fp8_dense_min_dim)
+    recipe_for(exp.precision, device)
 
 
 def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
