@@ -178,15 +178,10 @@ def eval_tasks(cfg: PipelineConfig, tok_info, max_len: int) -> list[TaskRequests
     )
 
 
-def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
-    try:
-        device = pick_device(cfg.evaluate.device, key="evaluate.device")
-    except RuntimeError as exc:
-        raise PipelineError(str(exc)) from None
-    checkpoint = checkpoint or cfg.checkpoint.dir
-    hf_dir = Path(hf_dir or cfg.convert.output)
-    out, sample_path = output_paths(cfg)
-    check_output_file(out, "evaluate.output", recognise_metrics)  # before any work: never a user's file
+def check_inputs(cfg: PipelineConfig, checkpoint: str, out: Path, sample_path: Path):
+    """Before any work: the outputs are ours to replace (never a user's file), the tokenizer is
+    its manifest's, and the checkpoint was trained on that tokenizer's data. Returns the tokenizer."""
+    check_output_file(out, "evaluate.output", recognise_metrics)
     check_output_file(detail_path(out), "evaluate.output (its _detail.json)", recognise_detail)
     check_output_file(sample_path, "evaluate.output (its _sample.txt)", recognise_sample)
     manifest = read_manifest(cfg.tokenize.output)
@@ -195,6 +190,40 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     if tok_info.sha256 != manifest["tokenizer"]["sha256"]:
         raise PipelineError(f"{cfg.tokenize.output}/tokenizer.json does not match its manifest (tokenizer hash differs)")
     check_checkpoint_tokenizer(checkpoint, tok_info, tok_file)  # the data is that tokenizer's (TokenDataset checks)
+    return tok_info
+
+
+def compare_generation(ours, hf, tok_info, cfg: PipelineConfig, device) -> tuple[str, int, bool, bool]:
+    """Greedy generation from evaluate.prompt by both models: (our sample text, tokens generated,
+    whether the model's length capped them, whether transformers generated the same ids)."""
+    tok = tok_info.build()
+    prompt = tok.encode(cfg.evaluate.prompt, add_special_tokens=False).ids or [tok_info.eos_id]
+    # transformers generates past its max_position_embeddings: both stop where the model does
+    max_len = min(ours.cfg.max_seq_len, hf.config.max_position_embeddings)
+    new_tokens, capped = generation_length(cfg.evaluate.generate_tokens, len(prompt), max_len)
+    ours_ids = greedy(ours, prompt, new_tokens, tok_info.eos_id, device)
+    hf_ids: list[int] = []
+    if new_tokens:  # transformers refuses max_new_tokens=0
+        hf_out = hf.generate(
+            torch.tensor([prompt], device=device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=tok_info.eos_id,
+            pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
+        )
+        hf_ids = hf_out[0, len(prompt) :].tolist()
+    return cfg.evaluate.prompt + tok.decode(ours_ids, skip_special_tokens=False), new_tokens, capped, ours_ids == hf_ids
+
+
+def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
+    try:
+        device = pick_device(cfg.evaluate.device, key="evaluate.device")
+    except RuntimeError as exc:
+        raise PipelineError(str(exc)) from None
+    checkpoint = checkpoint or cfg.checkpoint.dir
+    hf_dir = Path(hf_dir or cfg.convert.output)
+    out, sample_path = output_paths(cfg)
+    tok_info = check_inputs(cfg, checkpoint, out, sample_path)
 
     ours = load_model(checkpoint, device)
     tasks = eval_tasks(cfg, tok_info, ours.cfg.max_seq_len)  # every check before a model runs
@@ -219,23 +248,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     pad = tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id
     downstream = compare_downstream(ours, hf, tasks, cfg, device, pad)
 
-    tok = tok_info.build()
-    prompt = tok.encode(cfg.evaluate.prompt, add_special_tokens=False).ids or [tok_info.eos_id]
-    # transformers generates past its max_position_embeddings: both stop where the model does
-    max_len = min(ours.cfg.max_seq_len, hf.config.max_position_embeddings)
-    new_tokens, capped = generation_length(cfg.evaluate.generate_tokens, len(prompt), max_len)
-    ours_ids = greedy(ours, prompt, new_tokens, tok_info.eos_id, device)
-    hf_ids: list[int] = []
-    if new_tokens:  # transformers refuses max_new_tokens=0
-        hf_out = hf.generate(
-            torch.tensor([prompt], device=device),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=tok_info.eos_id,
-            pad_token_id=tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id,
-        )
-        hf_ids = hf_out[0, len(prompt) :].tolist()
-    sample = cfg.evaluate.prompt + tok.decode(ours_ids, skip_special_tokens=False)
+    sample, new_tokens, capped, matches = compare_generation(ours, hf, tok_info, cfg, device)
 
     metrics = {
         "val_loss": loss,
@@ -248,7 +261,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
         "val_windows_total": len(val),
         "eval_tokens_per_s": tokens / seconds,
         "hf_eval_tokens_per_s": tokens / hf_seconds,
-        "generation_matches_hf": float(ours_ids == hf_ids),
+        "generation_matches_hf": float(matches),
         # the sample's length limit: evaluate.generate_tokens, or less where the model ends first
         "generate_tokens": new_tokens,
         "generation_capped": float(capped),
