@@ -310,7 +310,9 @@ def job(
 ) -> None:
     """Write the resolved training job spec for slurm/train.sbatch; print its path.
 
-    The spec goes outside the run directory (a DVC output), so DVC does not see a change."""
+    The spec goes outside the run directory (a DVC output), so DVC does not see a change. It
+    carries no resolved layout: sbatch's own flags choose the world size, so the job's layout
+    resolves the config against the world it starts in."""
     import dataclasses
 
     from pipeline.stages.train import make_job
@@ -320,7 +322,8 @@ def job(
     from pipeline.run_dirs import is_job_spec
 
     spec = out or Path(cfg.slurm.folder) / "job.json"
-    write_output_file(spec, json.dumps(dataclasses.asdict(make_job(cfg)), indent=2), "--out", is_job_spec)  # never a user's file
+    plain = dataclasses.replace(make_job(cfg), layout=None)
+    write_output_file(spec, json.dumps(dataclasses.asdict(plain), indent=2), "--out", is_job_spec)  # never a user's file
     print(spec)
 
 

@@ -52,6 +52,20 @@ def test_make_job_carries_the_layout_check_train_resolved(tmp_path, monkeypatch)
     assert job.resolved.dp == 2 and job.resolved.grad_accum == 1
 
 
+def test_moe_job_writes_a_spec_without_a_layout_for_sbatch_to_size(in_trained, tmp_path):
+    """slurm/train.sbatch takes its world size from sbatch's flags, not the config: the spec
+    `moe job` writes leaves the layout to the world it starts in (tests/pipeline/test_slurm.py
+    runs such a spec on two nodes)."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    r = CliRunner().invoke(app, ["job", "--out", str(tmp_path / "job.json")])
+    assert r.exit_code == 0, r.output
+    job = TrainJob.read(tmp_path / "job.json")
+    assert job.layout is None and job.resolved is None and job.nprocs == 1
+
+
 def test_the_worker_refuses_a_layout_resolved_for_another_world(tmp_path, capsys):
     from pipeline.worker import run_and_report
 
