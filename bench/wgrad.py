@@ -4,6 +4,8 @@
     python -m bench.wgrad                      # OLMoE width (fp32 accumulator) and the paper
                                                # experts stage at 8 and 128 experts (bf16 accumulator)
     python -m bench.wgrad --configs all        # every tile config of the fused kernel
+    python -m bench.wgrad --fp8 [--configs all] # the FP8 weight gradient at paper and OLMoE width:
+                                               # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless. Outputs are checked against an
@@ -25,6 +27,18 @@ CASES = [
     ("olmoe", 2048, 1024, 64, 8, 16384, torch.float32),
     ("paper-experts-8", 2048, 2048, 8, 4, 8192, torch.bfloat16),
     ("paper-experts-128", 2048, 2048, 128, 4, 8192, torch.bfloat16),
+]
+# name, d, h, experts, top_k, tokens per micro-batch (fp32 accumulator: the master gradient)
+FP8_CASES = [
+    ("paper", 4096, 4096, 64, 4, 16384),
+    ("olmoe", 2048, 1024, 64, 8, 16384),
+]
+FP8_CONFIGS = [
+    (128, 256, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+    (128, 128, 128, 4, 4),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
 ]
 CONFIGS = [
     (128, 256, 64, 8, 3),
@@ -108,10 +122,110 @@ def time_weight(label, grad, x, ends, acc, configs, iters) -> list[dict]:
     return out
 
 
+def run_fp8_case(name, d, h, experts, top_k, tokens, configs, iters) -> list[dict]:
+    """Both expert weights of one case, random routing, dropless, fp32 accumulator."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = tokens * top_k
+    counts = torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
+    ends = counts.cumsum(0).to(torch.int32)
+    out = []
+    for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
+        grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
+        out += time_fp8_weight(f"{name} {weight}", grad, x, ends, configs, iters)
+        del grad, x
+        torch.cuda.empty_cache()
+    return out
+
+
+def time_fp8_weight(label, grad, x, ends, configs, iters) -> list[dict]:
+    """The bf16 accumulating GEMM (the default before), torch's FP8 grouped GEMM plus a separate
+    add (FP8 wgrad before the sink), and the FP8 accumulating GEMM on pre-quantised operands and
+    with the two column quantisations it needs. Each FP8 result is checked against the
+    dequantised operands multiplied per expert in fp32 before it is timed."""
+    from moe.kernels import grouped_wgrad as gw
+    from moe.kernels.fp8 import quantize_cols_grouped
+
+    experts, m, k = ends.numel(), grad.shape[1], x.shape[1]
+    acc = torch.zeros(experts, m, k, device=grad.device, dtype=torch.float32)
+    flops = 2 * grad.shape[0] * m * k
+
+    def quantise():
+        gt, sg, padded = quantize_cols_grouped(grad, ends, pad=True)
+        xt, sx, _ = quantize_cols_grouped(x, ends, pad=True)
+        return gt, sg, xt, sx, padded
+
+    gt, sg, xt, sx, padded = quantise()
+    exact = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])
+    ref, start = [], 0
+    for g, end in enumerate(padded[:4].tolist()):
+        a = gt[:, start:end].float() * sg.view(experts, m)[g, :, None]
+        b = xt[:, start:end].float() * sx.view(experts, k)[g, :, None]
+        ref.append(a @ b.t())
+        start = end
+    ref = torch.stack(ref)
+
+    def row(variant, ms, err=None, err_exact=None):
+        return {
+            "case": label,
+            "variant": variant,
+            "accumulator": "float32",
+            "median_ms": ms,
+            "tflops": flops / ms / 1e9,
+            "rel_err": err,
+            "rel_err_vs_bf16_rows": err_exact,
+        }
+
+    def rel(t, r):
+        return ((t[:4].float() - r).norm() / r.norm()).item()
+
+    def bf16_fused():
+        gw.grouped_wgrad(grad, x, ends, acc, accumulate=True)
+
+    def scaled():
+        return torch._scaled_grouped_mm(gt, xt.t(), sg, sx, offs=padded, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def scaled_add():
+        acc.add_(scaled())
+
+    fresh = torch.zeros_like(acc)
+    gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False)
+    out = [row("bf16 fused (default)", time_cuda(bf16_fused, iters=iters)["median_ms"], rel(fresh, exact), rel(fresh, exact))]
+    check = scaled()
+    out.append(row("fp8 scaled_grouped_mm + add_", time_cuda(scaled_add, iters=iters)["median_ms"], rel(check, ref), rel(check, exact)))
+    del check
+    for cfg in configs:
+        fresh = torch.full_like(acc, float("nan"))
+        try:
+            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, fresh, accumulate=False, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile config that does not fit
+            out.append(row(f"fp8 fused {cfg}", float("nan")) | {"error": str(exc).splitlines()[0][:120]})
+            continue
+        err = rel(fresh, ref)
+        if not torch.isfinite(fresh).all() or err > 1e-3:
+            out.append(row(f"fp8 fused {cfg}", float("nan"), err) | {"error": "wrong result"})
+            continue
+
+        def fused(cfg=cfg):
+            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, acc, accumulate=True, config=cfg)
+
+        out.append(row(f"fp8 fused {cfg}", time_cuda(fused, iters=iters)["median_ms"], err, rel(fresh, exact)))
+    out.append(row("quantise both operands", time_cuda(quantise, iters=iters)["median_ms"]))
+
+    def shipped():
+        gw.grouped_wgrad_fp8(*quantise(), acc, accumulate=True)
+
+    out.append(row("fp8 quantise + fused (shipped)", time_cuda(shipped, iters=iters)["median_ms"]))
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="default", help="default (the shipped CUDA_CONFIG) or all")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
 
@@ -120,26 +234,36 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Every case and variant; each row also against the reference (grouped_mm + add_)."""
     from moe.kernels import grouped_wgrad as gw
 
-    configs = CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG]
     rows = []
-    for case in CASES:
-        rows += run_case(*case, configs, args.iters)
+    if args.fp8:
+        for case in FP8_CASES:
+            rows += run_fp8_case(*case, FP8_CONFIGS if args.configs == "all" else [gw.FP8_CUDA_CONFIG], args.iters)
+    else:
+        for case in CASES:
+            rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters)
     for r in rows:
-        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"].startswith("grouped_mm +"))
+        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"].startswith(("grouped_mm +", "bf16 fused")))
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
     return rows
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
-    print_table(rows, ["case", "variant", "accumulator", "median_ms", "tflops", "reference_over_this", "rel_err"])
+    columns = ["case", "variant", "accumulator", "median_ms", "tflops", "reference_over_this", "rel_err"]
+    print_table(rows, columns + (["rel_err_vs_bf16_rows"] if args.fp8 else []))
     if not args.no_save:
         payload = {
             "environment": environment(),
-            "config": {"routing": "random, dropless", "iters": args.iters, "cases": [c[:6] for c in CASES], "flops": "2*R*M*K"},
+            "config": {
+                "routing": "random, dropless",
+                "iters": args.iters,
+                "cases": [c[:6] for c in (FP8_CASES if args.fp8 else CASES)],
+                "flops": "2*R*M*K",
+                "reference": "bf16 fused (default)" if args.fp8 else "grouped_mm + add_",
+            },
             "matmul_peak_tflops": matmul_peak_tflops(),
             "rows": rows,
         }
-        save_result("wgrad", payload)
+        save_result("wgrad-fp8" if args.fp8 else "wgrad", payload)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@
 #                                  # breakdown at micro 1 after freeing dgrad's rows early, then the paper FP8 stage
 #   bench/h200/issue39.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
 #   bench/h200/issue39.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
+#   bench/h200/issue39.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -138,11 +139,21 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}"
     done
     ;;
+  wgrad8)
+    run python3 -m bench.wgrad --fp8 --configs all
+    for width in paper olmoe; do
+      if [ "$width" = paper ]; then shape=(--layers 2); else shape=(--layers 8); fi
+      common=(--width "$width" "${shape[@]}" --micro 4 --accum 4 --warmup 2 --steps 6)
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}"
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --fp8-dense
+    done
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|wgrad8|quant" >&2; exit 2 ;;
 esac
 exit $status

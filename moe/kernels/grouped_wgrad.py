@@ -86,12 +86,83 @@ if HAVE_TRITON:
                     acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
                 out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
 
+    @triton.jit
+    def _grouped_wgrad_fp8_kernel(
+        gt,
+        sg,
+        xt,
+        sx,
+        ends,
+        out,
+        G,
+        M,
+        K,
+        W,
+        ACCUMULATE: tl.constexpr,
+        SPLIT_EPILOGUE: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """out[g, m, n] (+)= sg[g, m] * sx[g, n] * sum over group g's columns c of gt[m, c] * xt[n, c];
+        gt [M, W] and xt [K, W] e4m3, row-major, each group's columns a zero-padded run starting at a
+        multiple of 16 (moe.kernels.fp8.quantize_cols_grouped(pad=True)); sg [G, M], sx [G, K] fp32
+        decode scales; out [G, M, K] contiguous. Both operands are K-major, as FP8 wgmma needs."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        m_blocks = tl.cdiv(M, BLOCK_M)
+        n_blocks = tl.cdiv(K, BLOCK_N)
+        per_group = m_blocks * n_blocks
+        HALF: tl.constexpr = BLOCK_N // 2
+        if SPLIT_EPILOGUE:
+            out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
+        else:
+            out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
+        for tile in range(pid, G * per_group, nprog):
+            g = tile // per_group
+            rest = tile % per_group
+            m0 = (rest // n_blocks) * BLOCK_M
+            n0 = (rest % n_blocks) * BLOCK_N
+            start = tl.multiple_of(tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64), 16)
+            cols = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
+            shape_cols = tl.maximum(cols, 16)
+            g_desc = tl.make_tensor_descriptor(gt + start, shape=[M, shape_cols], strides=[W, 1], block_shape=[BLOCK_M, BLOCK_K])
+            x_desc = tl.make_tensor_descriptor(xt + start, shape=[K, shape_cols], strides=[W, 1], block_shape=[BLOCK_N, BLOCK_K])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, cols, BLOCK_K):
+                g_tile = g_desc.load([m0, c0])
+                x_tile = x_desc.load([n0, c0])
+                if IEEE:
+                    acc = tl.dot(g_tile.to(tl.float32), tl.trans(x_tile.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(g_tile, tl.trans(x_tile), acc)
+            rows_m = m0 + tl.arange(0, BLOCK_M)
+            cols_n = n0 + tl.arange(0, BLOCK_N)
+            scale_m = tl.load(sg + g * M + rows_m, mask=rows_m < M, other=0.0)
+            scale_n = tl.load(sx + g * K + cols_n, mask=cols_n < K, other=0.0)
+            acc = acc * scale_m[:, None] * scale_n[None, :]
+            if SPLIT_EPILOGUE:
+                left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
+                if ACCUMULATE:
+                    left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
+                out_desc.store([g, m0, n0], left.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
+                if ACCUMULATE:
+                    right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
+                out_desc.store([g, m0, n0 + HALF], right.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
+            else:
+                if ACCUMULATE:
+                    acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+                out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
 # H200 (bench/NOTES.md, "The weight gradient accumulated in the GEMM"); one fixed choice keeps
 # reruns bitwise (an autotuner's timing-noise pick would change the summation order).
 CUDA_CONFIG = (128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
+# The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
+FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
 
 
 def supports(grad: torch.Tensor, x: torch.Tensor) -> bool:
@@ -150,6 +221,77 @@ def grouped_wgrad(
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split_epilogue(block_n, out.dtype),
         IEEE=grad.dtype == torch.float32 or interpreted,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def supports_fp8(gt: torch.Tensor) -> bool:
+    """Whether the FP8 kernel can run here: Triton on a GPU with FP8 tensor cores (sm89+), or
+    the interpreter."""
+    if not (HAVE_TRITON and use_triton(gt)):
+        return False
+    return gt.device.type != "cuda" or torch.cuda.get_device_capability(gt.device) >= (8, 9)
+
+
+def grouped_wgrad_fp8(
+    gt: torch.Tensor,
+    g_scales: torch.Tensor,
+    xt: torch.Tensor,
+    x_scales: torch.Tensor,
+    padded_ends: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool,
+    config: tuple[int, ...] | None = None,
+) -> None:
+    """out[g] (+)= (gt_g * g_scales[g]) @ (xt_g * x_scales[g])^T for the transposed, zero-padded
+    column quantisations of moe.kernels.fp8.quantize_cols_grouped(pad=True): gt [M, W], xt [K, W]
+    e4m3 whose group g occupies columns padded_ends[g-1]:padded_ends[g], and decode scales [G*M]
+    and [G*K] (group-major). fp32 accumulation, the scales applied in the epilogue, the sum added
+    into ``out`` [G, M, K] (fp32 or bf16): the FP8 weight gradient is never stored on its own.
+    Check :func:`supports_fp8` first."""
+    groups, m, k = out.shape
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"grouped_wgrad_fp8: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
+    width = gt.shape[1]
+    if (
+        gt.shape[0] != m
+        or xt.shape != (k, width)
+        or padded_ends.numel() != groups
+        or g_scales.numel() != groups * m
+        or x_scales.numel() != groups * k
+        or width % 16
+        or not (gt.is_contiguous() and xt.is_contiguous())
+    ):
+        raise ValueError(
+            f"grouped_wgrad_fp8: gt {tuple(gt.shape)}, xt {tuple(xt.shape)}, {padded_ends.numel()} groups, "
+            f"scales {g_scales.numel()}/{x_scales.numel()}, out {tuple(out.shape)}"
+        )
+    if not (groups and m and k):
+        return
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_m, block_n, block_k, warps, stages = config or (INTERPRETER_CONFIG if interpreted else FP8_CUDA_CONFIG)
+    tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
+    slots = 8 if interpreted else torch.cuda.get_device_properties(gt.device).multi_processor_count
+    triton.set_allocator(_allocate_scratch)
+    _grouped_wgrad_fp8_kernel[(min(tiles, slots),)](
+        gt,
+        g_scales.float().contiguous(),
+        xt,
+        x_scales.float().contiguous(),
+        padded_ends.to(torch.int32),
+        out,
+        groups,
+        m,
+        k,
+        width,
+        ACCUMULATE=accumulate,
+        SPLIT_EPILOGUE=split_epilogue(block_n, out.dtype),
+        IEEE=interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

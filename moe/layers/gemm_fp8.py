@@ -107,15 +107,49 @@ def _sink_wgrad(sink, grad: torch.Tensor, rows, offsets: torch.Tensor) -> bool:
     return True
 
 
+def _fp8_wgrad_operands(grad, x, offsets, grad_index=None, grad_scale=None, x_index=None):
+    """wgrad's FP8 operands: both quantised per (expert, column) and transposed, each expert's
+    rows a zero-padded run (grad_index/grad_scale: grad's rows read through the routing indices
+    and weighted; x_index: x's rows read through them)."""
+    gt, sgt, padded = quantize_cols_grouped(grad, offsets, pad=True, row_index=grad_index, row_scale=grad_scale)
+    xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True, row_index=x_index)
+    return gt, sgt, xt, sxt, padded
+
+
+def _sink_wgrad_fp8(sink, operands) -> bool:
+    """wgrad in FP8, added into the optimizer's gradient inside the GEMM (scales applied in its
+    epilogue; ``operands`` a callable giving :func:`_fp8_wgrad_operands`' result, made only when
+    the kernel runs). False where there is no sink or no FP8 kernel here."""
+    if sink is None:
+        return False
+    gt, sgt, xt, sxt, padded = ops = operands()
+    if not fused_wgrad.supports_fp8(gt):
+        return False
+    sink.accumulate(lambda buf, add: fused_wgrad.grouped_wgrad_fp8(gt, sgt, xt, sxt, padded, buf, accumulate=add))
+    del ops
+    return True
+
+
 def _wgrad(grad, x, offsets, fp8: bool, emulate: bool, row_index=None):
     """grad_g^T [M, n_g] @ x_g [n_g, K] -> [G, M, K] (w's own layout); x_g = x[row_index]_g when
     the rows are token rows read through the routing indices."""
     if not fp8:
         rows = x.index_select(0, row_index) if row_index is not None else x  # bf16: a transient copy
         return grouped_mm(grad.t(), rows, offs=offsets)
-    gt, sgt, padded = quantize_cols_grouped(grad, offsets, pad=True)
-    xt, sxt, _ = quantize_cols_grouped(x, offsets, pad=True, row_index=row_index)
+    gt, sgt, xt, sxt, padded = _fp8_wgrad_operands(grad, x, offsets, x_index=row_index)
     return scaled_grouped_mm(gt, xt.t(), sgt, sxt, padded, emulate)
+
+
+def _weight_grad(ctx, grad, x, offsets, row_index=None):
+    """The weight gradient of grad = x[row_index] @ w.T: into the optimizer's gradient sink where
+    there is one (FP8 or bf16 as the plan says; the sink kernels add inside the GEMM), else
+    returned. None when the sink took it."""
+    if ctx.plan.wgrad:
+        if _sink_wgrad_fp8(ctx.sink if fused_wgrad.supports_fp8(grad) else None, lambda: _fp8_wgrad_operands(grad, x, offsets, x_index=row_index)):
+            return None
+    elif _sink_wgrad(ctx.sink, grad, lambda: x.index_select(0, row_index) if row_index is not None else x, offsets):
+        return None
+    return _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -135,9 +169,7 @@ class _Fp8Linear(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1] and not _sink_wgrad(ctx.sink, grad, lambda: x, offsets):
-            grad_w = _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate)
+        grad_w = _weight_grad(ctx, grad, x, offsets) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None, None
 
 
@@ -165,8 +197,8 @@ class _Fp8GatheredLinear(torch.autograd.Function):
             grad_rows = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
             grad_tokens = gather_reduce(grad_rows, inverse, None, ctx.top_k)
             del grad_rows  # freed before wgrad gathers its token rows: this was the FP8 step's peak
-        if ctx.needs_input_grad[4] and not _sink_wgrad(ctx.sink, grad, lambda: tokens.index_select(0, row_index), offsets):
-            grad_w = _wgrad(grad, tokens, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
+        if ctx.needs_input_grad[4]:
+            grad_w = _weight_grad(ctx, grad, tokens, offsets, row_index=row_index)
         return grad_tokens, None, None, None, grad_w, None, None, None, None
 
 
@@ -205,8 +237,10 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         row_index = order // top_k
         row_weight = weights.reshape(-1).index_select(0, order).float()  # the weight of each expert-ordered row
         rows_bf16 = grad_weights = None
-        sink = ctx.sink if ctx.needs_input_grad[1] and fused_wgrad.supports(grad_out, grad_out) else None
-        if not (plan.dgrad and plan.wgrad) or sink is not None:
+        sink = ctx.sink if ctx.needs_input_grad[1] else None
+        fp8_sink = sink is not None and plan.wgrad and fused_wgrad.supports_fp8(grad_out)
+        bf16_sink = sink is not None and not fp8_sink and fused_wgrad.supports(grad_out, grad_out)
+        if not (plan.dgrad and plan.wgrad) or bf16_sink:
             # the weighted rows (routing weight x token gradient, in expert order) and the
             # weights' gradient in one pass
             rows_bf16, grad_weights = combine_backward(grad_out, y, inverse, weights)
@@ -225,10 +259,12 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         else:
             grad_a = grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
         grad_w = None
-        if ctx.needs_input_grad[1] and not _sink_wgrad(sink, rows_bf16, a.detach, offsets):
+        operands = lambda: _fp8_wgrad_operands(grad_out, a.detach(), offsets, grad_index=row_index, grad_scale=row_weight)  # noqa: E731
+        if fp8_sink and _sink_wgrad_fp8(sink, operands):
+            pass
+        elif ctx.needs_input_grad[1] and not _sink_wgrad(sink if bf16_sink else None, rows_bf16, a.detach, offsets):
             if plan.wgrad:
-                gt, sgt, padded = quantize_cols_grouped(grad_out, offsets, pad=True, row_index=row_index, row_scale=row_weight)
-                at, sat, _ = quantize_cols_grouped(a.detach(), offsets, pad=True)
+                gt, sgt, at, sat, padded = operands()
                 grad_w = scaled_grouped_mm(gt, at.t(), sgt, sat, padded, emulate)
             else:
                 grad_w = grouped_mm(rows_bf16.t(), a.detach(), offs=offsets)
@@ -257,9 +293,7 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
             hh = h.detach().requires_grad_(True)
             a = swiglu(hh)
         grad_a = _dgrad(grad, w, offsets, ctx.plan.dgrad, ctx.emulate, ctx.cache)
-        grad_w = None
-        if ctx.needs_input_grad[1] and not _sink_wgrad(ctx.sink, grad, a.detach, offsets):
-            grad_w = _wgrad(grad, a.detach(), offsets, ctx.plan.wgrad, ctx.emulate)
+        grad_w = _weight_grad(ctx, grad, a.detach(), offsets) if ctx.needs_input_grad[1] else None
         (grad_h,) = torch.autograd.grad(a, hh, grad_a)
         return grad_h, grad_w, None, None, None, None
 

@@ -65,6 +65,47 @@ def check_kernel() -> None:
         raise AssertionError("an fp16 accumulator was taken")
 
 
+def check_fp8_kernel() -> None:
+    """The FP8 kernel on quantize_cols_grouped's padded operands against the dequantised
+    operands multiplied per expert in float64 (the kernel's only error is its fp32 sum)."""
+    from moe.kernels.fp8 import quantize_cols_grouped
+
+    gen = torch.Generator().manual_seed(2)
+    counts = [7, 0, 33, 1, 20, 0]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    for m, k, config in ((48, 40, None), (40, 264, (32, 256, 16, 4, 1))):
+        grad = torch.randn(sum(counts), m, generator=gen).bfloat16()
+        x = (torch.randn(sum(counts), k, generator=gen) * 100).bfloat16()
+        gt, sg, padded = quantize_cols_grouped(grad, ends, pad=True)
+        xt, sx, _ = quantize_cols_grouped(x, ends, pad=True)
+        ref, start = [], 0
+        for g, end in enumerate(padded.tolist()):
+            a = gt[:, start:end].double() * sg.view(len(counts), m)[g].double()[:, None]
+            b = xt[:, start:end].double() * sx.view(len(counts), k)[g].double()[:, None]
+            ref.append(a @ b.t())
+            start = end
+        ref = torch.stack(ref)
+        exact = reference(grad, x, counts)
+        assert ((ref - exact).norm() / exact.norm()).item() < 0.05, "the quantised operands are the rows"
+        for acc_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
+            base = torch.randn(len(counts), m, k, generator=gen).to(acc_dtype)
+            fresh = torch.full_like(base, float("nan"))
+            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, fresh, accumulate=False, config=config)
+            assert ((fresh.double() - ref).abs().max() / ref.abs().max()).item() < tol, (m, k, acc_dtype)
+            assert (fresh[1] == 0).all() and (fresh[5] == 0).all(), "an expert without rows gets zeros"
+            acc = base.clone()
+            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, acc, accumulate=True, config=config)
+            want = base.double() + ref
+            assert ((acc.double() - want).abs().max() / want.abs().max()).item() < tol, (m, k, acc_dtype)
+            assert torch.equal(acc[1], base[1]), "accumulating leaves an empty expert's gradient as it was"
+    try:
+        gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, torch.zeros(len(counts), m + 1, k), accumulate=False)
+    except ValueError as exc:
+        assert "grouped_wgrad_fp8" in str(exc)
+    else:
+        raise AssertionError("a mismatched accumulator was taken")
+
+
 class Experts(nn.Module):
     def __init__(self, gemm=None) -> None:
         super().__init__()
@@ -87,8 +128,9 @@ def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bo
     calls, launches = [], []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda t: calls.append(t))
-    kernel = gw.grouped_wgrad
-    gw.grouped_wgrad = lambda *a, **k: (launches.append(1), kernel(*a, **k))[1]  # counts, then runs the real kernel
+    kernel, fp8_kernel = gw.grouped_wgrad, gw.grouped_wgrad_fp8
+    gw.grouped_wgrad = lambda *a, **k: (launches.append("bf16"), kernel(*a, **k))[1]  # counts, then runs the real kernel
+    gw.grouped_wgrad_fp8 = lambda *a, **k: (launches.append("fp8"), fp8_kernel(*a, **k))[1]
     try:
         for i, (x, counts, routing) in enumerate(micro_batches):
             if i == len(micro_batches) - 1:
@@ -96,11 +138,11 @@ def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bo
             out = model.experts.forward_tokens(x, routing, counts) if token_rows else model.experts(x, counts)
             (out.float() ** 2).sum().backward()
     finally:
-        gw.grouped_wgrad = kernel
+        gw.grouped_wgrad, gw.grouped_wgrad_fp8 = kernel, fp8_kernel
     opt.fold_deferred()
     for p in model.parameters():
         assert p.grad is None, "every expert gradient reached its fp32 holder"
-    return [p.grad.clone() for p in opt.params], len(calls), len(launches)
+    return [p.grad.clone() for p in opt.params], len(calls), launches
 
 
 def _micro_batches(top_k: int = 2) -> list:
@@ -124,7 +166,7 @@ def check_optimizer_sink() -> None:
         fused, fused_calls, launches = train("gemm", accum, micro)
         separate, separate_calls, _ = train("separate", accum, micro)
         assert fused_calls == separate_calls == 2 * len(micro), (fused_calls, separate_calls)
-        assert launches == 2 * len(micro), launches
+        assert launches == ["bf16"] * 2 * len(micro), launches
         for a, b in zip(fused, separate, strict=True):
             assert a.dtype == torch.float32
             # the separate path rounds each micro-batch's gradient to bf16 before adding it
@@ -133,25 +175,32 @@ def check_optimizer_sink() -> None:
 
 
 def check_fp8_sink() -> None:
-    """The FP8 expert GEMM with a sink: wgrad in bf16 inside the accumulating GEMM whatever the
-    rule says (the same bits with an all-FP8 rule as with a rule that keeps wgrad in bf16), close
-    to the separate path's bf16 wgrad, on expert-ordered rows and on token rows."""
+    """The FP8 expert GEMM with a sink: wgrad in the FP8 accumulating GEMM where the rule sends
+    wgrad to FP8 (the same quantised operands as the separate FP8 path, whose bf16 result is then
+    added), in the bf16 one where it keeps wgrad in bf16, on expert-ordered and on token rows."""
     micro = _micro_batches()
     for token_rows in (False, True):
         all_fp8, calls, launches = train("gemm", "fp32", micro, Fp8GroupedGemm(Fp8Rule(0), emulate=True), token_rows)
-        assert launches == 2 * len(micro) and calls == 2 * len(micro), (token_rows, launches, calls)
-        kept, _, _ = train("gemm", "fp32", micro, Fp8GroupedGemm(Bf16Wgrad(0), emulate=True), token_rows)
+        assert launches == ["fp8"] * 2 * len(micro) and calls == 2 * len(micro), (token_rows, launches, calls)
+        fp8_separate, _, none = train("separate", "fp32", micro, Fp8GroupedGemm(Fp8Rule(0), emulate=True), token_rows)
+        assert none == []
+        kept, _, launches = train("gemm", "fp32", micro, Fp8GroupedGemm(Bf16Wgrad(0), emulate=True), token_rows)
+        assert launches == ["bf16"] * 2 * len(micro), launches
         separate, _, none = train("separate", "fp32", micro, Fp8GroupedGemm(Bf16Wgrad(0), emulate=True), token_rows)
-        assert none == 0
-        for a, b, c in zip(all_fp8, kept, separate, strict=True):
-            assert torch.equal(a, b), token_rows
-            err = ((a - c).norm() / c.norm()).item()
-            assert err < 1e-2, (token_rows, err)
+        assert none == []
+        for a, b in ((all_fp8, fp8_separate), (kept, separate)):
+            for x, y in zip(a, b, strict=True):
+                err = ((x - y).norm() / y.norm()).item()
+                assert err < 1e-2, (token_rows, err)  # the separate paths round each micro-batch's gradient to bf16
+        for x, y in zip(all_fp8, kept, strict=True):
+            assert not torch.equal(x, y), "FP8 wgrad ran"
+            assert ((x - y).norm() / y.norm()).item() < 0.1, token_rows
 
 
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     check_kernel()
+    check_fp8_kernel()
     check_optimizer_sink()
     check_fp8_sink()
     print("grouped wgrad ok")

@@ -14,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object], **options) -> dict:
+def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object], return_ptx: bool = False, **options) -> dict:
     """``types``: Triton type per runtime argument ("*bf16", "i32", ...); every other argument of
     the kernel must be in ``constexprs``. Integer and pointer arguments get the divisibility-by-16
     hint a real launch gives them when their values allow (what makes loads vectorise and the
@@ -38,10 +38,11 @@ def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
-    return {
+    stats = {
         "registers": int(fields["REG"]),
         "spill_stack_bytes": int(fields["STACK"]),
         "local_bytes": int(fields["LOCAL"]),
         "shared_bytes": compiled.metadata.shared,
         "wgmma": "wgmma" in compiled.asm["ptx"],
     }
+    return stats | {"ptx": compiled.asm["ptx"]} if return_ptx else stats
