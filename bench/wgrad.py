@@ -33,12 +33,21 @@ FP8_CASES = [
     ("paper", 4096, 4096, 64, 4, 16384),
     ("olmoe", 2048, 1024, 64, 8, 16384),
 ]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, blocks per SM, split epilogue]): two blocks per SM
+# overlap one's accumulator epilogue with the other's GEMM
 FP8_CONFIGS = [
     (128, 256, 128, 8, 3),
-    (128, 128, 128, 8, 4),
-    (128, 128, 128, 4, 4),
-    (128, 256, 64, 8, 4),
-    (128, 128, 64, 4, 4),
+    (128, 128, 128, 4, 2, 2, True),
+    (128, 128, 128, 8, 2, 2, True),
+    (64, 256, 128, 4, 2, 2, True),
+    (128, 128, 64, 4, 3, 2, True),
+    (128, 128, 64, 8, 4, 2, True),
+]
+# the bf16 kernel with two blocks per SM, beside its shipped config (in the --fp8 cases)
+BF16_TWO_BLOCK_CONFIGS = [
+    (128, 128, 64, 4, 2, 2, True),
+    (128, 128, 32, 4, 3, 2, True),
+    (128, 128, 64, 8, 2, 2, True),
 ]
 CONFIGS = [
     (128, 256, 64, 8, 3),
@@ -192,6 +201,18 @@ def time_fp8_weight(label, grad, x, ends, configs, iters) -> list[dict]:
     fresh = torch.zeros_like(acc)
     gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False)
     out = [row("bf16 fused (default)", time_cuda(bf16_fused, iters=iters)["median_ms"], rel(fresh, exact), rel(fresh, exact))]
+    for cfg in BF16_TWO_BLOCK_CONFIGS if len(configs) > 1 else []:
+        fresh = torch.full_like(acc, float("nan"))
+        gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False, config=cfg)
+        err = rel(fresh, exact)
+        if not torch.isfinite(fresh).all() or err > 1e-3:
+            out.append(row(f"bf16 fused {cfg}", float("nan"), err) | {"error": "wrong result"})
+            continue
+
+        def bf16_cfg(cfg=cfg):
+            gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, config=cfg)
+
+        out.append(row(f"bf16 fused {cfg}", time_cuda(bf16_cfg, iters=iters)["median_ms"], err, err))
     check = scaled()
     out.append(row("fp8 scaled_grouped_mm + add_", time_cuda(scaled_add, iters=iters)["median_ms"], rel(check, ref), rel(check, exact)))
     del check

@@ -205,10 +205,11 @@ def grouped_wgrad(
         return
     ends = ends.to(torch.int32)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    block_m, block_n, block_k, warps, stages = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
+    block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
+    blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
-    # persistent: one program per SM (the interpreter: a few programs, each looping over tiles)
-    slots = 8 if interpreted else torch.cuda.get_device_properties(grad.device).multi_processor_count
+    # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
+    slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
     _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
@@ -219,7 +220,7 @@ def grouped_wgrad(
         m,
         k,
         ACCUMULATE=accumulate,
-        SPLIT_EPILOGUE=split_epilogue(block_n, out.dtype),
+        SPLIT_EPILOGUE=split,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -253,7 +254,9 @@ def grouped_wgrad_fp8(
     e4m3 whose group g occupies columns padded_ends[g-1]:padded_ends[g], and decode scales [G*M]
     and [G*K] (group-major). fp32 accumulation, the scales applied in the epilogue, the sum added
     into ``out`` [G, M, K] (fp32 or bf16): the FP8 weight gradient is never stored on its own.
-    Check :func:`supports_fp8` first."""
+    Check :func:`supports_fp8` first. ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[,
+    blocks per SM, split epilogue]): small tiles with a split epilogue fit two blocks on an SM, so
+    one block's accumulator read and write overlap the other's GEMM."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad_fp8: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -274,9 +277,10 @@ def grouped_wgrad_fp8(
     if not (groups and m and k):
         return
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    block_m, block_n, block_k, warps, stages = config or (INTERPRETER_CONFIG if interpreted else FP8_CUDA_CONFIG)
+    block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else FP8_CUDA_CONFIG)
+    blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
-    slots = 8 if interpreted else torch.cuda.get_device_properties(gt.device).multi_processor_count
+    slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(gt.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
     _grouped_wgrad_fp8_kernel[(min(tiles, slots),)](
         gt,
@@ -290,7 +294,7 @@ def grouped_wgrad_fp8(
         k,
         width,
         ACCUMULATE=accumulate,
-        SPLIT_EPILOGUE=split_epilogue(block_n, out.dtype),
+        SPLIT_EPILOGUE=split,
         IEEE=interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
