@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")
     p.add_argument("--fp8-dense", action="store_true", help="precision.fp8_dense: the dense projections in FP8 too (fp8_rowwise)")
+    p.add_argument(
+        "--fp8-sink-wgrad-min-dim",
+        type=int,
+        default=None,
+        help="Fp8Rule.SINK_WGRAD_MIN_DIM for this run (not a config key: the A/B behind the rule's constant)",
+    )
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
     p.add_argument("--logit-z-loss", type=float, default=0.0, help="train.logit_z_loss_weight (the olmoe-1b-7b recipe's is 1e-5)")
     p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
@@ -136,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The measured matmul ceiling, then the training steps on random token ids (under --sdpa's
     backend): the result row, step times, losses and the optional peak breakdown."""
+    if args.fp8_sink_wgrad_min_dim is not None:
+        from moe.nn.fp8_policy import Fp8Rule
+
+        Fp8Rule.SINK_WGRAD_MIN_DIM = args.fp8_sink_wgrad_min_dim
     peak_measured = matmul_peak_tflops()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
@@ -278,6 +288,7 @@ def result_row(
         "recipe": args.recipe,
         "fp8_min_dim": args.fp8_min_dim,
         "fp8_dense": args.fp8_dense,
+        "fp8_sink_wgrad_min_dim": args.fp8_sink_wgrad_min_dim,
         "recompute": args.recompute,
         "sdpa": args.sdpa,
         "fused_norm_rope": not args.eager_norm_rope,

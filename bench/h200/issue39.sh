@@ -17,6 +17,7 @@
 #   bench/h200/issue39.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
 #   bench/h200/issue39.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
 #   bench/h200/issue39.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
+#   bench/h200/issue39.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -149,11 +150,34 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --fp8-dense
     done
     ;;
+  sinkab)
+    for rep in 1 2; do
+      common=(--width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 6)
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --fp8-sink-wgrad-min-dim 1000000
+      run python3 -m bench.model "${common[@]}"
+    done
+    run python3 -m bench.model --width paper --layers 2 --micro 4 --accum 4 --warmup 2 --steps 6 --recipe fp8_rowwise --fp8-dense
+    common=(--width olmoe --layers 8 --micro 4 --accum 4 --warmup 2 --steps 6)
+    run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+    run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --fp8-sink-wgrad-min-dim 0
+    run python3 -m bench.model "${common[@]}"
+    if [ ! -f /tmp/ptok/manifest.json ]; then
+      (cd bench/paper && python3 -m pipeline.cli paper tokenize --set tokenize.vocab_size=4096 \
+        --set tokenize.max_bytes=8000000 --set tokenize.output=/tmp/ptok 2>&1 | tail -2)
+    fi
+    for recipe in fp8_rowwise bf16; do
+      rm -rf "/tmp/parity/paper-lr1e-4-$recipe"
+      run python3 -m bench.parity run --recipe "$recipe" --preset paper-8l --layers 2 --lr 1e-4 --data /tmp/ptok --out "/tmp/parity/paper-lr1e-4-$recipe"
+      cp "/tmp/parity/paper-lr1e-4-$recipe/metrics.jsonl" "$OUT/parity-paper-lr1e-4-$recipe.jsonl" 2>/dev/null
+    done
+    run python3 -m bench.parity report /tmp/parity/paper-lr1e-4-bf16 /tmp/parity/paper-lr1e-4-fp8_rowwise
+    ;;
   quant)
     run python3 -m bench.fp8 check
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|wgrad8|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|wgrad8|sinkab|quant" >&2; exit 2 ;;
 esac
 exit $status

@@ -29,11 +29,12 @@ combine's [N, D] gradient is never stored. Not fused yet: the wgrad operands' co
 copies (one pass per optimizer step). Measured on one H200: bench/NOTES.md.
 
 Where the optimizer registered a gradient sink for an expert weight (``optim.expert_wgrad:
-gemm``, the default), wgrad runs in bf16 inside the GEMM that adds it into the fp32 master
-gradient (moe.kernels.grouped_wgrad), whatever the rule says: on one H200 at paper width the FP8
-wgrad GEMMs took ~56 ms of a 2-layer step but writing their bf16 result and adding it into the
-fp32 gradient took 101 ms more, against 139 ms for the accumulating bf16 GEMM (bench.model
---profile, bench/NOTES.md). Forward and dgrad stay FP8.
+gemm``, the default), wgrad runs inside a GEMM that adds it into the fp32 master gradient
+(moe.kernels.grouped_wgrad): the FP8 one (the columnwise operands above, their scales applied
+in the epilogue) where the rule's ``Plan.sink_wgrad`` says so (the widest GEMMs), else the bf16
+one. FP8 wgrad with a separate add lost at every width: writing the bf16 result and adding it
+into the fp32 gradient took 101 ms of a 2-layer paper-width step (bench.model --profile,
+bench/NOTES.md).
 
 Which GEMMs run in FP8 is decided per GEMM shape by :class:`Fp8Rule` (FP8 does not pay for
 thin GEMMs: the quantisation passes and the FP8 kernel's fixed costs exceed the saving), the
@@ -144,8 +145,8 @@ def _weight_grad(ctx, grad, x, offsets, row_index=None):
     """The weight gradient of grad = x[row_index] @ w.T: into the optimizer's gradient sink where
     there is one (FP8 or bf16 as the plan says; the sink kernels add inside the GEMM), else
     returned. None when the sink took it."""
-    if ctx.plan.wgrad:
-        if _sink_wgrad_fp8(ctx.sink if fused_wgrad.supports_fp8(grad) else None, lambda: _fp8_wgrad_operands(grad, x, offsets, x_index=row_index)):
+    if ctx.plan.sink_wgrad and fused_wgrad.supports_fp8(grad):
+        if _sink_wgrad_fp8(ctx.sink, lambda: _fp8_wgrad_operands(grad, x, offsets, x_index=row_index)):
             return None
     elif _sink_wgrad(ctx.sink, grad, lambda: x.index_select(0, row_index) if row_index is not None else x, offsets):
         return None
@@ -238,7 +239,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         row_weight = weights.reshape(-1).index_select(0, order).float()  # the weight of each expert-ordered row
         rows_bf16 = grad_weights = None
         sink = ctx.sink if ctx.needs_input_grad[1] else None
-        fp8_sink = sink is not None and plan.wgrad and fused_wgrad.supports_fp8(grad_out)
+        fp8_sink = sink is not None and plan.sink_wgrad and fused_wgrad.supports_fp8(grad_out)
         bf16_sink = sink is not None and not fp8_sink and fused_wgrad.supports(grad_out, grad_out)
         if not (plan.dgrad and plan.wgrad) or bf16_sink:
             # the weighted rows (routing weight x token gradient, in expert order) and the

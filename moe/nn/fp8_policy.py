@@ -17,11 +17,14 @@ def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Which of a projection's three GEMMs run in FP8."""
+    """Which of a projection's three GEMMs run in FP8. ``sink_wgrad``: wgrad also in FP8 where
+    the optimizer's accumulating GEMM takes the gradient (moe.kernels.grouped_wgrad); otherwise
+    that GEMM takes it in bf16."""
 
     fwd: bool
     dgrad: bool
     wgrad: bool
+    sink_wgrad: bool = False
 
     @property
     def any(self) -> bool:
@@ -60,12 +63,24 @@ class Fp8Rule:
     2,048 rows, >= ``min_dim`` (1,024) needs 4,096 rows, below it bf16 (``min_rows`` overrides
     the tiers); an expert MLP's down projection follows its up projection (:meth:`plan_down`). The dense
     projections keep their own rule (``precision.fp8_dense_min_dim``, 4,096: FP8 attention at
-    OLMoE width lost 2.2%, T192621Z)."""
+    OLMoE width lost 2.2%, T192621Z).
+
+    Where the optimizer's gradient sink takes an expert weight's gradient (the default,
+    ``optim.expert_wgrad: gemm``), wgrad runs in FP8 only for GEMMs whose smaller dimension is at
+    least ``SINK_WGRAD_MIN_DIM`` (4,096), else in the bf16 accumulating GEMM. Both add into the
+    fp32 gradient inside the GEMM, which at ~1,000 rows per expert is bound by that gradient's
+    read and write, so FP8 saves little in the GEMM and the columnwise quantisation of both
+    operands costs about what it saves (bench.wgrad --fp8, wgrad-fp8-NVIDIA-H200-20261202T230552Z,
+    T231453Z). In the step FP8 wgrad still won at paper width, where it also skips bf16 copies of
+    the combine's gradient rows and the gathered tokens (+1.8%: 99.2K against 97.5K tok/s, T230612Z
+    and the same call's run of f4bc247), and lost at OLMoE width (0.995x bf16 against 1.03x with
+    bf16 wgrad, T230656Z and T230710Z against T225735Z and T225757Z)."""
 
     min_dim: int = 1024
     min_rows: int | None = None
 
     WIDE = 4096  # both dimensions at least this: 1,024 rows per expert suffice
+    SINK_WGRAD_MIN_DIM = 4096
 
     def rows_needed(self, n: int, k: int) -> int:
         """Mean rows per expert an n x k GEMM (either way round) needs to run in FP8."""
@@ -81,11 +96,13 @@ class Fp8Rule:
 
     def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
         rows = tokens / max(groups, 1)
+        # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
+        wgrad = self.use(rows, out_dim, in_dim)
         return Plan(
             fwd=self.use(rows, out_dim, in_dim),
             dgrad=self.use(rows, in_dim, out_dim),
-            # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
-            wgrad=self.use(rows, out_dim, in_dim),
+            wgrad=wgrad,
+            sink_wgrad=wgrad and (self.min_dim == 0 or min(out_dim, in_dim) >= self.SINK_WGRAD_MIN_DIM),
         )
 
     def plan_down(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
@@ -96,7 +113,8 @@ class Fp8Rule:
         ``min_dim`` and be multiples of 16."""
         up = self.plan(tokens, groups, 2 * in_dim, out_dim)
         ok = out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim) >= self.min_dim
-        return Plan(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok)
+        sink = up.sink_wgrad and ok and (self.min_dim == 0 or min(out_dim, in_dim) >= self.SINK_WGRAD_MIN_DIM)
+        return Plan(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok, sink_wgrad=sink)
 
 
 class WeightCache:
