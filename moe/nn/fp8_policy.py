@@ -66,15 +66,16 @@ class Fp8Rule:
     OLMoE width lost 2.2%, T192621Z).
 
     Where the optimizer's gradient sink takes an expert weight's gradient (the default,
-    ``optim.expert_wgrad: gemm``), wgrad runs in FP8 only for GEMMs whose smaller dimension is at
-    least ``SINK_WGRAD_MIN_DIM`` (4,096), else in the bf16 accumulating GEMM. Both add into the
-    fp32 gradient inside the GEMM, which at ~1,000 rows per expert is bound by that gradient's
-    read and write, so FP8 saves little in the GEMM and the columnwise quantisation of both
-    operands costs about what it saves (bench.wgrad --fp8, wgrad-fp8-NVIDIA-H200-20261202T230552Z,
-    T231453Z). In the step FP8 wgrad still won at paper width, where it also skips bf16 copies of
-    the combine's gradient rows and the gathered tokens (+1.8%: 99.2K against 97.5K tok/s, T230612Z
-    and the same call's run of f4bc247), and lost at OLMoE width (0.995x bf16 against 1.03x with
-    bf16 wgrad, T230656Z and T230710Z against T225735Z and T225757Z)."""
+    ``optim.expert_wgrad: gemm``), wgrad runs in FP8 (moe.kernels.grouped_wgrad.grouped_wgrad_fp8)
+    only for GEMMs whose smaller dimension is at least ``SINK_WGRAD_MIN_DIM`` (4,096), else in the
+    bf16 accumulating GEMM. Both add into the fp32 gradient inside the GEMM, which at ~1,000 rows
+    per expert is bound by that gradient's read and write: the FP8 kernel is only 1.12-1.26x the
+    bf16 one, and the columnwise quantisation of its two operands costs about that much
+    (bench.wgrad --fp8, wgrad-fp8-NVIDIA-H200-20261202T231453Z, T233517Z). In the step it still
+    pays at paper width, where it also skips the bf16 copies of the combine's gradient rows and
+    of the gathered tokens: +1.5% and +1.6% against bf16 wgrad (96.4K/96.7K against 95.0K/95.2K
+    tok/s, T231757Z/T231900Z against T231819Z/T231917Z, one call), and it loses at OLMoE width:
+    97.0K against 100.4K tok/s (T232029Z against T232011Z; bf16 96.5K, T232047Z)."""
 
     min_dim: int = 1024
     min_rows: int | None = None

@@ -88,16 +88,17 @@ def test_the_rule_keeps_thin_and_short_gemms_in_bf16():
     # to FP8 from 1,024 rows per expert (16K tokens x top-4 over 64 experts), not at 512; OLMoE
     # width (GEMMs 2048x2048 and 2048x1024) from 2,048 rows (16K tokens x top-8), not at 1,024
     rule = Fp8Rule()
-    assert rule.plan(65536, 64, 8192, 4096) == Plan(True, True, True)
+    assert rule.plan(65536, 64, 8192, 4096) == Plan(True, True, True, sink_wgrad=True)
     assert not rule.plan(32768, 64, 8192, 4096).any
-    assert rule.plan(131072, 64, 2048, 2048) == Plan(True, True, True)
+    assert rule.plan(131072, 64, 2048, 2048) == Plan(True, True, True, sink_wgrad=False)
     assert not rule.plan(65536, 64, 2048, 2048).any
     # a GEMM whose smaller dimension is under 2,048 needs 4,096 rows on its own...
     assert not rule.plan(131072, 64, 2048, 1024).any and rule.plan(262144, 64, 2048, 1024).any
     assert not rule.plan(131072, 64, 1024, 1024).any and rule.plan(262144, 64, 1024, 1024).any
     # ...but a down projection follows its MLP's up projection: OLMoE's (2048 x 1024) goes with
     # its 2048 x 2048 up projection, d = h = 1024's with its 2048 x 1024 one
-    assert rule.plan_down(131072, 64, 2048, 1024) == Plan(True, True, True)
+    assert rule.plan_down(131072, 64, 2048, 1024) == Plan(True, True, True, sink_wgrad=False)
+    assert rule.plan_down(65536, 64, 4096, 4096) == Plan(True, True, True, sink_wgrad=True)
     assert not rule.plan_down(65536, 64, 2048, 1024).any
     assert not rule.plan_down(131072, 64, 1024, 1024).any and rule.plan_down(262144, 64, 1024, 1024).any
     assert not rule.plan_down(1 << 20, 64, 2048, 768).any  # its own dimensions still reach min_dim
@@ -107,6 +108,18 @@ def test_the_rule_keeps_thin_and_short_gemms_in_bf16():
     assert not Fp8Rule(4096).plan(1 << 20, 64, 8192, 2048).any
     assert Fp8Rule(min_rows=16).plan(1024, 64, 2048, 1024).any  # min_rows overrides both tiers
     assert not Fp8Rule(0).use(4096, 40, 64)  # FP8 operands need multiples of 16
+
+
+def test_fp8_wgrad_goes_to_the_accumulating_gemm_only_at_the_widest_gemms():
+    # measured in the step (Fp8Rule's docstring): FP8 wgrad inside the accumulating GEMM pays at
+    # paper width (GEMMs 8192x4096, 4096x4096) and loses at OLMoE width (2048x2048, 2048x1024),
+    # where wgrad stays in the bf16 accumulating GEMM while forward and dgrad run in FP8
+    rule = Fp8Rule()
+    assert rule.plan(65536, 64, 8192, 4096).sink_wgrad and rule.plan_down(65536, 64, 4096, 4096).sink_wgrad
+    olmoe_up, olmoe_down = rule.plan(131072, 64, 2048, 2048), rule.plan_down(131072, 64, 2048, 1024)
+    assert olmoe_up.wgrad and olmoe_down.wgrad and not olmoe_up.sink_wgrad and not olmoe_down.sink_wgrad
+    assert not rule.plan(32768, 64, 8192, 4096).sink_wgrad  # never without FP8 wgrad itself
+    assert Fp8Rule(0).plan(64, 4, 32, 16).sink_wgrad  # min_dim 0 forces FP8 everywhere (benchmarks, tests)
 
 
 @pytest.mark.parametrize("shared", [0, 1])
