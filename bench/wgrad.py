@@ -147,6 +147,40 @@ def run_fp8_case(name, d, h, experts, top_k, tokens, configs, iters) -> list[dic
     return out
 
 
+def _dequantised_reference(gt, sg, xt, sx, padded, experts: int) -> torch.Tensor:
+    """The first four experts' weight gradients from the FP8 operands, in fp32: what the FP8
+    GEMM computes, to check it against."""
+    m, k = gt.shape[0], xt.shape[0]
+    ref, start = [], 0
+    for g, end in enumerate(padded[:4].tolist()):
+        a = gt[:, start:end].float() * sg.view(experts, m)[g, :, None]
+        b = xt[:, start:end].float() * sx.view(experts, k)[g, :, None]
+        ref.append(a @ b.t())
+        start = end
+    return torch.stack(ref)
+
+
+def _time_configs(prefix, configs, launch, acc, check, row, iters) -> list[dict]:
+    """One row per tile config of an accumulating kernel (``launch(out, accumulate, config)``),
+    each checked first (``check(out) -> (error, error against the bf16 rows)``); a config that
+    does not fit or gets a wrong result is reported, not timed."""
+    out = []
+    for cfg in configs:
+        fresh = torch.full_like(acc, float("nan"))
+        try:
+            launch(fresh, False, cfg)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a tile config that does not fit (shared memory)
+            out.append(row(f"{prefix} {cfg}", float("nan")) | {"error": str(exc).splitlines()[0][:120]})
+            continue
+        err, err_exact = check(fresh)
+        if not torch.isfinite(fresh).all() or err > 1e-3:
+            out.append(row(f"{prefix} {cfg}", float("nan"), err) | {"error": "wrong result"})
+            continue
+        out.append(row(f"{prefix} {cfg}", time_cuda(lambda cfg=cfg: launch(acc, True, cfg), iters=iters)["median_ms"], err, err_exact))
+    return out
+
+
 def time_fp8_weight(label, grad, x, ends, configs, iters) -> list[dict]:
     """The bf16 accumulating GEMM (the default before), torch's FP8 grouped GEMM plus a separate
     add (FP8 wgrad before the sink), and the FP8 accumulating GEMM on pre-quantised operands and
@@ -164,15 +198,9 @@ def time_fp8_weight(label, grad, x, ends, configs, iters) -> list[dict]:
         xt, sx, _ = quantize_cols_grouped(x, ends, pad=True)
         return gt, sg, xt, sx, padded
 
-    gt, sg, xt, sx, padded = quantise()
+    gt, sg, xt, sx, padded = operands = quantise()
     exact = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])
-    ref, start = [], 0
-    for g, end in enumerate(padded[:4].tolist()):
-        a = gt[:, start:end].float() * sg.view(experts, m)[g, :, None]
-        b = xt[:, start:end].float() * sx.view(experts, k)[g, :, None]
-        ref.append(a @ b.t())
-        start = end
-    ref = torch.stack(ref)
+    ref = _dequantised_reference(*operands, experts)
 
     def row(variant, ms, err=None, err_exact=None):
         return {
@@ -188,56 +216,28 @@ def time_fp8_weight(label, grad, x, ends, configs, iters) -> list[dict]:
     def rel(t, r):
         return ((t[:4].float() - r).norm() / r.norm()).item()
 
-    def bf16_fused():
-        gw.grouped_wgrad(grad, x, ends, acc, accumulate=True)
+    def bf16(out, add, cfg=None):
+        gw.grouped_wgrad(grad, x, ends, out, accumulate=add, config=cfg)
+
+    def fp8(out, add, cfg=None):
+        gw.grouped_wgrad_fp8(*operands, out, accumulate=add, config=cfg)
 
     def scaled():
         return torch._scaled_grouped_mm(gt, xt.t(), sg, sx, offs=padded, out_dtype=torch.bfloat16, use_fast_accum=True)
 
-    def scaled_add():
-        acc.add_(scaled())
-
-    fresh = torch.zeros_like(acc)
-    gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False)
-    out = [row("bf16 fused (default)", time_cuda(bf16_fused, iters=iters)["median_ms"], rel(fresh, exact), rel(fresh, exact))]
-    for cfg in BF16_TWO_BLOCK_CONFIGS if len(configs) > 1 else []:
-        fresh = torch.full_like(acc, float("nan"))
-        gw.grouped_wgrad(grad, x, ends, fresh, accumulate=False, config=cfg)
-        err = rel(fresh, exact)
-        if not torch.isfinite(fresh).all() or err > 1e-3:
-            out.append(row(f"bf16 fused {cfg}", float("nan"), err) | {"error": "wrong result"})
-            continue
-
-        def bf16_cfg(cfg=cfg):
-            gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, config=cfg)
-
-        out.append(row(f"bf16 fused {cfg}", time_cuda(bf16_cfg, iters=iters)["median_ms"], err, err))
+    out = _time_configs("bf16 fused", [None], bf16, acc, lambda t: (rel(t, exact),) * 2, row, iters)
+    out[0]["variant"] = "bf16 fused (default)"
+    out += _time_configs("bf16 fused", BF16_TWO_BLOCK_CONFIGS if len(configs) > 1 else [], bf16, acc, lambda t: (rel(t, exact),) * 2, row, iters)
     check = scaled()
-    out.append(row("fp8 scaled_grouped_mm + add_", time_cuda(scaled_add, iters=iters)["median_ms"], rel(check, ref), rel(check, exact)))
+    out.append(
+        row("fp8 scaled_grouped_mm + add_", time_cuda(lambda: acc.add_(scaled()), iters=iters)["median_ms"], rel(check, ref), rel(check, exact))
+    )
     del check
-    for cfg in configs:
-        fresh = torch.full_like(acc, float("nan"))
-        try:
-            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, fresh, accumulate=False, config=cfg)
-            torch.cuda.synchronize()
-        except Exception as exc:  # a tile config that does not fit
-            out.append(row(f"fp8 fused {cfg}", float("nan")) | {"error": str(exc).splitlines()[0][:120]})
-            continue
-        err = rel(fresh, ref)
-        if not torch.isfinite(fresh).all() or err > 1e-3:
-            out.append(row(f"fp8 fused {cfg}", float("nan"), err) | {"error": "wrong result"})
-            continue
-
-        def fused(cfg=cfg):
-            gw.grouped_wgrad_fp8(gt, sg, xt, sx, padded, acc, accumulate=True, config=cfg)
-
-        out.append(row(f"fp8 fused {cfg}", time_cuda(fused, iters=iters)["median_ms"], err, rel(fresh, exact)))
+    out += _time_configs("fp8 fused", configs, fp8, acc, lambda t: (rel(t, ref), rel(t, exact)), row, iters)
     out.append(row("quantise both operands", time_cuda(quantise, iters=iters)["median_ms"]))
-
-    def shipped():
-        gw.grouped_wgrad_fp8(*quantise(), acc, accumulate=True)
-
-    out.append(row("fp8 quantise + fused (shipped)", time_cuda(shipped, iters=iters)["median_ms"]))
+    out.append(
+        row("fp8 quantise + fused (shipped)", time_cuda(lambda: gw.grouped_wgrad_fp8(*quantise(), acc, accumulate=True), iters=iters)["median_ms"])
+    )
     return out
 
 
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for case in CASES:
             rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters)
     for r in rows:
-        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"].startswith(("grouped_mm +", "bf16 fused")))
+        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in ("grouped_mm + add_ (reference)", "bf16 fused (default)"))
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
     return rows
 
