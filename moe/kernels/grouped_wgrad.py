@@ -26,6 +26,34 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _tile_of(tile, per_group, n_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(expert, first row, first column) of a persistent loop's tile, expert-major."""
+        rest = tile % per_group
+        return tile // per_group, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
+
+    @triton.jit
+    def _add_tile(
+        out, out_desc, acc, g, m0, n0, ACCUMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        """out[g, m0:, n0:] (+)= acc through the [G, M, K] accumulator's descriptor (boxes of one
+        expert's rows: a tile past M or K is clipped), in two column halves when SPLIT_EPILOGUE
+        (the staging buffer of a wide fp32 tile then fits in shared memory)."""
+        HALF: tl.constexpr = BLOCK_N // 2
+        dtype = out.dtype.element_ty
+        if SPLIT_EPILOGUE:
+            left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
+            if ACCUMULATE:
+                left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
+            out_desc.store([g, m0, n0], left.to(dtype).reshape(1, BLOCK_M, HALF))
+            if ACCUMULATE:
+                right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
+            out_desc.store([g, m0, n0 + HALF], right.to(dtype).reshape(1, BLOCK_M, HALF))
+        else:
+            if ACCUMULATE:
+                acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+            out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+
+    @triton.jit
     def _grouped_wgrad_kernel(
         grad,
         x,
@@ -48,18 +76,13 @@ if HAVE_TRITON:
         m_blocks = tl.cdiv(M, BLOCK_M)
         n_blocks = tl.cdiv(K, BLOCK_N)
         per_group = m_blocks * n_blocks
-        # [G, M, K] as boxes of one expert's rows: a tile past M or K is clipped, never spills over
-        # (in two column halves for wide tiles: the epilogue's staging buffer then fits in shared memory)
-        HALF: tl.constexpr = BLOCK_N // 2
+        HALF: tl.constexpr = BLOCK_N // 2  # the epilogue's column halves (_add_tile)
         if SPLIT_EPILOGUE:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
         else:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
         for tile in range(pid, G * per_group, nprog):
-            g = tile // per_group
-            rest = tile % per_group
-            m0 = (rest // n_blocks) * BLOCK_M
-            n0 = (rest % n_blocks) * BLOCK_N
+            g, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
             rows = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
             shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
@@ -73,18 +96,7 @@ if HAVE_TRITON:
                     acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(tl.trans(g_tile), x_tile, acc)
-            if SPLIT_EPILOGUE:
-                left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
-                if ACCUMULATE:
-                    left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
-                out_desc.store([g, m0, n0], left.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
-                if ACCUMULATE:
-                    right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
-                out_desc.store([g, m0, n0 + HALF], right.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
-            else:
-                if ACCUMULATE:
-                    acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-                out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+            _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _grouped_wgrad_fp8_kernel(
@@ -120,10 +132,7 @@ if HAVE_TRITON:
         else:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
         for tile in range(pid, G * per_group, nprog):
-            g = tile // per_group
-            rest = tile % per_group
-            m0 = (rest // n_blocks) * BLOCK_M
-            n0 = (rest % n_blocks) * BLOCK_N
+            g, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             start = tl.multiple_of(tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64), 16)
             cols = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
             shape_cols = tl.maximum(cols, 16)
@@ -142,18 +151,7 @@ if HAVE_TRITON:
             scale_m = tl.load(sg + g * M + rows_m, mask=rows_m < M, other=0.0)
             scale_n = tl.load(sx + g * K + cols_n, mask=cols_n < K, other=0.0)
             acc = acc * scale_m[:, None] * scale_n[None, :]
-            if SPLIT_EPILOGUE:
-                left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
-                if ACCUMULATE:
-                    left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
-                out_desc.store([g, m0, n0], left.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
-                if ACCUMULATE:
-                    right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
-                out_desc.store([g, m0, n0 + HALF], right.to(out.dtype.element_ty).reshape(1, BLOCK_M, HALF))
-            else:
-                if ACCUMULATE:
-                    acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-                out_desc.store([g, m0, n0], acc.to(out.dtype.element_ty).reshape(1, BLOCK_M, BLOCK_N))
+            _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
