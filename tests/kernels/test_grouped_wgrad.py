@@ -14,44 +14,23 @@ def test_kernel_and_gradient_sink_match_the_references_under_the_interpreter():
     run_under_triton_interpreter(["tests/kernels/grouped_wgrad_check.py"], "grouped wgrad ok")
 
 
+@pytest.mark.parametrize("kernel", ["bf16", "fp8"])
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
-def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(accumulator):
+def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(kernel, accumulator):
     import torch
 
     from moe.kernels import grouped_wgrad as gw
     from tests.kernels.sm90 import compile_for_sm90
 
-    block_m, block_n, block_k, warps, stages = gw.CUDA_CONFIG
+    if kernel == "bf16":
+        fn, config, operands = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG, {"grad": "*bf16", "x": "*bf16"}
+    else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
+        fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
+        operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}
+    block_m, block_n, block_k, warps, stages = config
     stats = compile_for_sm90(
-        gw._grouped_wgrad_kernel,
-        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
-        {
-            "ACCUMULATE": True,
-            "SPLIT_EPILOGUE": gw.split_epilogue(block_n, torch.float32 if accumulator == "*fp32" else torch.bfloat16),
-            "IEEE": False,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
-        },
-        num_warps=warps,
-        num_stages=stages,
-    )
-    assert stats["wgmma"] and stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
-    assert stats["shared_bytes"] <= 227 * 1024, stats  # an sm90 block's shared memory
-
-
-@pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
-def test_the_fp8_kernel_compiles_for_sm90_with_fp8_wgmma_no_spills_and_fits_shared_memory(accumulator):
-    import torch
-
-    from moe.kernels import grouped_wgrad as gw
-    from tests.kernels.sm90 import compile_for_sm90
-
-    block_m, block_n, block_k, warps, stages = gw.FP8_CUDA_CONFIG
-    types = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "ends": "*i32", "out": accumulator}
-    stats = compile_for_sm90(
-        gw._grouped_wgrad_fp8_kernel,
-        types | {"G": "i32", "M": "i32", "K": "i32", "W": "i32"},
+        fn,
+        operands | {"ends": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
         {
             "ACCUMULATE": True,
             "SPLIT_EPILOGUE": gw.split_epilogue(block_n, torch.float32 if accumulator == "*fp32" else torch.bfloat16),
@@ -64,6 +43,7 @@ def test_the_fp8_kernel_compiles_for_sm90_with_fp8_wgmma_no_spills_and_fits_shar
         num_stages=stages,
         return_ptx=True,
     )
-    assert stats["wgmma"] and "e4m3.e4m3" in stats["ptx"], "FP8 tensor cores, not an upcast to bf16"
-    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
-    assert stats["shared_bytes"] <= 227 * 1024, stats
+    assert stats["wgmma"] and stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+    assert stats["shared_bytes"] <= 227 * 1024, stats  # an sm90 block's shared memory
+    if kernel == "fp8":
+        assert "e4m3.e4m3" in stats["ptx"], "FP8 tensor cores, not an upcast to bf16"
