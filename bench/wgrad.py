@@ -67,28 +67,18 @@ def _reference(grad, x, ends) -> torch.Tensor:
     return torch.stack(out)
 
 
-def routed_rows(experts: int, top_k: int, tokens: int) -> tuple[torch.Tensor, torch.Generator]:
-    """Group ends of tokens * top_k rows routed at random over the experts (dropless), and the
-    generator that then makes the operands."""
+def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters) -> list[dict]:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    counts = torch.bincount(torch.randint(0, experts, (tokens * top_k,), device=device, generator=gen), minlength=experts)
-    return counts.cumsum(0).to(torch.int32), gen
-
-
-def weight_operands(d: int, h: int, rows: int, gen: torch.Generator):
-    """(name, grad [rows, M], x [rows, K]) for each expert weight: gate_up [2h, d], down [d, h]."""
-    for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
-        grad = torch.randn(rows, m, device=gen.device, dtype=torch.bfloat16, generator=gen)
-        yield weight, grad, torch.randn(rows, k, device=gen.device, dtype=torch.bfloat16, generator=gen)
-
-
-def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters) -> list[dict]:
-    ends, gen = routed_rows(experts, top_k, tokens)
+    rows = tokens * top_k
+    counts = torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
+    ends = counts.cumsum(0).to(torch.int32)
     out = []
-    for weight, grad, x in weight_operands(d, h, tokens * top_k, gen):
-        acc = torch.zeros(experts, grad.shape[1], x.shape[1], device=grad.device, dtype=acc_dtype)
-        out += time_weight(f"{name} {weight}", grad, x, ends, acc, configs, iters)
+    for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
+        grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
+        out += time_weight(f"{name} {weight}", grad, x, ends, torch.zeros(experts, m, k, device=device, dtype=acc_dtype), configs, iters)
+        torch.cuda.empty_cache()
     return out
 
 
@@ -142,9 +132,15 @@ def time_weight(label, grad, x, ends, acc, configs, iters) -> list[dict]:
 
 def run_fp8_case(name, d, h, experts, top_k, tokens, configs, iters) -> list[dict]:
     """Both expert weights of one case, random routing, dropless, fp32 accumulator."""
-    ends, gen = routed_rows(experts, top_k, tokens)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = tokens * top_k
+    counts = torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
+    ends = counts.cumsum(0).to(torch.int32)
     out = []
-    for weight, grad, x in weight_operands(d, h, tokens * top_k, gen):
+    for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
+        grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
         out += time_fp8_weight(f"{name} {weight}", grad, x, ends, configs, iters)
         del grad, x
         torch.cuda.empty_cache()
