@@ -117,18 +117,12 @@ def _fp8_wgrad_operands(grad, x, offsets, grad_index=None, grad_scale=None, x_in
     return gt, sgt, xt, sxt, padded
 
 
-def _sink_wgrad_fp8(sink, operands) -> bool:
+def _sink_wgrad_fp8(sink, operands) -> None:
     """wgrad in FP8, added into the optimizer's gradient inside the GEMM (scales applied in its
-    epilogue; ``operands`` a callable giving :func:`_fp8_wgrad_operands`' result, made only when
-    the kernel runs). False where there is no sink or no FP8 kernel here."""
-    if sink is None:
-        return False
-    gt, sgt, xt, sxt, padded = ops = operands()
-    if not fused_wgrad.supports_fp8(gt):
-        return False
+    epilogue); ``operands``: :func:`_fp8_wgrad_operands`' result. The caller checked that there
+    is a sink and that the FP8 kernel runs here (fused_wgrad.supports_fp8)."""
+    gt, sgt, xt, sxt, padded = operands
     sink.accumulate(lambda buf, add: fused_wgrad.grouped_wgrad_fp8(gt, sgt, xt, sxt, padded, buf, accumulate=add))
-    del ops
-    return True
 
 
 def _wgrad(grad, x, offsets, fp8: bool, emulate: bool, row_index=None):
@@ -145,10 +139,10 @@ def _weight_grad(ctx, grad, x, offsets, row_index=None):
     """The weight gradient of grad = x[row_index] @ w.T: into the optimizer's gradient sink where
     there is one (FP8 or bf16 as the plan says; the sink kernels add inside the GEMM), else
     returned. None when the sink took it."""
-    if ctx.plan.sink_wgrad and fused_wgrad.supports_fp8(grad):
-        if _sink_wgrad_fp8(ctx.sink, lambda: _fp8_wgrad_operands(grad, x, offsets, x_index=row_index)):
-            return None
-    elif _sink_wgrad(ctx.sink, grad, lambda: x.index_select(0, row_index) if row_index is not None else x, offsets):
+    if ctx.sink is not None and ctx.plan.sink_wgrad and fused_wgrad.supports_fp8(grad):
+        _sink_wgrad_fp8(ctx.sink, _fp8_wgrad_operands(grad, x, offsets, x_index=row_index))
+        return None
+    if _sink_wgrad(ctx.sink, grad, lambda: x.index_select(0, row_index) if row_index is not None else x, offsets):
         return None
     return _wgrad(grad, x, offsets, ctx.plan.wgrad, ctx.emulate, row_index=row_index)
 
@@ -260,12 +254,11 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
         else:
             grad_a = grouped_mm(rows_bf16, cache.dense(w), offs=offsets)
         grad_w = None
-        operands = lambda: _fp8_wgrad_operands(grad_out, a.detach(), offsets, grad_index=row_index, grad_scale=row_weight)  # noqa: E731
-        if fp8_sink and _sink_wgrad_fp8(sink, operands):
-            pass
+        if fp8_sink:
+            _sink_wgrad_fp8(sink, _fp8_wgrad_operands(grad_out, a.detach(), offsets, grad_index=row_index, grad_scale=row_weight))
         elif ctx.needs_input_grad[1] and not _sink_wgrad(sink if bf16_sink else None, rows_bf16, a.detach, offsets):
             if plan.wgrad:
-                gt, sgt, at, sat, padded = operands()
+                gt, sgt, at, sat, padded = _fp8_wgrad_operands(grad_out, a.detach(), offsets, grad_index=row_index, grad_scale=row_weight)
                 grad_w = scaled_grouped_mm(gt, at.t(), sgt, sat, padded, emulate)
             else:
                 grad_w = grouped_mm(rows_bf16.t(), a.detach(), offs=offsets)
