@@ -33,7 +33,7 @@ log = logging.getLogger("pipeline.resume")
 
 # Keys that do not change what a run computes.
 NOT_HASHED = {
-    "checkpoint": {"dir", "every", "keep_last", "resume", "init_from", "save"},
+    "checkpoint": {"dir", "every", "keep_last", "resume", "init_from", "save", "asynchronous"},
     "train": {
         "log_every",
         "peak_tflops",

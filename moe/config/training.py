@@ -182,6 +182,10 @@ class CheckpointConfig(Config):
     # false: write no checkpoint at all, not even the final one (benchmark runs of large
     # models, where a save would dwarf the steps measured); a preempted run then loses its steps.
     save: bool = True
+    # true: a save copies the state to host memory and writes it in the background while
+    # training goes on (the next save, a stop and the run's end wait for it); false: training
+    # waits for the disk. Synchronous anyway where the host copies would not fit in memory.
+    asynchronous: bool = True
 
     def _check(self, p: str) -> None:
         require(self.every >= 0, _k(p, "every"), "must be >= 0")

@@ -8,7 +8,10 @@ Layout of ``<dir>``::
 
 A save writes into the temporary directory and renames it only once every rank's shards,
 RNG states and meta.json are on disk, then rewrites ``latest`` atomically; a crash at any
-moment leaves the previous checkpoint as the latest. meta.json records the sha256 of every
+moment leaves the previous checkpoint as the latest. An asynchronous save (``save_async``, the
+trainer's default) copies the tensors to host memory first, then writes, seals and renames from a
+background thread over a process group of its own, so training goes on while the disk works; the
+next save, a load and the end of the run wait for it (``wait``). meta.json records the sha256 of every
 other file and of itself (``meta_sha256``), all verified at load: flipped bytes, an edited
 value or a removed checksum list are errors, not garbage weights; loaded tensors must be
 finite. A step directory that lost a file is an error, never a silent fall-back to an older
@@ -25,11 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
+import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moe.digest import sha256_file
 from moe.errors import CheckpointError
 from moe.train.safe_dcp import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
+
+log = logging.getLogger("moe.train")
 
 STEP_DIR_NAME = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
@@ -54,9 +63,9 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def step_dir_name(step: int) -> str:
@@ -147,9 +156,22 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 class CheckpointManager:
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
+    """Writes the checkpoints of one run under ``root``: ``save`` blocks until the checkpoint is
+    complete; ``save_async`` returns once the tensors are copied to host memory (at most one
+    save is in flight; ``wait`` finishes it and raises its error, if it had one)."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, asynchronous: bool = False) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self.asynchronous = asynchronous
+        # A group of its own, so the background thread's collectives never interleave with the
+        # training's on the default group (made up front: every rank builds the manager together).
+        self._group = dist.new_group(backend="gloo") if asynchronous and _distributed() else None
+        self._staging: dict[str, torch.Tensor] = {}  # host buffers, reused by every save
+        self._thread: threading.Thread | None = None
+        self._error: CheckpointError | None = None
+        self.last_write_s: float | None = None  # the background write time of the last completed save
+        self._fits: bool | None = None  # whether every rank can stage in host memory (decided once)
 
     def clean_stale(self) -> None:
         """Remove temporary directories that interrupted saves left behind (rank 0)."""
@@ -161,10 +183,69 @@ class CheckpointManager:
     def save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
         """Write checkpoint ``step`` atomically; CheckpointError (the temporary directory
         removed) when it cannot be written."""
+        self.wait()
         _check_tensors_only(tensors)
+        return self._guarded(step, lambda: self._save(step, tensors, meta, rng))
+
+    def save_async(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
+        """Stage checkpoint ``step`` in host memory and write it in the background; the returned
+        path is complete once ``wait`` returns. The caller may change ``tensors`` right away."""
+        self.wait()
+        _check_tensors_only(tensors)
+        if not self._host_copies_fit(tensors):
+            return self.save(step, tensors, meta, rng)
+        final = self.root / step_dir_name(step)
+        self._guarded(step, lambda: self._prepare_tmp(final))
+        start = time.perf_counter()
+        staged = self._stage(tensors)
+        rng = _stage_tree(rng)  # the generators' states are already copies; their tensors must not alias live ones
+        size = sum(t.nbytes for t in self._staging.values()) / 2**30
+        if _rank() == 0:
+            log.info("checkpoint step %d: %.2f GiB copied to host memory in %.2f s; writing it in the background", step, size, time.perf_counter() - start)
+
+        def write() -> None:
+            start = time.perf_counter()
+            try:
+                self._guarded(step, lambda: self._write(final, step, staged, meta, rng, self._group))
+                self.last_write_s = time.perf_counter() - start
+                if _rank() == 0:
+                    log.info("checkpoint step %d written: %s (%.1f s)", step, final, self.last_write_s)
+            except CheckpointError as exc:
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+        return final
+
+    def wait(self) -> float:
+        """Finish the save in flight (none: at once); the seconds waited. CheckpointError when it failed."""
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - start
+
+    def _host_copies_fit(self, tensors: dict[str, Any]) -> bool:
+        """Decided at the first save, by every rank together (one rank saving synchronously while
+        the others save in the background would pair their collectives wrongly)."""
+        if self._fits is None:
+            fits = torch.tensor(int(_fits_in_host_memory(tensors)))
+            if self._group is not None:
+                dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self._group)
+            self._fits = bool(fits.item())
+        return self._fits
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _guarded(self, step: int, action: Callable[[], Path | None]) -> Path | None:
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         try:
-            return self._save(step, tensors, meta, rng)
+            return action()
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -172,24 +253,41 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{tmp}: cannot write checkpoint step {step} ({_cause(exc)}){_space_note(self.root)}") from None
 
-    def _save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
-        final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{final.name}"
+    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Copies of ``tensors`` in host memory (pinned when they come from a GPU), into buffers
+        kept for the next save; the device is waited for once, after every copy is queued."""
+        staged = _stage_tree(tensors, self._staging)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return staged
+
+    def _prepare_tmp(self, final: Path) -> None:
+        tmp = final.with_name(f".tmp-{final.name}")
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
         _barrier()
+
+    def _save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any]) -> Path:
+        final = self.root / step_dir_name(step)
+        self._prepare_tmp(final)
+        return self._write(final, step, tensors, meta, rng, None)
+
+    def _write(self, final: Path, step: int, tensors: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any], group) -> Path:
+        """DCP shards and this rank's RNG file into the prepared temporary directory; then rank 0
+        seals meta.json, renames the directory into place, points ``latest`` at it and prunes."""
+        tmp = final.with_name(f".tmp-{final.name}")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=not _distributed())
+            dcp.save(tensors, checkpoint_id=tmp, process_group=group, no_dist=not _distributed())
         rank = _rank()
         with open(tmp / f"rng-rank{rank:05d}.pt", "wb") as f:
             torch.save(rng, f)
             f.flush()
             os.fsync(f.fileno())
-        _barrier()
+        _barrier(group)
         if rank == 0:
             world = dist.get_world_size() if _distributed() else 1
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META}
@@ -208,7 +306,7 @@ class CheckpointManager:
             _fsync_dir(self.root)
             _write_atomic(self.root / "latest", final.name + "\n")
             self._prune()
-        _barrier()
+        _barrier(group)
         return final
 
     def _prune(self) -> None:
@@ -226,6 +324,58 @@ class CheckpointManager:
         same_world = meta.get("world_size") == (dist.get_world_size() if _distributed() else 1)
         rng = load_plain(rng_file) if rng_file.is_file() and same_world else None
         return meta, rng
+
+
+def _stage_tree(tree: Any, buffers: dict[str, torch.Tensor] | None = None, where: str = "") -> Any:
+    """The same tree with every tensor copied to host memory: into ``buffers[where]`` when one of
+    that shape is kept there (pinned for GPU tensors), so saves after the first allocate nothing.
+    A DTensor (FSDP) stays a DTensor around its copied local shard, as DCP needs."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return {k: _stage_tree(v, buffers, f"{where}.{k}" if where else str(k)) for k, v in tree.items()}
+    if not isinstance(tree, torch.Tensor):
+        return tree
+    if isinstance(tree, DTensor):
+        local = _stage_tree(tree.to_local(), buffers, where)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride())
+    buf = buffers.get(where) if buffers is not None else None
+    if buf is None or buf.shape != tree.shape or buf.dtype != tree.dtype:
+        buf = torch.empty(tree.shape, dtype=tree.dtype, device="cpu", pin_memory=tree.is_cuda)
+        if buffers is not None:
+            buffers[where] = buf
+    buf.copy_(tree.detach(), non_blocking=tree.is_cuda)
+    return buf
+
+
+def _fits_in_host_memory(tensors: dict[str, Any]) -> bool:
+    """Whether this node's ranks can each hold a host copy of their GPU tensors within 80% of
+    the memory the kernel calls available; if not, the save is synchronous (with a warning)."""
+    from torch.distributed.tensor import DTensor
+
+    need = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for _, t in _leaves(tensors) if t.is_cuda)
+    need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _host_memory_available()
+    if need == 0 or available is None or need <= 0.8 * available:
+        return True
+    log.warning(
+        "checkpoint: %.1f GiB of host copies for this node's ranks do not fit in 80%% of its %.1f GiB of available memory: saving synchronously",
+        need / 2**30,
+        available / 2**30,
+    )
+    return False
+
+
+def _host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _check_tensors_only(tree: Any, where: str = "") -> None:

@@ -109,11 +109,12 @@ class Trainer:
             dp_rank=self.layout.dp_rank,
             dp_size=self.layout.dp_size,
         )
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last, asynchronous=cfg.checkpoint.asynchronous)
         self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
         self.callbacks: list[Callback] = trainer_callbacks(cfg, callbacks)
         self._extra: dict[str, float] = {}  # callback metrics of the current step (logged with it)
         self._callback_s = 0.0  # time callbacks took since the last log point (not training time)
+        self._checkpoint_s = 0.0  # of which checkpointing held the loop (the metric checkpoint/blocked_s)
 
         counts = param_counts(cfg.model)
         self.params_total, self.params_active = counts.total, counts.active
@@ -136,6 +137,25 @@ class Trainer:
     # ----------------------------------------------------------------- state
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint this step and wait until it is complete on disk."""
+        path = self._start_checkpoint(background=False)
+        self.ckpt.wait()
+        return path
+
+    def checkpoint(self) -> Path:
+        """Checkpoint this step (unless a non-finite step must stop the run: train.nonfinite=stop),
+        in the background where checkpoint.asynchronous; the loop's time waiting for it (staging,
+        a previous save still writing) is kept out of the throughput and logged as its own metric."""
+        self._check_finite()
+        self._sync()  # the step's queued work stays in the step's time
+        start = time.perf_counter()
+        path = self._start_checkpoint(background=self.cfg.checkpoint.asynchronous)
+        blocked = time.perf_counter() - start
+        self._callback_s += blocked
+        self._checkpoint_s += blocked
+        return path
+
+    def _start_checkpoint(self, background: bool) -> Path:
         self.layout.settle()  # ZeRO-1 weight broadcasts that overlap the next forward land first
         meta = {
             "config": self.cfg.to_dict(),
@@ -146,19 +166,16 @@ class Trainer:
             "params_active": self.params_active,
             "determinism": self.determinism.to_meta(),
         }
-        path = self.ckpt.save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
+        save = self.ckpt.save_async if background else self.ckpt.save
+        path = save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
         self.last_checkpoint = path
         return path
-
-    def checkpoint(self) -> Path:
-        """Checkpoint this step, unless a non-finite step must stop the run (train.nonfinite=stop)."""
-        self._check_finite()
-        return self.save_checkpoint()
 
     def load_checkpoint(self, path: str | Path) -> None:
         from moe.train.checkpoint import read_meta
 
         self.layout.settle()  # no weight broadcast still in flight may land over what is loaded
+        self.ckpt.wait()
         meta = read_meta(path)
         _check_same_model(meta.get("config", {}).get("model", {}), self.cfg.model, path)
         mismatch = determinism.resume_mismatch(meta.get("determinism"), self.determinism, path)
@@ -276,6 +293,7 @@ class Trainer:
                 cb.on_step_end(self, self.step, last)
         if self.step == self.start_step and self.step >= max_steps:
             log.info("nothing to do: already at step %d of %d", self.step, max_steps)
+        self.ckpt.wait()  # the last checkpoint is complete before the run reports it
         self.layout.settle()  # the weights a caller reads after fit are the last step's
         summary = TrainSummary(
             steps=self.step,
@@ -374,11 +392,17 @@ class Trainer:
             # the time the remaining steps take at this interval's pace (the console shows it)
             metrics["eta_s"] = max(0, self.cfg.train.max_steps - steps_and_losses[-1][0]) * elapsed / steps
         if self.device.type == "cuda":
-            metrics["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             # Between steps: weights, masters, optimizer states (peak minus this ~ activations).
-            metrics["mem_at_rest_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+            metrics["mem_at_rest_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
         else:
-            metrics["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if self._checkpoint_s or self.ckpt.last_write_s is not None:
+            metrics["checkpoint/blocked_s"] = self._checkpoint_s
+            self._checkpoint_s = 0.0
+        if self.ckpt.last_write_s is not None:
+            metrics["checkpoint/write_s"] = self.ckpt.last_write_s
+            self.ckpt.last_write_s = None
         metrics.update(self.telemetry.reduce())
         metrics.update(self._extra)
         self._extra = {}

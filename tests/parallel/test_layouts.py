@@ -78,6 +78,8 @@ MOVES = [
     ("dp2-zero1 -> ep2", {"shard_optimizer": True}, 2, {"ep": 2}, 2),
     # the weight broadcasts overlap the next forward: the checkpoint waits for them first
     ("dp2-zero1-overlapped -> single", {"shard_optimizer": True, "overlap_grad_reduce": True}, 2, {}, 1),
+    # FSDP's DTensor shards are staged in host memory as DTensors (an asynchronous save)
+    ("fsdp2 -> single", {"data_parallel": "fsdp"}, 2, {}, 1),
 ]
 
 
