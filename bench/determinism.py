@@ -171,7 +171,7 @@ def _child_summary(trainer, spec: dict[str, Any], times: list[float], sync_warni
         "step_s": statistics.median(times) if times else None,
         "host_sync_warnings": sync_warnings,
         "determinism": trainer.determinism.to_meta(),
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "start_step": trainer.start_step,
     }
 
@@ -214,7 +214,7 @@ def collect(spec: dict[str, Any], ranks: RankGroup, logs: Path, deadline: float)
                 "fingerprint": "/".join(r["fingerprint"] for r in summaries),
                 "step_s": r0["step_s"],
                 "step_times_s": r0["step_times_s"],
-                "peak_mem_gb": r0["peak_mem_gb"],
+                "peak_mem_gib": r0["peak_mem_gib"],
                 "host_sync_warnings": r0["host_sync_warnings"],
                 "settings": r0["determinism"]["settings"],
                 "start_step": r0["start_step"],

@@ -239,7 +239,7 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
     times = timed_train_steps(trainer, args.steps)
     losses = torch.stack([v for _, v in trainer._pending]).tolist()
     assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
     if args.profile:
         profile_step(trainer, args.profile)
     breakdown = None
@@ -249,7 +249,7 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
         breakdown = peak_breakdown(trainer.train_step, top=60)
         trainer.step += 1
     fpt = flops_per_token(cfg.model, args.seq)
-    row = result_row(args, trainer, fpt, times, peak_measured, peak_mem, syncs_ok, _planned_peak(cfg))
+    row = result_row(args, trainer, fpt, times, peak_measured, peak_mem_gib, syncs_ok, _planned_peak(cfg))
     return {
         "row": row,
         "flops_per_token": fpt,
@@ -276,7 +276,7 @@ def sync_check(trainer: Trainer) -> tuple[bool, str | None]:
 
 
 def result_row(
-    args, trainer: Trainer, fpt: float, times: list[float], peak_measured: float, peak_mem: float, syncs_ok: bool, plan_peak: float | None
+    args, trainer: Trainer, fpt: float, times: list[float], peak_measured: float, peak_mem_gib: float, syncs_ok: bool, plan_peak: float | None
 ) -> dict[str, Any]:
     """The table's row: throughput, MFU against both peaks, memory against the plan, host syncs."""
     step = statistics.median(times)
@@ -307,7 +307,7 @@ def result_row(
         "tflops": tflops,
         "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None,
-        "peak_mem_gb": peak_mem,
+        "peak_mem_gib": peak_mem_gib,
         "plan_peak_gib": plan_peak,
         "zero_host_syncs": syncs_ok,
         "params_total": trainer.params_total,
@@ -333,7 +333,7 @@ COLUMNS = [
     "tflops",
     "mfu_measured_peak",
     "mfu_datasheet",
-    "peak_mem_gb",
+    "peak_mem_gib",
     "plan_peak_gib",
     "zero_host_syncs",
 ]

@@ -74,7 +74,7 @@ def capability_problem(recipe: str, capability: tuple[int, int], device_name: st
 def configure_cuda_allocator() -> None:
     """Expandable segments for torch's CUDA allocator unless the user configured it: without them
     FP8 with FP8 dense projections ran out of memory at paper width on an H200 with 9.4 GiB
-    reserved but unallocated (fragmentation), where bf16 fits; with them it peaks at 132.5 GB
+    reserved but unallocated (fragmentation), where bf16 fits; with them it peaks at 132.5 GiB
     against bf16's 134.2, and bf16's speed is unchanged (bench/NOTES.md, issue 39). Read when CUDA
     first allocates, so this runs before that."""
     import os

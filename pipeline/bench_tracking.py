@@ -3,7 +3,7 @@
 Benchmarks run on GPU machines that may not have MLflow; they always write JSON, and
 `moe bench log bench/results/*.json` (or the `moe bench ...` commands themselves, when MLflow
 is importable) records them: environment as tags, config as params, every numeric result as
-a metric named <row label>/<field>."""
+a metric named <row label>/<field> (a GiB figure by its name now, ``*_gib``, older files' too)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pipeline.params import MlflowConfig
 from pipeline.tracking.client import mlflow_client, tracking_uri
 from pipeline.tracking.provenance import flatten
 from pipeline.tracking.stage_run import Tracker
+from pipeline.units import GIB_NAME
 
 ROW_LABELS = ("shape", "layout", "layers", "peer")
 
@@ -34,7 +35,7 @@ def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
         label = _row_label(row, i)
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                metrics[f"{label}/{k}"] = float(v)
+                metrics[f"{label}/{GIB_NAME.get(k, k)}"] = float(v)  # a GiB figure by its name now (older files: *_gb)
     if isinstance(payload.get("matmul_peak_tflops"), (int, float)):
         metrics["matmul_peak_tflops"] = float(payload["matmul_peak_tflops"])
     return metrics

@@ -121,7 +121,7 @@ def test_zero1_keeps_the_bf16_expert_weights():
 
 def test_zero1_over_one_rank_shards_nothing_and_fp8_releases_the_expert_weights(tmp_path):
     """The paper's FP8 stage runs ZeRO-1 on one GPU: there no owner sends weights to anyone, so
-    the FP8 recipe drops the bf16 expert weights as without ZeRO-1 (its peak was 5.6 GB above
+    the FP8 recipe drops the bf16 expert weights as without ZeRO-1 (its peak was 5.6 GiB above
     bf16's while it kept them: bench/paper/h200x1/REPORT.md)."""
     from moe.parallel.env import DistEnv
     from moe.parallel.layout import build_layout

@@ -17,7 +17,7 @@ case "${1:-}" in
     run python3 -m bench.model --width paper --layers 2 --micro 2 --accum 4 --warmup 2 --steps 2 --peak-breakdown
     run python3 -m bench.model --width paper --layers 2 --micro 2 --accum 4 --warmup 2 --steps 2 --peak-breakdown --recipe fp8_rowwise --fp8-min-dim 0
     ;;
-  plan)  # the planner against measured peaks (plan_peak_gib beside peak_mem_gb), the olmoe-1b-7b recipe's z-loss on
+  plan)  # the planner against measured peaks (plan_peak_gib beside peak_mem_gib), the olmoe-1b-7b recipe's z-loss on
     z="--logit-z-loss 1e-5 --warmup 2 --steps 2"
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 $z
     run python3 -m bench.model --layers 4 --micro 8 --accum 2 $z --recompute selective

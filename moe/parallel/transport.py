@@ -128,8 +128,8 @@ def _nvshmem():
     if "nv" in _NV_STATE:
         return _NV_STATE["nv"]
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # NVLink multicast stays off (read by nv.init)
-    # The symmetric heap must hold the worst-case buffers (ep * T * k rows of d_model; 1.5 GB at
-    # the bench.ep shape); NVSHMEM's 1 GB default is too small. Address space, mapped on use.
+    # The symmetric heap must hold the worst-case buffers (ep * T * k rows of d_model; 1.5 GiB at
+    # the bench.ep shape); NVSHMEM's 1 GiB default is too small. Address space, mapped on use.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")
     import nvshmem.core as nv
 

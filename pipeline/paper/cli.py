@@ -114,6 +114,8 @@ def _log_parent_metrics(tracker, results: Path) -> None:
 
     from mlflow.entities import Metric
 
+    from pipeline.units import GIB_NAME
+
     now = int(time.time() * 1000)
     items = []
     for path in sorted(results.glob("*.json")):
@@ -122,7 +124,9 @@ def _log_parent_metrics(tracker, results: Path) -> None:
             pairs = v.items() if isinstance(v, dict) else [(None, v)]
             for kk, vv in pairs:
                 if isinstance(vv, (int, float)) and not isinstance(vv, bool):
-                    items.append(Metric(f"{r['stage']}/{k}" + (f"/{kk}" if kk else ""), float(vv), now, 0))
+                    # a GiB figure under its name now, from results older than issue 49 too
+                    name = f"{k}/{GIB_NAME.get(kk, kk)}" if kk else GIB_NAME.get(k, k)
+                    items.append(Metric(f"{r['stage']}/{name}", float(vv), now, 0))
     for i in range(0, len(items), 900):
         tracker.client.log_batch(tracker.parent_id, metrics=items[i : i + 900])
 

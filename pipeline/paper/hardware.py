@@ -6,11 +6,13 @@ from ``paper.gpu`` (the submitting host may have no GPU)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from moe.config import ConfigError
 from moe.hardware import GPUS
 from pipeline.executors import world_size
 from pipeline.paper.config import PaperParams
+from pipeline.units import gib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,14 +20,20 @@ class Hardware:
     kind: str  # "cpu" | "gpu"
     name: str  # e.g. "NVIDIA H200" or "cpu"
     count: int  # processes (one per GPU)
-    memory_gb: float | None  # per GPU
+    memory_gib: float | None  # per GPU (GiB: what the memory plan's GiB are compared against)
     capability: tuple[int, int] | None = None
 
     def describe(self) -> str:
         if self.kind == "cpu":
             return f"{self.count} CPU process{'es' if self.count > 1 else ''} (gloo)"
-        mem = f", {self.memory_gb:.0f} GB" if self.memory_gb else ""
+        mem = f", {self.memory_gib:.0f} GiB" if self.memory_gib else ""
         return f"{self.count}x {self.name}{mem}"
+
+    @classmethod
+    def from_record(cls, hw: dict[str, Any]) -> Hardware:
+        """The hardware a stage's result file names (``memory_gb`` in results before issue 49)."""
+        cap = hw.get("capability")
+        return cls(hw["kind"], hw["name"], hw["count"], gib(hw, "memory_gib"), tuple(cap) if isinstance(cap, list | tuple) else None)
 
 
 def detect(params: PaperParams) -> Hardware:

@@ -23,6 +23,7 @@ from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob
 from pipeline.params import PipelineConfig
 from pipeline.stages.train import launch_train
+from pipeline.units import gib
 
 MARKER = ".moe-paper-run"  # marks a run directory this module created (safe to replace)
 
@@ -103,7 +104,7 @@ def measure(
     if not timed:
         raise JobFailed(f"{name}: the job logged no throughput ({job.metrics_path})", 5)
     last = timed[-1]
-    peak = last.get("peak_mem_gb")
+    peak, at_rest = gib(last, "peak_mem_gib"), gib(last, "mem_at_rest_gib")
     profiled = next((r for r in rows if PROFILE_PREFIX + "total_ms" in r), None)
     micro, world_batch = exp.train.micro_batch_size, exp.train.global_batch_size
     out = {
@@ -133,12 +134,13 @@ def measure(
         "tokens_per_s_per_device": last["tokens_per_s_per_device"],
         "tflops_per_device": last["tflops_per_device"],
         "mfu": last.get("mfu"),
-        "peak_mem_gb": peak,
-        "mem_at_rest_gb": last.get("mem_at_rest_gb"),
+        # GiB (bytes / 2**30)
+        "peak_mem_gib": peak,
+        "mem_at_rest_gib": at_rest,
         # Peak minus the memory held between steps: activations, gradients and transients (not
         # activations alone; bench/memory.py measures those directly).
-        "above_rest_gb": (peak - last["mem_at_rest_gb"]) if peak is not None and "mem_at_rest_gb" in last else None,
-        "peak_rss_gb": last.get("peak_rss_gb"),
+        "above_rest_gib": (peak - at_rest) if peak is not None and at_rest is not None else None,
+        "peak_rss_gib": gib(last, "peak_rss_gib"),
         "final_loss": last["loss"],
         # ms of the profiled step per category (kernel time on GPUs, own CPU time on CPUs)
         "profile": {k.removeprefix(PROFILE_PREFIX).removesuffix("_ms"): v for k, v in profiled.items() if k.startswith(PROFILE_PREFIX)}

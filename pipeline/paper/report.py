@@ -14,7 +14,9 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.outputs import check_output_file, write_output_file
 from pipeline.paper.claims import CLAIMS, STAGES
+from pipeline.paper.hardware import Hardware
 from pipeline.tracking.provenance import git_info
+from pipeline.units import gib
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -38,6 +40,17 @@ def commit_label() -> str:
     if info["git.commit"] == "unknown":
         return "unknown"
     return info["git.commit"][:12] + ("-dirty" if info.get("git.dirty") == "true" else "")
+
+
+def hardware_label(result: dict[str, Any]) -> str:
+    """A stage's hardware in words: rebuilt from its fields where the result holds them all (results
+    before issue 49 described a GPU's GiB as "GB"), else as the result describes it."""
+    hw = result["hardware"]
+    memory = gib(hw, "memory_gib")
+    fields = hw.get("kind") in ("cpu", "gpu") and isinstance(hw.get("name"), str) and type(hw.get("count")) is int
+    if fields and (memory is None or type(memory) in (int, float)):
+        return Hardware.from_record(hw).describe()
+    return hw["describe"]
 
 
 def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
@@ -65,8 +78,8 @@ def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
     if stage == "fp8":
         s = derived.get("speedup")
         ours = (
-            f"{_pct(s - 1 if s else None)} throughput ({derived.get('recipe')}), peak {_fmt(derived.get('baseline_peak_gb'))} -> "
-            f"{_fmt(derived.get('peak_gb'))} GB"
+            f"{_pct(s - 1 if s else None)} throughput ({derived.get('recipe')}), peak {_fmt(gib(derived, 'baseline_peak_gib'))} -> "
+            f"{_fmt(gib(derived, 'peak_gib'))} GiB"
         )
         if proj := derived.get("projection"):
             ours += f"; about {_pct(proj['speedup_bound_at_gpus'] - 1)} at {proj['gpus']} GPUs (estimated from the profile)"
@@ -266,8 +279,8 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
             names = [x["name"] for x in v]
             a1.bar(names, [x["tokens_per_s_per_device"] for x in v])
             a1.set(ylabel="tokens/s/device")
-            a2.bar(names, [x.get("peak_mem_gb") or x.get("peak_rss_gb") or 0 for x in v])
-            a2.set(ylabel="peak memory (GB; RSS on CPU)")
+            a2.bar(names, [gib(x, "peak_mem_gib") or gib(x, "peak_rss_gib") or 0 for x in v])
+            a2.set(ylabel="peak memory (GiB; RSS on CPU)")
             for a in (a1, a2):
                 a.tick_params(axis="x", labelrotation=20, labelsize=7)
             fig.suptitle(title)
@@ -275,9 +288,9 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     if v := ok("recompute"):
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(7, 3.5))
         names = [x["name"].removeprefix("recompute-") for x in v]
-        a1.bar(names, [x.get("peak_mem_gb") or x.get("peak_rss_gb") or 0 for x in v], label="peak")
-        a1.bar(names, [x.get("above_rest_gb", x.get("activation_gb")) or 0 for x in v], label="peak above rest", alpha=0.7)
-        a1.set(ylabel="GB", title="memory per recompute mode")
+        a1.bar(names, [gib(x, "peak_mem_gib") or gib(x, "peak_rss_gib") or 0 for x in v], label="peak")
+        a1.bar(names, [gib(x, "above_rest_gib") or 0 for x in v], label="peak above rest", alpha=0.7)
+        a1.set(ylabel="GiB", title="memory per recompute mode")
         a1.legend()
         a2.bar(names, [x["tokens_per_s_per_device"] for x in v])
         a2.set(ylabel="tokens/s/device", title="throughput")
@@ -318,7 +331,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         check_output_file(plots_dir / name, "paper report", _is_matplotlib_png)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots = _plots(results, plots_dir)
-    hw = sorted({r["hardware"]["describe"] for r in results.values()})
+    hw = sorted({hardware_label(r) for r in results.values()})
     lines = [
         "# Reproducing the paper's system claims",
         "",
@@ -344,7 +357,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         regime = regime_label(r["variants"])
         lines.append(
             f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | {ours} | {ratio} | "
-            f"{r['hardware']['describe']}; {r['scaling']['shape']}{'; ' + regime if regime else ''} |"
+            f"{hardware_label(r)}; {r['scaling']['shape']}{'; ' + regime if regime else ''} |"
         )
     lines += ["", "## Every variant", ""]
     for stage, r in results.items():
@@ -355,24 +368,24 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             lines += [f"Note: {r['note']}.", ""]
         lines += [
             "| variant | status | routing | tokens/step/device (micro x accum) | dropped | tokens/s/device | TFLOP/s/device | step (ms) "
-            "| peak GB (plan) | peak above rest GB | final loss |",
+            "| peak GiB (plan) | peak above rest GiB | final loss |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for v in r["variants"]:
             if v.get("status") != "ok":
                 lines.append(f"| {v['name']} | {v.get('status')}: {v.get('reason', '')} | | | | | | | | | |")
                 continue
-            peak = v.get("peak_mem_gb")
-            peak_s = _fmt(peak) if peak is not None else f"{_fmt(v.get('peak_rss_gb'))} (RSS)"
-            if v.get("predicted_peak_gb") is not None:
-                peak_s += f" ({_fmt(v['predicted_peak_gb'])})"
+            peak, predicted = gib(v, "peak_mem_gib"), gib(v, "predicted_peak_gib")
+            peak_s = _fmt(peak) if peak is not None else f"{_fmt(gib(v, 'peak_rss_gib'))} (RSS)"
+            if predicted is not None:
+                peak_s += f" ({_fmt(predicted)})"
             batch = "n/a"
             if v.get("tokens_per_step_per_device") is not None:
                 batch = f"{v['tokens_per_step_per_device']:,.0f} ({v['micro_batch_size']} x {v['accumulation']})"
             lines.append(
                 f"| {v['name']} | ok | {v.get('routing', 'n/a')} | {batch} | {_dropped(v)} | {_fmt(v['tokens_per_s_per_device'])} | "
                 f"{_fmt(v['tflops_per_device'])} | {_fmt(v['step_time_s'] * 1e3)} | {peak_s} | "
-                f"{_fmt(v.get('above_rest_gb', v.get('activation_gb')))} | {_fmt(v.get('final_loss'))} |"
+                f"{_fmt(gib(v, 'above_rest_gib'))} | {_fmt(v.get('final_loss'))} |"
             )
         lines.append("")
         lines += profile_table(r)

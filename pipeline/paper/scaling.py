@@ -60,7 +60,7 @@ class Scaled:
         return shape + ("; " + "; ".join(self.notes) if self.notes else "; the paper's shape")
 
 
-def predict_peak_gb(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any], recompute: str = "none") -> float:
+def predict_peak_gib(model: dict[str, Any], seq_len: int, micro: int, world: int, layout: dict[str, Any], recompute: str = "none") -> float:
     """``moe plan``'s predicted peak (GiB) of the worst rank of one training step."""
     from moe.config import ExperimentConfig
     from moe.plan.planner import make_plan
@@ -109,11 +109,11 @@ def paper_shape(
     model = model_preset(PAPER_MODEL)
     model["moe"] = {**model["moe"], "num_experts": num_experts, "routing": "random"}
     seq_len, micro = seq or PAPER_SEQ, micro or 1
-    budget = hw.memory_gb * memory_fraction
+    budget = hw.memory_gib * memory_fraction
     notes: list[str] = []
 
     def fits(m: dict[str, Any], s: int) -> bool:
-        return all(predict_peak_gb(m, s, micro, hw.count, lay, recompute) <= budget for lay in layouts)
+        return all(predict_peak_gib(m, s, micro, hw.count, lay, recompute) <= budget for lay in layouts)
 
     width_halvings = 0
     seqs = [seq_len] + ([x for x in (4096, 2048) if x < seq_len] if seq is None else [])

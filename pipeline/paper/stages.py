@@ -23,7 +23,8 @@ from pipeline.paper.config import PaperParams
 from pipeline.paper.hardware import Hardware, detect
 from pipeline.paper.measure import measure
 from pipeline.paper.report import commit_label
-from pipeline.paper.scaling import Scaled, paper_shape, predict_peak_gb
+from pipeline.paper.scaling import Scaled, paper_shape, predict_peak_gib
+from pipeline.units import gib
 
 
 @dataclasses.dataclass
@@ -80,7 +81,7 @@ class Context:
         predicted = None
         if self.hw.kind == "gpu":
             try:
-                predicted = predict_peak_gb(
+                predicted = predict_peak_gib(
                     sections["model"],
                     sections["data"]["seq_len"],
                     sections["train"]["micro_batch_size"],
@@ -90,12 +91,12 @@ class Context:
                 )
             except ConfigError as exc:
                 return {"name": name, "status": "not run", "reason": str(exc).splitlines()[0]}
-            if predicted > self.hw.memory_gb:
+            if predicted > self.hw.memory_gib:
                 return {
                     "name": name,
                     "status": "not run",
-                    "predicted_peak_gb": predicted,
-                    "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gb:.1f} GiB of one GPU",
+                    "predicted_peak_gib": predicted,
+                    "reason": f"moe plan predicts {predicted:.1f} GiB, over the {self.hw.memory_gib:.1f} GiB of one GPU",
                 }
         kw.setdefault("profile", self.params.paper.profile)
         try:
@@ -105,7 +106,7 @@ class Context:
         except JobFailed as exc:  # recorded, and shown as a failure in the report
             return {"name": name, "status": "failed", "reason": str(exc).splitlines()[0]}
         m["status"] = "ok"
-        m["predicted_peak_gb"] = predicted
+        m["predicted_peak_gib"] = predicted
         return m
 
 
@@ -134,7 +135,7 @@ def resident(ctx: Context) -> dict[str, Any]:
             "speedup": _ratio(a["tokens_per_s_per_device"], b["tokens_per_s_per_device"]),
             "tokens_per_s_per_device": a["tokens_per_s_per_device"],
             "baseline_tokens_per_s_per_device": b["tokens_per_s_per_device"],
-            "peak_ratio": _ratio(a.get("peak_mem_gb"), b.get("peak_mem_gb")),
+            "peak_ratio": _ratio(gib(a, "peak_mem_gib"), gib(b, "peak_mem_gib")),
         }
     note = "with one GPU both layouts hold everything; the comparison is meaningful from 2 GPUs on" if w == 1 else ""
     if derived and w == 1 and a.get("profile") and b.get("profile"):
@@ -291,10 +292,10 @@ def fp8(ctx: Context) -> dict[str, Any]:
     if _ok(a) and _ok(b):
         derived = {
             "speedup": _ratio(b["tokens_per_s_per_device"], a["tokens_per_s_per_device"]),
-            "peak_ratio": _ratio(b.get("peak_mem_gb"), a.get("peak_mem_gb")),
+            "peak_ratio": _ratio(gib(b, "peak_mem_gib"), gib(a, "peak_mem_gib")),
             "recipe": recipe,
-            "peak_gb": b.get("peak_mem_gb"),
-            "baseline_peak_gb": a.get("peak_mem_gb"),
+            "peak_gib": gib(b, "peak_mem_gib"),
+            "baseline_peak_gib": gib(a, "peak_mem_gib"),
         }
         if a.get("profile") and b.get("profile"):
             derived["projection"] = project_fp8(a, b, CLAIMS["fp8"].gpus)
@@ -331,9 +332,9 @@ def recompute(ctx: Context) -> dict[str, Any]:
     if ctx.hw.kind == "gpu" and p.micro_batch_size is None:
         # Recompute trades activations for time: measure it where activations matter, at the
         # largest micro-batch that `moe plan` says fits without recompute.
-        budget = ctx.hw.memory_gb * p.memory_fraction
+        budget = ctx.hw.memory_gib * p.memory_fraction
         for micro in (8, 4, 2):
-            if predict_peak_gb(shape.model, shape.seq_len, micro, ctx.hw.count, layout) <= budget:
+            if predict_peak_gib(shape.model, shape.seq_len, micro, ctx.hw.count, layout) <= budget:
                 shape = dataclasses.replace(
                     shape, micro_batch_size=micro, notes=[*shape.notes, f"micro-batch {micro} (the largest that fits without recompute)"]
                 )
@@ -346,16 +347,11 @@ def recompute(ctx: Context) -> dict[str, Any]:
             if _ok(v):
                 mode = v["name"].removeprefix("recompute-")
                 derived[mode] = {
-                    "above_rest_ratio": _ratio(_above_rest(v), _above_rest(base)),
-                    "peak_ratio": _ratio(v.get("peak_mem_gb"), base.get("peak_mem_gb")),
+                    "above_rest_ratio": _ratio(gib(v, "above_rest_gib"), gib(base, "above_rest_gib")),
+                    "peak_ratio": _ratio(gib(v, "peak_mem_gib"), gib(base, "peak_mem_gib")),
                     "throughput_ratio": _ratio(v["tokens_per_s_per_device"], base["tokens_per_s_per_device"]),
                 }
     return {"shape": shape, "variants": variants, "derived": derived}
-
-
-def _above_rest(v: dict[str, Any]) -> float | None:
-    """Peak minus memory between steps (named activation_gb in results of commit 65b8cc2)."""
-    return v.get("above_rest_gb", v.get("activation_gb"))
 
 
 def ep(ctx: Context) -> dict[str, Any]:

@@ -24,3 +24,12 @@ def test_bench_results_are_logged_to_mlflow(tmp_path, monkeypatch):
     assert run.data.params["tokens"] == "16384"
     client_runs = client.search_runs([run.info.experiment_id], filter_string="tags.`moe.stage` != 'pipeline'")
     assert len(client_runs) == 1
+
+
+def test_an_older_files_gib_figures_are_logged_by_their_names_now():
+    """Issue 49: memory figures are GiB and named *_gib; a file from before names them *_gb."""
+    from pipeline.bench_tracking import result_metrics
+
+    old = result_metrics({"result": {"layers": 4, "peak_mem_gb": 88.25, "symmetric_gb": 1.5, "tokens_per_s": 9.0}})
+    new = result_metrics({"result": {"layers": 4, "peak_mem_gib": 88.25, "symmetric_gib": 1.5, "tokens_per_s": 9.0}})
+    assert old == new == {"4/layers": 4.0, "4/peak_mem_gib": 88.25, "4/symmetric_gib": 1.5, "4/tokens_per_s": 9.0}

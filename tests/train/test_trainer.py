@@ -25,7 +25,7 @@ def test_short_run_learns(tmp_path, corpus):
         "z_loss",
         "expert_load_max_over_mean",
         "expert_load_max_over_mean/layer_0",
-        "peak_rss_gb",
+        "peak_rss_gib",
         "eta_s",
     ):
         assert key in m, key

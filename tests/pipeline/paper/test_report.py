@@ -30,6 +30,28 @@ def test_the_report_and_its_plots_are_written_and_rewritten(project):
     write_report("h200/results", "h200")  # its own outputs are replaced
 
 
+def test_memory_is_reported_in_gib_from_results_before_and_after_the_gib_names(project):
+    """Issue 49: memory figures are GiB and named *_gib; the committed results name them *_gb
+    (and a GPU's memory_gb, described as "GB"): both read the same, and the report says GiB."""
+    from pipeline.units import GIB_NAME
+
+    before = write_report("h200/results", "h200").read_text()
+    assert "on: 1x NVIDIA H200, 140 GiB." in before and "peak 85.2 -> 85.1 GiB" in before
+    assert "| peak GiB (plan) | peak above rest GiB |" in before and "| 85.1 (85.4) | 25.3 |" in before
+
+    def renamed(x):
+        if isinstance(x, dict):
+            return {GIB_NAME.get(k, k): renamed(v) for k, v in x.items()}
+        return [renamed(v) for v in x] if isinstance(x, list) else x
+
+    for path in Path("h200/results").glob("*.json"):
+        text = path.read_text()
+        assert '_gib"' not in text  # the committed results are the older kind
+        path.write_text(json.dumps(renamed(json.loads(text))))
+        assert '_gb"' not in path.read_text()
+    assert write_report("h200/results", "h200").read_text() == before
+
+
 def test_a_users_report_and_a_planted_plot_link_are_refused(project):
     (project / "h200/REPORT.md").write_text("# my notes\n")
     with pytest.raises(PipelineError, match="REPORT.md exists and was not written by this stage"):

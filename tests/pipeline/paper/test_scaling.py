@@ -5,7 +5,7 @@ import pytest
 from moe.config import ConfigError
 from pipeline.paper.config import load_paper_params
 from pipeline.paper.hardware import Hardware
-from pipeline.paper.scaling import paper_shape, predict_peak_gb
+from pipeline.paper.scaling import paper_shape, predict_peak_gib
 
 RESIDENT = {"ep": 8, "shard_optimizer": True}
 
@@ -22,17 +22,17 @@ def test_one_h200_scales_layers_first_and_says_so():
     s = paper_shape(Hardware("gpu", "H200", 1, 139.8, (9, 0)), 64, None, None, [{"ep": 1}], 0.8)
     assert s.model["d_model"] == 4096 and s.seq_len == 8192  # width and sequence kept
     assert 2 <= s.model["n_layers"] < 8 and s.notes == [f"layers 8 -> {s.model['n_layers']} (memory)"]
-    assert predict_peak_gb(s.model, s.seq_len, 1, 1, {"ep": 1}) <= 139.8 * 0.8
+    assert predict_peak_gib(s.model, s.seq_len, 1, 1, {"ep": 1}) <= 139.8 * 0.8
 
 
 def test_prediction_grows_with_layers_and_shrinks_with_sharding_and_recompute():
     s = paper_shape(Hardware("gpu", "H200", 2, 141.0), 64, None, None, [{"ep": 2}], 0.8)
     m = s.model
-    base = predict_peak_gb(m, 8192, 1, 2, {"ep": 1})
-    assert predict_peak_gb({**m, "n_layers": m["n_layers"] + 1}, 8192, 1, 2, {"ep": 1}) > base
-    assert predict_peak_gb(m, 8192, 1, 2, {"ep": 2}) < base
-    assert predict_peak_gb(m, 8192, 1, 2, {"ep": 2, "shard_optimizer": True}) < predict_peak_gb(m, 8192, 1, 2, {"ep": 2})
-    peak = {mode: predict_peak_gb(m, 8192, 4, 2, {"ep": 2}, mode) for mode in ("none", "selective", "full")}
+    base = predict_peak_gib(m, 8192, 1, 2, {"ep": 1})
+    assert predict_peak_gib({**m, "n_layers": m["n_layers"] + 1}, 8192, 1, 2, {"ep": 1}) > base
+    assert predict_peak_gib(m, 8192, 1, 2, {"ep": 2}) < base
+    assert predict_peak_gib(m, 8192, 1, 2, {"ep": 2, "shard_optimizer": True}) < predict_peak_gib(m, 8192, 1, 2, {"ep": 2})
+    peak = {mode: predict_peak_gib(m, 8192, 4, 2, {"ep": 2}, mode) for mode in ("none", "selective", "full")}
     assert peak["full"] <= peak["selective"] <= peak["none"] and peak["full"] < peak["none"]
 
 
