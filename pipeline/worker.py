@@ -10,15 +10,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from moe.config import ExperimentConfig
+from moe.reader import Bool, FileFormatError, Int, Map, Nullable, Num, Str, read_json
 from moe.train.process import run_process, train
-from moe.train.sinks import ConsoleSink, JsonlSink
+from moe.train.sinks import ConsoleSink, JsonlSink, read_metric_rows
 from pipeline.executors.base import TrainJob
 from pipeline.run_lock import RunLock
 from pipeline.tracking.job import close_job_run
+
+# summary.json as run() writes it (TrainSummary; a non-finite number as null)
+SUMMARY_SCHEMA = Map(
+    required={"steps": Int(0), "start_step": Int(0)},
+    optional={
+        "final_loss": Nullable(Num()),
+        "losses": Map(other=Nullable(Num()), keys=Str(20, r"[0-9]+")),
+        "last_metrics": Map(other=Nullable(Num()), max_keys=100_000),
+        "tokens_per_step": Int(0),
+        "params_total": Int(0),
+        "params_active": Int(0),
+        "checkpoint": Nullable(Str(4096)),
+        "preempted": Bool(),
+        "already_finished": Bool(),
+    },
+)
 
 _HELD: list[RunLock] = []  # the run lock lives as long as this process
 PARENT_PID_ENV = "MOE_PARENT_PID"  # set by the local executor, which holds the run lock
@@ -65,8 +85,24 @@ def run(job: TrainJob, stop=None) -> dict:
     if trainer.env.is_main and not summary["preempted"]:
         from pipeline.outputs import write_atomic
 
-        write_atomic(job.summary_path, json.dumps(summary, indent=2, default=str))
+        write_atomic(job.summary_path, json.dumps(_finite(summary), indent=2, default=str))
     return summary
+
+
+def _finite(value: Any) -> Any:
+    """NaN and inf as null: JSON has no such numbers (and the reader refuses them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A job's summary.json, every field checked (FileFormatError names the field)."""
+    return read_json(path, SUMMARY_SCHEMA)
 
 
 def finished_summary(job: TrainJob, summary: dict) -> dict:
@@ -74,18 +110,15 @@ def finished_summary(job: TrainJob, summary: dict) -> dict:
     summary, else the final loss from metrics.jsonl) rather than an empty one."""
     summary["already_finished"] = True
     try:
-        earlier = json.loads(job.summary_path.read_text())
+        earlier = read_summary(job.summary_path)
         if earlier.get("steps") == summary["steps"] and earlier.get("final_loss") is not None:
             return {**earlier, "already_finished": True}
-    except (OSError, ValueError):
+    except FileFormatError:
         pass
-    try:
-        for line in job.metrics_path.read_text().splitlines():
-            row = json.loads(line)
+    if job.metrics_path.is_file():
+        for row in read_metric_rows(job.metrics_path):
             if row.get("step") == summary["steps"] and isinstance(row.get("loss"), (int, float)):
                 summary["final_loss"] = row["loss"]
-    except (OSError, ValueError):
-        pass
     return summary
 
 

@@ -47,9 +47,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.digest import sha256_file
 from moe.errors import CheckpointError
+from moe.reader import FileFormatError, Int, Map, Plain, Str, read_json, read_text
 from moe.train.safe_dcp import SafeFileSystemReader, TensorsOnlyLoadPlanner, read_metadata
 
 log = logging.getLogger("moe.train")
+
+MAX_META_BYTES = 64 * 2**20
+# meta.json: the fields a load relies on, typed; the caller's own entries (config, loader and
+# scheduler state) are plain data that their own loaders validate next.
+META_SCHEMA = Map(
+    required={"step": Int(0, 10**12), "meta_sha256": Str(64, r"[0-9a-f]{64}"), "files": Map(other=Str(64, r"[0-9a-f]{64}"), max_keys=100_000)},
+    optional={"world_size": Int(1, 10**6), "skipped_steps": Int(0), "params_total": Int(0), "params_active": Int(0)},
+    other=Plain(),
+)
 
 STEP_DIR_NAME = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
@@ -128,8 +138,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     pointer = root / "latest"
     if pointer.is_file():
         try:
-            name = pointer.read_text().strip()
-        except UnicodeDecodeError:
+            name = read_text(pointer, max_bytes=256).strip()
+        except FileFormatError:
             raise CheckpointError(f"{pointer}: not a text file naming a checkpoint") from None
         candidate = root / name
         if STEP_DIR_NAME.match(name) and candidate.is_dir() and not is_complete(candidate):
@@ -201,7 +211,9 @@ class CheckpointManager:
         rng = _stage_tree(rng)  # the generators' states are already copies; their tensors must not alias live ones
         size = sum(t.nbytes for t in self._staging.values()) / 2**30
         if _rank() == 0:
-            log.info("checkpoint step %d: %.2f GiB copied to host memory in %.2f s; writing it in the background", step, size, time.perf_counter() - start)
+            log.info(
+                "checkpoint step %d: %.2f GiB copied to host memory in %.2f s; writing it in the background", step, size, time.perf_counter() - start
+            )
 
         def write() -> None:
             start = time.perf_counter()
@@ -495,15 +507,19 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     ckpt = resolve_checkpoint(path)
     file = ckpt / META
     try:
-        meta = json.loads(file.read_bytes().decode("utf-8"))
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{file}: unreadable ({_first_line(exc)})") from None
+        meta = read_json(file, Plain(), MAX_META_BYTES)
+    except FileFormatError as exc:
+        raise CheckpointError(f"unreadable: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
         raise CheckpointError(f"{file}: not a checkpoint's meta.json (no integer 'step')")
     if not isinstance(meta.get("meta_sha256"), str):
         raise CheckpointError(f"{file}: has no meta_sha256 (written by an older version, or edited); refusing it")
     if meta["meta_sha256"] != meta_digest(meta):
         raise CheckpointError(f"{file}: does not match its meta_sha256: it was edited or damaged")
+    try:
+        META_SCHEMA.check(meta, f"{file}: ")
+    except FileFormatError as exc:
+        raise CheckpointError(str(exc)) from None
     if meta["step"] != checkpoint_step(ckpt):
         raise CheckpointError(f"{file}: says step {meta['step']}, but the directory is {ckpt.name}")
     if not isinstance(meta.get("config", {}), dict):

@@ -25,6 +25,7 @@ from moe.eval.requests import TaskRequests
 from moe.eval.suite import evaluate_suite, headline
 from moe.model import Transformer
 from moe.parallel.env import pick_device
+from moe.reader import Int, List, Map, Nullable, Num, Plain, Str, read_json
 from moe.train.checkpoint import read_meta, resolve_checkpoint
 from moe.train.sinks import read_metric_rows
 from moe.train.weights import load_model
@@ -131,11 +132,59 @@ recognise_metrics = json_keys_within(SUMMARY_KEYS, SUMMARY_KEYS)  # summary_metr
 DETAIL_FORMAT = "moe-eval/1"
 
 
+_METRIC_NAME = Str(64, r"[a-z][a-z0-9_]*(/stderr)?")
+_HEX64 = Str(64, r"[0-9a-f]{64}")
+# One task's figures (compare_downstream): every metric a finite number, its standard error
+# beside it; the documents scored, dropped and cut; chance in [0, 1].
+_TASK = Map(
+    required={"primary": Str(32, r"[a-z_]+"), "docs": Num(0, 1e9)},
+    optional={
+        "chance": Num(0, 1),
+        "about": Str(512),
+        "hf": Map(other=Num(), keys=_METRIC_NAME, max_keys=64),
+        "sample_seed": Nullable(Int(0)),
+        "doc_ids": List(Int(0), max_len=10**7),
+        "docs_total": Num(0, 1e9),
+        "dropped_docs": Num(0, 1e9),
+        "truncated_docs": Num(0, 1e9),
+        "truncated_requests": Num(0, 1e10),
+        "truncated_tokens_max": Num(0, 1e9),
+        "truncated_tokens_total": Num(0, 1e12),
+        "requests": Num(0, 1e10),
+        "seconds": Num(0),
+    },
+    other=Num(),
+    keys=_METRIC_NAME,
+    max_keys=256,
+)
+MAX_DETAIL_TASKS = 1000  # the task table's suites hold ~100; more is not an evaluation of ours
+DETAIL_SCHEMA = Map(
+    required={
+        "format": Str(choices=(DETAIL_FORMAT,)),
+        "step": Int(0),
+        "tasks": Map(other=_TASK, keys=Str(128, r"[A-Za-z0-9_.:-]+"), max_keys=MAX_DETAIL_TASKS),
+    },
+    optional={
+        "converted_sha256": Nullable(_HEX64),
+        "sample_sha256": _HEX64,
+        "suite": Map(other=Num(), keys=_METRIC_NAME, max_keys=64),
+        "checkpoint": Str(4096),
+        **{k: Num() for k in EVAL_METRIC_KEYS - {"format", "step", "tasks", "converted_sha256", "sample_sha256", "suite", "checkpoint"}},
+    },
+)
+MAX_DETAIL_BYTES = 256 * 2**20
+
+
+def read_detail(path: Path) -> dict[str, Any]:
+    """The evaluate stage's detail file, every field checked (FileFormatError names the field)."""
+    return read_json(path, DETAIL_SCHEMA, MAX_DETAIL_BYTES)
+
+
 def recognise_detail(path: Path) -> bool:
     """Our detail file names its format (and holds no key of another schema)."""
     if not json_keys_within(EVAL_METRIC_KEYS, {"val_loss", "format"})(path):
         return False
-    return json.loads(path.read_text()).get("format") == DETAIL_FORMAT
+    return read_json(path, Plain(), MAX_DETAIL_BYTES).get("format") == DETAIL_FORMAT
 
 
 def output_paths(cfg: PipelineConfig) -> tuple[Path, Path]:
@@ -150,7 +199,7 @@ def detail_path(out: Path) -> Path:
 def recognise_sample(path: Path) -> bool:
     """Our sample: the detail file beside it records its sha256."""
     detail = detail_path(path.with_name(path.name[: -len("_sample.txt")] + ".json"))
-    return detail.is_file() and json.loads(detail.read_text()).get("sample_sha256") == sha256_file(path)
+    return detail.is_file() and read_json(detail, Plain(), MAX_DETAIL_BYTES).get("sample_sha256") == sha256_file(path)
 
 
 def summary_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -442,5 +491,5 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
 
 
 def recognise_curve(path: Path) -> bool:
-    data = json.loads(path.read_text())
+    data = read_json(path, Plain())
     return isinstance(data, dict) and data.get("format") == "moe-eval-checkpoints/1" and set(data) == {"format", "points"}

@@ -32,6 +32,7 @@ from pipeline.run_dirs import check_run_dirs
 from pipeline.run_lock import RunLock, command_line
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tracking.job import SECRET_URI_ENV
+from pipeline.worker import read_summary
 
 METRICS_FILE = Path("metrics/train.json")
 LOSS_PLOT = Path("plots/train_loss.csv")
@@ -233,7 +234,7 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     """Read a finished job's summary and metrics; write the DVC metrics and plots."""
     if not job.summary_path.is_file():
         raise PipelineError(f"training job ended without a summary ({job.summary_path}); logs: {Path(job.run_dir) / 'logs'}")
-    summary = json.loads(job.summary_path.read_text())
+    summary = read_summary(job.summary_path)
     if summary.get("already_finished"):
         print(f"run already finished: its checkpoint is at step {summary['steps']} (train.max_steps); nothing trained", flush=True)
     rows = read_metric_rows(job.metrics_path)
