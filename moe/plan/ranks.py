@@ -1,6 +1,7 @@
 """Exact bytes each rank holds between steps: the model is built on the meta device and the real
 layout code (expert slicing, pipeline pruning, ZeRO-1 ownership, FSDP2 sharding) applied to it
-for every rank, so weight, master, gradient and AdamW bytes are those a real run allocates."""
+for every rank, so weight, master, gradient and AdamW bytes are those a real run allocates; an
+FP8 recipe is then prepared on the same model (moe.plan.fp8) for its released weights and copies."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from moe.config import ExperimentConfig, ResolvedLayout
 from moe.config.model import ModelConfig
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import recipe_on
+from moe.plan.fp8 import RankFp8, rank_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,7 @@ class RankState:
     transient_grad: int  # the largest parameter's low-precision gradient before its fp32 accumulation
     first: bool
     last: bool
+    fp8: RankFp8 | None = None  # what an FP8 recipe releases and adds (None: no FP8 GEMMs)
 
 
 def _param_dtype(cfg: ExperimentConfig) -> tuple[torch.dtype, bool]:
@@ -86,6 +89,7 @@ def rank_states(
                 seen.add(id(p))
                 params.append((name, p.numel(), sync.kind_of(name)))
         numel = sum(n for _, n, _ in params)
+        fp8 = rank_fp8(model, cfg, sync.broadcasts_expert_weights)  # last: it prepares the model in place
         for dp_rank in range(r.dp):
             if sync.zero:
                 index = {"dense": dp_rank, "expert": dp_rank // r.ep}
@@ -107,6 +111,7 @@ def rank_states(
                     transient_grad=largest * elem if low else 0,
                     first=model.embed is not None,
                     last=model.lm_head is not None,
+                    fp8=fp8,
                 )
             )
     return out

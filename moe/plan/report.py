@@ -1,10 +1,12 @@
 """The plan as `moe plan` prints it: the layout, the parameters, the worst rank's memory line by
-line, FLOPs and the predicted step time, the verdict and the other knobs that help."""
+line (lines that are zero for this job are left out; the JSON keeps them), FLOPs and the
+predicted step time, the verdict, the other knobs that help and the other data-parallel
+flavours that fit on the GPU count the verdict names."""
 
 from __future__ import annotations
 
 from moe.hardware import GPUS
-from moe.plan.planner import Plan
+from moe.plan.planner import Plan, scale_out_text
 
 
 def count(n: int) -> str:
@@ -26,7 +28,8 @@ def format_plan(plan: Plan) -> str:
     ]
     width = max(len(k) for k in plan.memory_gib)
     for k, v in plan.memory_gib.items():
-        lines.append(f"  {k.ljust(width)}  {v:8.2f}")
+        if v:
+            lines.append(f"  {k.ljust(width)}  {v:8.2f}")
     lines.append(f"  {'peak'.ljust(width)}  {plan.peak_gib:8.2f}   of {plan.capacity_gib:.1f}")
     lines.append(
         f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
@@ -36,4 +39,6 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"verdict: {plan.verdict()}")
     for k in plan.knobs[1:4]:
         lines.append(f"  also: {k['set']} (-{k['saves_gib']:.1f} GiB{', fits' if k['fits'] else ''})")
+    for option in (plan.scale_out or [])[1:]:
+        lines.append(f"  also {scale_out_text(option)}")
     return "\n".join(lines)

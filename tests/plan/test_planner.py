@@ -50,6 +50,21 @@ def test_verdict_and_the_knob_that_helps_most():
     assert json.loads(json.dumps(two.to_dict()))["fits"] == two.fits
 
 
+def test_a_config_too_big_for_one_gpu_is_told_the_gpu_count_that_fits():
+    """The smallest GPU count of one host on which a data-parallel flavour fits (the batch sizes
+    kept), best first, and the flavour it names does fit there."""
+    cfg = olmoe(18, accum=2)
+    plan = make_plan(cfg, "h200", 1)
+    best = plan.scale_out[0]
+    assert not plan.fits and best["gpus"] == 2 and best["set"] == ["parallel.ep=2", "parallel.shard_optimizer=true"]
+    assert make_plan(ExperimentConfig.load(cfg.to_dict(), best["set"]), "h200", 2, knobs=False).fits
+    assert f"on 2 GPUs it fits with parallel.ep=2 parallel.shard_optimizer=true (peak {best['peak_gib']:.1f} GiB)" in plan.verdict()
+    assert "also on 2 GPUs it fits with" in format_plan(plan)
+    assert make_plan(olmoe(4), "h200", 1).scale_out is None  # it fits: nothing searched
+    # one micro-batch of 4 is the whole global batch: no count above 1 divides it
+    assert make_plan(olmoe(18), "h200", 1).scale_out == []
+
+
 def test_bad_input_fails_clearly():
     with pytest.raises(PlanError, match="--gpu: unknown GPU 'a100'; known: h100, h200, b200, b300"):
         make_plan(olmoe(2), "a100", 1)
@@ -61,31 +76,56 @@ def test_bad_input_fails_clearly():
         make_plan(olmoe(2, parallel={"pp": 2}), "h100", 3)
 
 
+RESULTS = Path(__file__).resolve().parents[2] / "bench/results"
+
+
+def _result(path: Path) -> dict:
+    return json.loads(path.read_text())["result"]
+
+
 # Measured on one H200 on 2026-12-02 (bench/h200/issues36-39.sh plan): 1-4 micro-batches,
 # recompute none/selective/full, the olmoe-1b-7b recipe's logit z-loss on and off.
 HELD_OUT = sorted(
     p
-    for p in (Path(__file__).resolve().parents[2] / "bench/results").glob("model-NVIDIA-H200-20261202T01*.json")
-    if json.loads(p.read_text())["result"].get("plan_peak_gib") is not None and json.loads(p.read_text())["result"].get("recipe") == "bf16"
-)  # FP8 is not modelled: its weight copies are not in the plan (issue 39)
+    for p in RESULTS.glob("model-NVIDIA-H200-20261202T01*.json")
+    if _result(p).get("plan_peak_gib") is not None and _result(p).get("recipe") == "bf16"
+)
+# fp8_rowwise records that name fp8_sink_wgrad_min_dim: bench.model gained that flag with
+# Plan.sink_wgrad (f192d42, 2026-12-02 23:16), after the rule's row tiers and its down
+# projection following the up one were settled, so these ran today's Fp8Rule (paper and OLMoE
+# width, FP8 dense projections and the sink-wgrad A/B included). Older FP8 records ran rules
+# their config cannot express (the rows per expert a GEMM needed changed three times that
+# evening; before 1ba753f the bf16 expert weights were kept, and T015446Z's breakdown shows an
+# FP8 layer that still saved its quantised operands); the rule decides the plan, so they are left out.
+FP8_HELD_OUT = sorted(
+    p
+    for p in RESULTS.glob("model-NVIDIA-H200-*.json")
+    if _result(p).get("recipe") == "fp8_rowwise" and "fp8_sink_wgrad_min_dim" in json.loads(p.read_text())["config"]
+)
 
 
-@pytest.mark.parametrize("path", HELD_OUT, ids=lambda p: p.stem)
-def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
+@pytest.mark.parametrize("path", HELD_OUT + FP8_HELD_OUT, ids=lambda p: p.stem)
+def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path, monkeypatch):
     """A plan that says "fits" must fit: the predicted peak is at or above the peak measured on
     the GPU (torch.cuda.max_memory_allocated), and not more than 5% above it."""
     import argparse
 
     from bench.model import build_config
+    from moe.nn.fp8_policy import Fp8Rule
 
     record = json.loads(path.read_text())
-    args = argparse.Namespace(**{k: v for k, v in record["config"].items() if k != "flops_per_token"})
+    config = record["config"]
+    if config.get("fp8_sink_wgrad_min_dim") is not None:  # the run's A/B of the rule's constant, as bench.model sets it
+        monkeypatch.setattr(Fp8Rule, "SINK_WGRAD_MIN_DIM", config["fp8_sink_wgrad_min_dim"])
+    args = argparse.Namespace(**{k: v for k, v in config.items() if k != "flops_per_token"})
     cfg = build_config(args, tmp_path / "tokens", tmp_path / "ck", 10)
     planned = make_plan(cfg, "h200", 1, knobs=False).peak_gib
-    measured = record["result"]["peak_mem_gb"]  # GiB despite its name (max_memory_allocated / 2**30)
-    assert planned == pytest.approx(record["result"]["plan_peak_gib"], rel=1e-6)  # what the run itself printed
+    result = record["result"]
+    measured = result.get("peak_mem_gib", result.get("peak_mem_gb"))  # peak_mem_gb: GiB despite its name
+    if result["recipe"] == "bf16":  # what the run itself printed (FP8 plans changed since: issue 49)
+        assert planned == pytest.approx(result["plan_peak_gib"], rel=1e-6)
     assert measured <= planned <= 1.05 * measured, (planned, measured)
 
 
 def test_there_are_held_out_measurements():
-    assert len(HELD_OUT) >= 6
+    assert len(HELD_OUT) >= 6 and len(FP8_HELD_OUT) >= 5
