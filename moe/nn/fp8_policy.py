@@ -140,19 +140,27 @@ class WeightCache:
         self._rows: dict = {}
         self._cols: dict = {}
         self._dense: dict = {}
-        self._sources: dict[int, torch.Tensor] = {}
+        self._sources: dict[tuple, torch.Tensor] = {}
 
     def read_from(self, param: torch.Tensor, master: torch.Tensor) -> None:
         """Make ``param``'s copies from ``master`` (same shape, any float dtype)."""
         if tuple(master.shape) != tuple(param.shape):
             raise ValueError(f"master {tuple(master.shape)} and parameter {tuple(param.shape)} differ in shape")
-        self._sources[id(param)] = master
+        self._sources[self._ident(param)] = master
+
+    @staticmethod
+    def _ident(w: torch.Tensor) -> tuple:
+        """Which weight ``w`` is: its storage and place in it, not the Python object, because
+        under activation recompute a saved weight comes back as another tensor over the
+        parameter's storage (keyed by id, the released weight's one-element stand-in was
+        quantised instead of its master, and every backward added a stale copy)."""
+        return (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape))
 
     def reads_master(self, w: torch.Tensor) -> bool:
-        return id(w) in self._sources
+        return self._ident(w) in self._sources
 
     def _source(self, w: torch.Tensor) -> torch.Tensor:
-        return self._sources.get(id(w), w)
+        return self._sources.get(self._ident(w), w)
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple:
@@ -161,11 +169,12 @@ class WeightCache:
     def _lookup(self, table: dict, w: torch.Tensor, make) -> tuple:
         src = self._source(w)
         key = self._key(src)
-        hit = table.get(id(w))
+        ident = self._ident(w)
+        hit = table.get(ident)
         if hit is None or hit[0] != key:
-            table.pop(id(w), None)  # the stale copy goes before the new one is made
+            table.pop(ident, None)  # the stale copy goes before the new one is made
             hit = (key, *make(src))
-            table[id(w)] = hit
+            table[ident] = hit
         return hit[1:]
 
     def _chunks(self, src: torch.Tensor):
