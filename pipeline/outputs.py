@@ -15,16 +15,23 @@ that reads its content says it is this writer's format (a fresh clone that carri
 outputs but not the ledger). Every write goes to a
 temporary name in the same directory and is renamed over the target, which replaces a
 symlink itself instead of writing through it; a symlink where an output belongs is refused.
+
+A file name read from a record (a stage's ``written_files``, an HF index's ``weight_map``) is
+taken only through :func:`inside`: it names a file in the record's own folder, or the record is
+refused. A copy of another output's file is a copy (:func:`clone_file`), never a hard link: an
+edit of one output must not change another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from moe.digest import sha256_file
@@ -74,6 +81,105 @@ def open_for_write(path: str | os.PathLike, append: bool = False):
             raise PipelineError(f"{path}: is a symlink; refusing to write through it") from None
         raise exc
     return os.fdopen(fd, "a" if append else "w")
+
+
+# ------------------------------------------------------------------ names a record holds
+
+
+def inside(folder: Path, name: object, where: str) -> Path:
+    """``folder/name`` for a relative path ``name`` that a record lists (``where``: the record
+    file and the entry's key), refused unless it stays inside ``folder``: no absolute path, no
+    ``..`` part, no symlink on the way that leads out. A record we follow must never make us read,
+    link or write anyone else's file."""
+    if not isinstance(name, str) or name in ("", ".") or "\0" in name or "\\" in name:
+        raise PipelineError(f"{where}: {name!r} is not a file name inside {folder}; refusing it")
+    parts = name.split("/")
+    if PurePosixPath(name).is_absolute() or any(part in ("", ".", "..") for part in parts):
+        raise PipelineError(f"{where}: {name!r} is not a relative path inside {folder} (an absolute path or a '..' part); refusing it")
+    path = folder.joinpath(*parts)
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise PipelineError(f"{where}: {name!r} is a symlink pointing outside {folder} (to {target}); refusing it")
+    return path
+
+
+def enclosing_output(path: Path, record_names: tuple[str, ...]) -> Path | None:
+    """The record of the nearest directory at or above ``path`` that holds one (a file of
+    ``record_names`` listing its ``written_files``): another stage's output; None where none does."""
+    for directory in (path, *path.parents):
+        for name in record_names:
+            record = directory / name
+            if record.is_file() and not record.is_symlink() and _lists_written_files(record):
+                return record
+    return None
+
+
+def _lists_written_files(record: Path) -> bool:
+    """A stage's record: a JSON object with a ``written_files`` mapping (a web app's manifest.json is not one)."""
+    try:
+        if record.stat().st_size > 64 << 20:
+            return False
+        data = json.loads(record.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("written_files"), dict)
+
+
+# ------------------------------------------------------------------ copies
+
+
+def clone_file(src: Path, dst: Path) -> None:
+    """``dst``: a new file with ``src``'s bytes and mode that shares nothing with it (editing
+    one never changes the other; a hard link would). A copy-on-write clone where the filesystem
+    offers one (btrfs, XFS: no extra space), else an in-kernel copy, else read and write. Neither
+    path may be a symlink; ``dst`` must not exist."""
+    src_fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mode = stat.S_IMODE(os.fstat(src_fd).st_mode)
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            if not _reflink(src_fd, dst_fd):
+                _copy_bytes(src_fd, dst_fd)
+            os.fchmod(dst_fd, mode)  # what the umask took from os.open's mode
+            os.fsync(dst_fd)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+
+
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+_NO_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.EPERM, errno.ENOSYS, errno.EBADF}
+
+
+def _reflink(src_fd: int, dst_fd: int) -> bool:
+    """A copy-on-write clone of the whole file (False: this filesystem offers none)."""
+    try:
+        import fcntl
+
+        fcntl.ioctl(dst_fd, FICLONE, src_fd)
+    except (ImportError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _NO_CLONE:
+            raise
+        return False
+    return True
+
+
+def _copy_bytes(src_fd: int, dst_fd: int) -> None:
+    """Every byte of ``src_fd`` into ``dst_fd``: in the kernel (copy_file_range) where it can, else through Python."""
+    try:
+        while os.copy_file_range(src_fd, dst_fd, 1 << 30):
+            pass
+        return
+    except (AttributeError, OSError) as exc:  # no copy_file_range (an old kernel, another OS) or not across these filesystems
+        if isinstance(exc, OSError) and exc.errno not in _NO_CLONE:
+            raise
+    os.lseek(src_fd, 0, os.SEEK_SET)
+    os.lseek(dst_fd, 0, os.SEEK_SET)
+    os.ftruncate(dst_fd, 0)
+    while chunk := os.read(src_fd, 1 << 20):
+        while chunk:
+            chunk = chunk[os.write(dst_fd, chunk) :]
 
 
 # ------------------------------------------------------------------ single files
@@ -197,7 +303,8 @@ def _foreign(out: Path, record_name: str) -> str | None:
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         return f"{record_name} does not list the files this stage wrote"
-    seen = set()
+    for name in files:
+        inside(out, name, f"{record_path}: written_files")
     for p in sorted(out.rglob("*")):
         rel = p.relative_to(out).as_posix()
         if rel == record_name:
@@ -213,7 +320,6 @@ def _foreign(out: Path, record_name: str) -> str | None:
             return rel
         if p.stat().st_size != entry.get("size") or sha256_file(p) != entry.get("sha256"):
             return f"{rel} (changed since it was written)"
-        seen.add(rel)
     return None
 
 

@@ -33,7 +33,7 @@ from moe.train.state import split_experts
 from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
 from pipeline.hub import source_model_id
-from pipeline.outputs import check_own_output, fresh_temp_dir, replace_own_output, seal_output, write_atomic
+from pipeline.outputs import check_own_output, fresh_temp_dir, inside, replace_own_output, seal_output, write_atomic
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
@@ -195,15 +195,10 @@ class HfDirectory:
 
 
 def file_inside(directory: Path, name: Any, named_by: str) -> Path:
-    """``directory/name`` for a plain file name that stays inside ``directory``: no ``../``, no absolute
-    path, no symlink out (a hostile directory must not make us read someone else's files)."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
-        raise PipelineError(f"{named_by}: {name!r} is not a plain file name inside {directory}")
-    path = directory / name
-    if path.is_symlink() and not path.resolve().is_relative_to(directory.resolve()):
-        raise PipelineError(
-            f"{path}: a symlink pointing outside {directory} (to {path.resolve()}); refusing to read it (copy the file into the directory)"
-        )
+    """``directory/name``: a file that stays inside ``directory`` (pipeline.outputs.inside: no
+    ``../``, no absolute path, no symlink out): a hostile directory must not make us read someone
+    else's files."""
+    path = inside(directory, name, named_by)
     if not path.is_file():
         raise PipelineError(f"{path}: not found or not a file (named by {named_by})")
     return path

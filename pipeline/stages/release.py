@@ -1,32 +1,46 @@
 """Release stage: the converted model with its final evaluation on the model card.
 
 The convert stage writes its card before evaluate has run, so that card can hold only the in-loop
-numbers. After evaluate, this stage writes ``release.output`` (runs/release): the converted files
-(hard links where the filesystem allows, else copies) and a README.md with the evaluate stage's
-numbers for exactly that directory: the detail file names the conversion record's sha256, and
-any other pairing is refused. Written to a temporary directory and renamed, like convert.
+numbers. After evaluate, this stage writes ``release.output`` (runs/release): copies of the converted
+files (copy-on-write clones where the filesystem offers them, never hard links: editing the
+release must not change runs/hf) and a README.md with the evaluate stage's numbers for exactly
+that directory: the detail file names the conversion record's sha256, and any other pairing is
+refused. The conversion record's file names are taken only inside runs/hf, and the release is
+never put inside another stage's output (it would block that stage's next run). Written to a
+temporary directory and renamed, like convert.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from moe.config import ModelConfig
 from moe.eval.suite import headline
+from moe.reader import FileFormatError
 from moe.train.checkpoint import CheckpointError, read_meta
 from pipeline.errors import PipelineError
 from pipeline.eval.tasks import TASKS, task_source
 from pipeline.model_card import CardEvaluation
-from pipeline.outputs import check_own_output, fresh_temp_dir, replace_own_output, seal_output, write_atomic
+from pipeline.outputs import (
+    check_own_output,
+    clone_file,
+    enclosing_output,
+    fresh_temp_dir,
+    inside,
+    replace_own_output,
+    seal_output,
+    write_atomic,
+)
 from pipeline.stages.convert import MARKER as CONVERTED
-from pipeline.stages.evaluate import converted_model_identity, detail_path, recognise_detail
+from pipeline.stages.evaluate import converted_model_identity, detail_path, read_detail, recognise_detail
 
 MARKER = "moe_release.json"  # marks a directory as our release output (replaceable)
-MAX_DETAIL_BYTES = 64 << 20
+MAX_RECORD_BYTES = 64 << 20
+TOKENS_MANIFEST = "manifest.json"  # the tokenize stage's record
+STAGE_RECORDS = (MARKER, CONVERTED, TOKENS_MANIFEST)  # a directory holding one is a stage's output
 
 
 def final_evaluation(detail: dict[str, Any], data_dir: str | None) -> CardEvaluation:
@@ -42,10 +56,76 @@ def final_evaluation(detail: dict[str, Any], data_dir: str | None) -> CardEvalua
     return CardEvaluation(int(detail["step"]), True, tasks, docs, chance, {t: task_source(t, data_dir) for t in tasks})
 
 
+def other_outputs(cfg) -> dict[str, Path]:
+    """The directories the other stages write, by the key (or DVC output) that names each."""
+    from pipeline.plots import EVAL_DIR, TRAIN_DIR
+
+    return {
+        "tokenize.output": Path(cfg.tokenize.output),
+        "executor.run_dir": Path(cfg.executor.run_dir),
+        "checkpoint.dir": Path(cfg.checkpoint.dir),
+        "convert.output": Path(cfg.convert.output),
+        f"the train stage's {TRAIN_DIR}": TRAIN_DIR,
+        f"the evaluate stage's {EVAL_DIR}": EVAL_DIR,
+    }
+
+
+def check_outside_other_outputs(cfg, out: Path) -> None:
+    """A release inside another stage's output would be a foreign file there, and that stage
+    would refuse to replace its output from then on (and one around another output would hold
+    that stage's files): refuse it before any work."""
+    target = out.resolve()
+    for key, other in other_outputs(cfg).items():
+        if target.is_relative_to(other.resolve()):
+            where = "is" if target == other.resolve() else "is inside"
+            raise PipelineError(
+                f"release.output: {out} {where} {key} ({other}), another stage's output; a release there would "
+                "block that stage: choose a directory outside it"
+            )
+        if other.resolve().is_relative_to(target):
+            raise PipelineError(f"release.output: {out} holds {key} ({other}), another stage's output: choose a directory outside it")
+    record = enclosing_output(target.parent, STAGE_RECORDS)
+    if record is not None:
+        around = record.parent.relative_to(Path.cwd().resolve()) if record.is_relative_to(Path.cwd().resolve()) else record.parent
+        raise PipelineError(
+            f"release.output: {out} is inside {around}, another stage's output ({record.name} lists its files); "
+            "a release there would block that stage: choose a directory outside it"
+        )
+
+
+def read_conversion_record(hf: Path) -> dict[str, Any]:
+    """The convert stage's record in ``hf``: the checkpoint it converted and the files it wrote."""
+    path = hf / CONVERTED
+    try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise ValueError("larger than any record the convert stage writes")
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"convert.output: {path} is unreadable ({exc}): run `moe convert` again") from None
+    if not isinstance(record, dict) or not isinstance(record.get("written_files"), dict) or not isinstance(record.get("checkpoint"), str):
+        raise PipelineError(f"convert.output: {path} is not the convert stage's record (no checkpoint or written_files): run `moe convert` again")
+    return record
+
+
+def copy_converted_files(hf: Path, files: dict[str, Any], tmp: Path) -> None:
+    """Every file the conversion wrote but its card, copied from ``hf`` into ``tmp``; each name
+    the record lists must stay inside both."""
+    where = f"{hf / CONVERTED}: written_files"
+    for rel in sorted(files):
+        src, dst = inside(hf, rel, where), inside(tmp, rel, where)
+        if rel == "README.md":
+            continue  # the convert stage's card: the release writes its own
+        if not src.is_file() or src.is_symlink():
+            raise PipelineError(f"convert.output: {src} is missing (listed in {hf / CONVERTED}): run `moe convert` again")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        clone_file(src, dst)
+
+
 def run_release(cfg, card_text) -> dict[str, Any]:
     """``card_text(cfg, out, model config, checkpoint meta, evaluation)`` writes the card."""
     out = Path(cfg.release.output)
     hf = Path(cfg.convert.output)
+    check_outside_other_outputs(cfg, out)
     check_own_output(out, MARKER, "release.output")  # before any work: never someone's folder
     if not (hf / CONVERTED).is_file():
         raise PipelineError(f"convert.output: {hf} holds no converted model (no {CONVERTED}): run `moe convert` first")
@@ -53,16 +133,19 @@ def run_release(cfg, card_text) -> dict[str, Any]:
     detail_file = detail_path(Path(cfg.evaluate.output))
     if not detail_file.is_file():
         raise PipelineError(f"evaluate.output: {detail_file} does not exist: run `moe evaluate` first")
-    if detail_file.stat().st_size > MAX_DETAIL_BYTES or not recognise_detail(detail_file):
-        raise PipelineError(f"evaluate.output: {detail_file} is not the evaluate stage's detail file")
-    detail = json.loads(detail_file.read_text())
+    try:
+        if not recognise_detail(detail_file):
+            raise PipelineError(f"evaluate.output: {detail_file} is not the evaluate stage's detail file")
+        detail = read_detail(detail_file)  # every field typed and bounded before it reaches the card
+    except FileFormatError as exc:
+        raise PipelineError(f"evaluate.output: {exc}") from None
     identity = converted_model_identity(hf)
     if detail.get("converted_sha256") != identity:
         raise PipelineError(
             f"evaluate.output: {detail_file} is not the evaluation of the model now in {hf} "
             "(it was converted again since, or evaluated elsewhere): run `moe evaluate` again"
         )
-    record = json.loads((hf / CONVERTED).read_text())
+    record = read_conversion_record(hf)
     try:
         meta = read_meta(record["checkpoint"])
     except (CheckpointError, OSError, KeyError, ValueError) as exc:
@@ -73,15 +156,7 @@ def run_release(cfg, card_text) -> dict[str, Any]:
     evaluation = final_evaluation(detail, cfg.evaluate.data_dir)
     tmp = fresh_temp_dir(out)
     try:
-        for rel in sorted(record["written_files"]):
-            if rel == "README.md":
-                continue  # the convert stage's card: replaced below
-            dst = tmp / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(hf / rel, dst)
-            except OSError:  # another filesystem, or links not allowed
-                shutil.copy2(hf / rel, dst)
+        copy_converted_files(hf, record["written_files"], tmp)
         write_atomic(tmp / "README.md", card_text(cfg, out, model_cfg, meta, evaluation))
         provenance = {"converted": str(hf), "converted_sha256": identity, "step": evaluation.step, "evaluation": str(detail_file)}
         seal_output(tmp, MARKER, provenance)

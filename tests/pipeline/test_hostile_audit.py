@@ -607,6 +607,90 @@ def _sync_elsewhere(ws):
 
 CKPT_FILES = ("runs/train/checkpoints/*/*", "runs/train/metrics.jsonl")
 
+# ---------------------------------------------------------------- issue 50: the release and the card
+
+
+def _record_entry_outside(ws):
+    from tests.pipeline.stages.test_release import plant_record_entry, ready_to_release
+
+    ready_to_release(ws)
+    (ws / "runs/victim.txt").write_text("victim original\n")
+    (ws / "victim.txt").write_text("the attacker's\n")
+    plant_record_entry(ws, "../../victim.txt")
+
+
+def _ready_to_release(ws):
+    from tests.pipeline.stages.test_release import ready_to_release
+
+    ready_to_release(ws)
+
+
+def _released_once(ws):
+    _ready_to_release(ws)
+    r = CliRunner().invoke(_app(), ["release"])
+    assert r.exit_code == 0, r.output
+
+
+def _edit_release_then_convert(ws):
+    """`moe release; echo '{}' > runs/release/tokenizer_config.json`: runs/hf keeps its file and `moe convert` runs."""
+    before = (ws / "runs/hf/tokenizer_config.json").read_bytes()
+    with open(ws / "runs/release/tokenizer_config.json", "w") as f:
+        f.write("{}\n")
+    assert (ws / "runs/hf/tokenizer_config.json").read_bytes() == before, "editing the release changed runs/hf"
+    r = CliRunner().invoke(_app(), ["convert", "--no-mlflow"])
+    assert r.exit_code == 0, r.output
+
+
+def _card_of(directory: Path) -> tuple[str, list[str]]:
+    card = (directory / "README.md").read_text()
+    return card, card.split("\n---\n", 1)[1].splitlines()
+
+
+def _release_named_as_python(ws):
+    """release.output's name reaches the card's from_pretrained(...) line only as a string literal."""
+    import ast
+
+    name = 'm"),__import__("os").system("touch injected"),("'
+    r = CliRunner().invoke(_app(), ["release", "--set", f"release.output=runs/{name}"])
+    assert r.exit_code == 0, r.output
+    card, body = _card_of(ws / "runs" / name)
+    start = body.index("```python") + 1
+    snippet = ast.parse("\n".join(body[start : body.index("```", start)]))
+    calls = [n for n in ast.walk(snippet) if isinstance(n, ast.Call)]
+    assert all(isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained" and c.args[0].value == name for c in calls), card
+    exec(compile(snippet, "card", "exec"), {"__builtins__": {"__import__": lambda *a, **k: _FakeTransformers}})  # the pasted line: no command runs
+
+
+class _FakeTransformers:
+    class AutoModelForCausalLM:
+        from_pretrained = staticmethod(lambda name: name)
+
+    AutoTokenizer = AutoModelForCausalLM
+
+
+def _convert_out_as_html(ws):
+    """`moe convert --out '<img src=x onerror=alert(1)>'`: the card's title is that text, not an image."""
+    out = "<img src=x onerror=alert(1)>"
+    r = CliRunner().invoke(_app(), ["convert", "--no-mlflow", "--out", out])
+    assert r.exit_code == 0, r.output
+    _, body = _card_of(ws / out)
+    assert not any("<img" in line for line in body), "raw <img in the card"
+    assert [line for line in body if line.startswith("# ")] == ["# &lt;img src=x onerror=alert(1)&gt;"]
+
+
+def _corpus_as_markdown(ws):
+    """tokenize.inputs as the tokens' manifest records them (a file name may hold a newline and
+    `<`) cannot add a heading or HTML to the card."""
+    manifest = json.loads((ws / "data/tokens/manifest.json").read_text())
+    manifest["inputs"].append("x\n# Injected\n<img src=x onerror=alert(1)>")
+    (ws / "data/tokens/manifest.json").write_text(json.dumps(manifest))
+    r = CliRunner().invoke(_app(), ["convert", "--no-mlflow", "--out", "hf_card"])
+    assert r.exit_code == 0, r.output
+    _, body = _card_of(ws / "hf_card")
+    assert "# Injected" not in [line.strip() for line in body] and not any("<img" in line for line in body)
+    assert any("x # Injected &lt;img src=x onerror=alert(1)&gt;" in line for line in body if line.startswith("| training data |"))
+
+
 CASES = [
     # 1: no checkpoint path reaches an unrestricted unpickling
     Case("bytes-entry-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_bytes, check=_no_exec),
@@ -881,6 +965,57 @@ CASES = [
     Case("set-container-runtime-none", 11, ["params", "--set", "container.runtime=none"], expect="ok"),
     # 13: mismatches
     Case("mlflow-sync-from-another-directory", 13, call=_sync_elsewhere, setup=_spool_for_another_store),
+    # issue 50: the release stays in its folder and shares nothing; the card escapes what it pastes
+    Case(
+        "release-record-entry-outside-its-folder",
+        50,
+        ["release", "--set", "release.output=runs/deep/release"],
+        setup=_record_entry_outside,
+        keep=("runs/victim.txt", "victim.txt"),
+    ),
+    Case("release-edit-changes-no-conversion", 50, call=_edit_release_then_convert, setup=_released_once, expect="ok"),
+    Case("release-inside-convert-output", 50, ["release", "--set", "release.output=runs/hf/release"], setup=_ready_to_release, keep=("runs/hf/*",)),
+    Case(
+        "release-inside-an-earlier-release",
+        50,
+        ["release", "--set", "release.output=runs/release/inner"],
+        setup=_released_once,
+        keep=("runs/release/*",),
+    ),
+    Case("release-output-name-is-python", 50, call=_release_named_as_python, setup=_ready_to_release, expect="ok"),
+    Case("convert-out-is-html", 50, call=_convert_out_as_html, expect="ok"),
+    Case("tokenize-inputs-as-markdown-in-the-card", 50, call=_corpus_as_markdown, expect="ok"),
+    # issue 50 (from item 12): `moe bench log` says what MLflow would refuse, before making a run
+    Case(
+        "bench-log-name-mlflow-refuses",
+        50,
+        ["bench", "log", "result.json"],
+        setup=_bench_json('{"result": {"layers": 4, "bad key!": 1.0}}'),
+        check=_names("result.json: result.bad key! names the metric '4/bad key!'"),
+    ),
+    Case(
+        "bench-log-empty-object",
+        50,
+        ["bench", "log", "result.json"],
+        setup=_bench_json("{}"),
+        check=_names("result.json: the file holds no number to log"),
+    ),
+    Case(
+        "bench-log-number-as-text",
+        50,
+        ["bench", "log", "result.json"],
+        setup=_bench_json('{"result": {"layers": 4, "tflops": "12.5"}}'),
+        check=_names("result.json: result.tflops is '12.5', a number written as text"),
+    ),
+    Case(
+        "bench-log-server-unreachable-token-in-uri",
+        50,
+        ["bench", "log", "result.json"],
+        setup=_bench_json('{"result": {"layers": 4, "tflops": 1.0}}'),
+        env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:9/?private_token={SECRET}", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"},
+        expect="ok",
+        check=_names("result.json -> spooled to mlflow-fallback.jsonl (MLflow unreachable)"),
+    ),
 ]
 
 

@@ -1,13 +1,17 @@
 """The converted directory's model card: the Hub's YAML header, the in-loop evaluation of the
 checkpoint's step, a base model when the run continued from one; transformers loads the
-directory with the card in it."""
+directory with the card in it. Issue 50: every value goes in through its format's escaper, and
+the card says what the checkpoint's records say, not today's params.yaml."""
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.pipeline.test_escape import PAYLOADS
 from tests.workspace import load
 
 
@@ -126,3 +130,78 @@ def test_release_puts_the_final_evaluation_on_the_card_of_exactly_that_model(ws)
     with pytest.raises(PipelineError, match="release.output: elsewhere exists and holds files this stage did not write"):
         _released(load(["release.output=elsewhere"]), detail)
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- issue 50
+
+
+def _body(card: str) -> str:
+    return card.split("\n---\n", 1)[1]
+
+
+def _python_snippet(card: str) -> ast.Module:
+    lines = card.splitlines()
+    start = lines.index("```python") + 1
+    end = lines.index("```", start)
+    return ast.parse("\n".join(lines[start:end]))
+
+
+def _hostile_card(name: str, tmp_path: Path, monkeypatch) -> str:
+    """A card whose every interpolated field (the directory name, the corpus the token manifest
+    names, task and metric names, the task data's dataset names, the hyperparameters, the origin)
+    carries the audit's payloads."""
+    from moe.config import ModelConfig
+    from pipeline.model_card import CardEvaluation, model_card
+
+    monkeypatch.chdir(tmp_path)
+    Path("tok").mkdir()
+    manifest = {"format": "olmo-core-tokens/1", "tokenizer": {"sha256": "abc"}, "inputs": PAYLOADS}
+    Path("tok/manifest.json").write_text(json.dumps(manifest))
+    bad = PAYLOADS[3]
+    config = {
+        "data": {"paths": ["tok/train"], "tokenizer_hash": "abc", "seq_len": bad},
+        "train": {"global_batch_size": bad, "micro_batch_size": bad, "grad_clip": bad, "seed": bad},
+        "optim": {"lr": bad, "betas": PAYLOADS},
+        "schedule": {"decay": bad, "warmup_steps": bad},
+        "precision": {"recipe": bad},
+        "checkpoint": {"init_from": bad},
+    }
+    tasks = {p: {p: 0.5, f"{p}/stderr": 0.1, "acc": 0.25} for p in PAYLOADS}
+    sources = {p: {"type": p, "config": p, "split": p, "num_few_shot": p} for p in PAYLOADS}
+    evaluation = CardEvaluation(8, False, tasks, docs={p: p for p in PAYLOADS}, chance=dict.fromkeys(PAYLOADS, 0.25), sources=sources, docs_upto=bad)
+    model = ModelConfig.from_dict({"preset": "tiny", "vocab_size": 320, "d_model": 32, "n_heads": 2}).validate("model")
+    return model_card(model, {"step": 8, "config": config}, name=name, corpus=["ignored"], evaluation=evaluation, continued_from=bad)
+
+
+@pytest.mark.parametrize("name", PAYLOADS, ids=range(len(PAYLOADS)))
+def test_every_card_field_goes_through_its_format_s_escaper(name, tmp_path, monkeypatch):
+    from pipeline.escape import markdown_text
+
+    card = _hostile_card(name, tmp_path, monkeypatch)
+    header = _header_text(card)
+    assert header["model-index"][0]["name"] == name and {r["dataset"]["type"] for r in header["model-index"][0]["results"]} == set(PAYLOADS)
+    body = _body(card)
+    assert "<img" not in body and "<" not in body.replace("< ", "")
+    headings = [line for line in body.splitlines() if line.startswith("#")]
+    assert headings == [f"# {markdown_text(name)}", "## Training hyperparameters", "## Evaluation"]
+    assert "---" not in body.splitlines() and "injected: true" not in header
+    snippet = _python_snippet(card)
+    calls = [n for n in ast.walk(snippet) if isinstance(n, ast.Call)]
+    assert len(calls) == 2 and all(isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained" for c in calls)
+    assert all(len(c.args) == 1 and isinstance(c.args[0], ast.Constant) and c.args[0].value == name for c in calls)
+    assert not any(isinstance(n, ast.Name) and n.id == "__import__" for n in ast.walk(snippet))
+    tables = [line for line in body.splitlines() if line.startswith("| ")]
+    assert all(len(re.findall(r"(?<!\\)\|", line)) in (3, 7) for line in tables)  # no cell split by a value
+
+
+def test_the_card_describes_the_checkpoint_as_recorded_not_today_s_params(ws):
+    """`--set tokenize.inputs=...` at release time does not change the card's corpus, and
+    `convert.base_model=` does not make a model trained from scratch claim a base model."""
+    from tests.pipeline.stages.test_release import ready_to_release
+
+    ready_to_release(ws)
+    cfg = load(["tokenize.inputs=[<img src=x onerror=alert(1)>]", "convert.base_model=evil-lab/not-my-base"])
+    _released(cfg, json.loads(Path("metrics/eval_detail.json").read_text()))
+    card = Path(cfg.release.output, "README.md").read_text()
+    assert "| training data | the corpus the tokenize stage read (tokenize.inputs: corpus); its license is its source's |" in card
+    assert "<img" not in card and "evil-lab" not in card and "base_model" not in _header_text(card) and "Continued from" not in card

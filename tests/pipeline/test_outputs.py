@@ -1,11 +1,13 @@
-"""pipeline.outputs: the ledger vouches for a file only to the writer that wrote it (issue 37)."""
+"""pipeline.outputs: the ledger vouches for a file only to the writer that wrote it (issue 37); a
+name a record lists stays inside its folder, and a copy shares nothing with its source (issue 50)."""
 
 import json
+import re
 
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.outputs import LEDGER, json_keys_within, write_output_file
+from pipeline.outputs import LEDGER, check_own_output, json_keys_within, seal_output, write_output_file
 
 
 def test_another_writers_file_in_the_same_folder_is_not_ours(tmp_path):
@@ -31,3 +33,110 @@ def test_a_ledger_entry_of_the_older_form_vouches_for_nothing(tmp_path):
         write_output_file(out, "{}", "evaluate.output", recognise)
     out.write_text('{"val_loss": 3.2, "val_perplexity": 24.5}\n')
     write_output_file(out, '{"val_loss": 3.1, "val_perplexity": 22.2}\n', "evaluate.output", recognise)
+
+
+# ------------------------------------------------ issue 50: names a record holds, copies
+
+
+def test_inside_takes_a_normal_name_and_a_nested_one(tmp_path):
+    from pipeline.outputs import inside
+
+    (tmp_path / "out/train").mkdir(parents=True)
+    assert inside(tmp_path / "out", "config.json", "record: written_files") == tmp_path / "out/config.json"
+    assert inside(tmp_path / "out", "train/part-00000.npy", "record: written_files") == tmp_path / "out/train/part-00000.npy"
+    (tmp_path / "out/real.bin").write_bytes(b"x")
+    (tmp_path / "out/link.bin").symlink_to("real.bin")  # a link that stays inside is a name inside
+    assert inside(tmp_path / "out", "link.bin", "record: written_files") == tmp_path / "out/link.bin"
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("../mine/notes.txt", "is not a relative path inside"),
+        ("train/../../mine/notes.txt", "is not a relative path inside"),
+        ("/etc/passwd", "is not a relative path inside"),
+        ("a//b", "is not a relative path inside"),
+        ("", "is not a file name inside"),
+        (7, "is not a file name inside"),
+        ("a\\..\\b", "is not a file name inside"),
+    ],
+)
+def test_inside_refuses_dotdot_absolute_and_odd_names_naming_the_record_and_entry(tmp_path, name, words):
+    from pipeline.outputs import inside
+
+    with pytest.raises(PipelineError, match=re.escape(f"runs/hf/moe_conversion.json: written_files: {name!r} {words}")):
+        inside(tmp_path / "out", name, "runs/hf/moe_conversion.json: written_files")
+
+
+def test_inside_refuses_a_symlink_out_of_the_folder(tmp_path):
+    from pipeline.outputs import inside
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/weights.bin").symlink_to(tmp_path / "mine/notes.txt")
+    (tmp_path / "out/sub").symlink_to(tmp_path / "mine")  # a folder on the way out
+    for name in ("weights.bin", "sub/notes.txt"):
+        with pytest.raises(PipelineError, match=re.escape(f"record: written_files: {name!r} is a symlink pointing outside")):
+            inside(tmp_path / "out", name, "record: written_files")
+
+
+def test_a_record_listing_a_name_outside_its_folder_is_not_ours(tmp_path):
+    """check_own_output reads every entry through inside(): such an output is refused, by entry."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    seal_output(out, "moe_conversion.json", {})
+    record = json.loads((out / "moe_conversion.json").read_text())
+    record["written_files"]["../notes.txt"] = {"size": 1, "sha256": "0" * 64}
+    (out / "moe_conversion.json").write_text(json.dumps(record))
+    with pytest.raises(PipelineError, match=re.escape("moe_conversion.json: written_files: '../notes.txt' is not a relative path inside")):
+        check_own_output(out, "moe_conversion.json", "convert.output")
+
+
+def test_a_clone_shares_nothing_with_its_source(tmp_path):
+    from pipeline.outputs import clone_file
+
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(b"\0weights" * 1000)
+    src.chmod(0o600)
+    dst = tmp_path / "copy.safetensors"
+    clone_file(src, dst)
+    assert dst.read_bytes() == src.read_bytes() and dst.stat().st_mode & 0o777 == 0o600
+    assert dst.stat().st_ino != src.stat().st_ino and src.stat().st_nlink == 1
+    dst.write_bytes(b"edited")
+    assert src.read_bytes() == b"\0weights" * 1000
+    with pytest.raises(FileExistsError):  # never over an existing file
+        clone_file(src, dst)
+
+
+def test_a_clone_falls_back_to_an_in_kernel_copy_then_to_read_and_write(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from pipeline import outputs
+
+    src = tmp_path / "a.bin"
+    src.write_bytes(bytes(range(256)) * 5000)
+    monkeypatch.setattr(outputs, "_reflink", lambda src_fd, dst_fd: False)  # a filesystem without clones (ext4)
+    outputs.clone_file(src, tmp_path / "b.bin")
+    assert (tmp_path / "b.bin").read_bytes() == src.read_bytes()
+
+    def no_copy_range(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", no_copy_range)
+    outputs.clone_file(src, tmp_path / "c.bin")
+    assert (tmp_path / "c.bin").read_bytes() == src.read_bytes()
+
+
+def test_enclosing_output_finds_the_stage_record_above_a_path(tmp_path):
+    from pipeline.outputs import enclosing_output
+
+    out = tmp_path / "runs/release"
+    out.mkdir(parents=True)
+    (out / "model.bin").write_bytes(b"x")
+    seal_output(out, "moe_release.json", {})
+    (tmp_path / "manifest.json").write_text('{"name": "my web app"}')  # not a stage's record
+    names = ("moe_release.json", "manifest.json")
+    assert enclosing_output(out / "inner/deeper", names) == out / "moe_release.json"
+    assert enclosing_output(tmp_path / "runs/elsewhere", names) is None

@@ -197,7 +197,7 @@ def shard_with_index(d: Path, shard: str, target: Path | None = None) -> None:
 def test_every_shard_is_a_file_inside_the_directory(tmp_path):
     d = transformers_dir(tmp_path / "hf")
     shard_with_index(d, "../outside.safetensors", tmp_path / "outside.safetensors")
-    with pytest.raises(PipelineError, match=re.escape("'../outside.safetensors' is not a plain file name inside")):
+    with pytest.raises(PipelineError, match=re.escape("'../outside.safetensors' is not a relative path inside")):
         check_hf_dir(d)
     index = json.loads((d / "model.safetensors.index.json").read_text())
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(index["weight_map"], "shard.safetensors")}))
