@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from pipeline.console import console, fail, handle_errors
+from pipeline.errors import PipelineError
+from pipeline.redact import redact
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (run on a GPU machine); JSON goes to bench/results/.")
 
@@ -49,13 +51,22 @@ def bench_experts(ctx: typer.Context) -> None:
 @handle_errors
 def bench_log(files: Annotated[list[Path], typer.Argument(help="bench/results/*.json files")]) -> None:
     """Record benchmark JSON results in MLflow (experiment "bench"), e.g. after a GPU run."""
-    from pipeline.bench_tracking import log_result
+    from pipeline.bench_tracking import load_result, log_result
 
     for f in files:
         if not f.is_file():
             fail(f"{f}: not found", 2)
-        run_id, new = log_result(f)
-        console.print(f"{f.name} -> MLflow run {run_id}" + ("" if new else " (already logged)"))
+        load_result(f)  # every file checked before the first is logged
+    for f in files:
+        console.print(_logged(f.name, *log_result(f)), highlight=False, soft_wrap=True)
+
+
+def _logged(name: str, run_id: str, new: bool) -> str:
+    from pipeline.tracking.spool import OFFLINE_PREFIX, STAGE_FALLBACK
+
+    if run_id.startswith(OFFLINE_PREFIX):
+        return f"{name} -> spooled to {STAGE_FALLBACK} (MLflow unreachable): `moe mlflow-sync` sends it"
+    return f"{name} -> MLflow run {run_id}" + ("" if new else " (already logged)")
 
 
 def _run_bench(name: str, args: list[str]) -> None:
@@ -75,5 +86,8 @@ def _run_bench(name: str, args: list[str]) -> None:
         except ImportError:
             new = []
         for f in new:
-            console.print(f"{f.name} -> MLflow run {log_result(f)[0]}")
+            try:
+                console.print(_logged(f.name, *log_result(f)), highlight=False, soft_wrap=True)
+            except PipelineError as exc:  # the benchmark's own exit code stands; the file stays for `moe bench log`
+                console.print(f"warning: not logged to MLflow: {redact(str(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

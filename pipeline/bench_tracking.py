@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
-from pipeline.tracking.client import mlflow_client, tracking_uri
+from pipeline.tracking.client import mlflow_client, name_problem, tracking_uri, within_deadline
 from pipeline.tracking.provenance import flatten
 from pipeline.tracking.stage_run import Tracker
 from pipeline.units import GIB_NAME
@@ -28,27 +30,89 @@ def _row_label(row: dict[str, Any], index: int) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-/ " else "_" for ch in label)
 
 
+def result_rows(payload: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) of every result row: ``results[i]``, or the one ``result``."""
+    if payload.get("results"):
+        return [(f"results[{i}]", row) for i, row in enumerate(payload["results"])]
+    return [("result", payload["result"])] if "result" in payload else []
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def result_metrics(payload: dict[str, Any]) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    rows = payload.get("results") or ([payload["result"]] if "result" in payload else [])
-    for i, row in enumerate(rows):
+    for i, (_, row) in enumerate(result_rows(payload)):
         label = _row_label(row, i)
         for k, v in row.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if is_number(v):
                 metrics[f"{label}/{GIB_NAME.get(k, k)}"] = float(v)  # a GiB figure by its name now (older files: *_gb)
-    if isinstance(payload.get("matmul_peak_tflops"), (int, float)):
+    if is_number(payload.get("matmul_peak_tflops")):
         metrics["matmul_peak_tflops"] = float(payload["matmul_peak_tflops"])
     return metrics
 
 
+def metric_problems(payload: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(field, what is wrong) for every value that should be a metric and is not one: a number
+    written as text, a number that is not finite, or a text where the same field of another row
+    holds a number. A field that holds text in every row (shape, recipe, note) is a label, not a
+    metric: the result file itself is the run's artifact."""
+    rows = result_rows(payload)
+    numeric = {k for _, row in rows for k, v in row.items() if is_number(v)}
+    fields = [(f"{where}.{k}", v, k in numeric) for where, row in rows for k, v in row.items()]
+    for field, v, is_metric in [*fields, ("matmul_peak_tflops", payload.get("matmul_peak_tflops"), True)]:
+        if isinstance(v, str) and _reads_as_number(v):
+            yield field, f"is {v[:40]!r}, a number written as text (a metric is a JSON number)"
+        elif is_number(v) and not math.isfinite(v):
+            yield field, "is not a finite number"
+        elif is_metric and v is not None and not is_number(v):
+            yield field, f"is {str(v)[:40]!r}, not a number (a metric: the field holds numbers in the file)"
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def name_problems(payload: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(field, why) for every metric, param and tag name MLflow would refuse: checked before a run
+    is made, so a refused name is an error naming its field, not a run left half written."""
+    for i, (where, row) in enumerate(result_rows(payload)):
+        label = _row_label(row, i)
+        for k, v in row.items():
+            if is_number(v) and (why := name_problem(f"{label}/{GIB_NAME.get(k, k)}")):
+                yield f"{where}.{k}", f"names the metric '{label}/{k}', which {why}"
+    for k in flatten(payload.get("config", {})):
+        if why := name_problem(k):
+            yield f"config.{k}", f"names a param that {why}"
+    for k in payload.get("environment", {}):
+        if why := name_problem(f"bench.{k}"):
+            yield f"environment.{k}", f"names a tag that {why}"
+
+
 def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
-    """The run that already holds the result file with this content, if any."""
-    client = mlflow_client(uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
+    """The run that already holds the result file with this content, if any. None too when the
+    store cannot be asked: the run is then made by a Tracker, which goes offline as every stage
+    does (one warning naming the server, the run spooled for `moe mlflow-sync`)."""
+
+    def find() -> str | None:
+        client = mlflow_client(uri)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return None
+        found = client.search_runs([exp.experiment_id], filter_string=f"tags.`bench.file_sha256` = '{sha256}'", max_results=1)
+        return found[0].info.run_id if found else None
+
+    try:
+        return within_deadline(find, "MLflow lookup")
+    except ModuleNotFoundError:
+        raise
+    except Exception:  # unreachable or hanging server, broken store: the Tracker tells which
         return None
-    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`bench.file_sha256` = '{sha256}'", max_results=1)
-    return found[0].info.run_id if found else None
 
 
 RESULT_LIMIT = 64 << 20
@@ -79,8 +143,8 @@ def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
     if results is not None and not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
         raise bad("results", "is not a list of objects")
     experiment = (payload.get("mlflow") or {}).get("experiment")
-    if experiment is not None and not (isinstance(experiment, str) and experiment.strip()):
-        raise bad("mlflow.experiment", "is not a name")
+    if experiment is not None and not (isinstance(experiment, str) and experiment.strip() and len(experiment) <= 500):
+        raise bad("mlflow.experiment", "is not a name (1 to 500 characters)")
     artifacts = payload.get("artifacts", [])
     if not isinstance(artifacts, list) or not all(isinstance(a, str) and Path(a).name for a in artifacts):
         raise bad("artifacts", "is not a list of file names")
@@ -92,7 +156,22 @@ def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
         ok = isinstance(curve, list) and all(isinstance(p, list) and len(p) == 2 and all(type(x) in (int, float) for x in p) for p in curve)
         if not ok:
             raise bad(f"curves.{name}", "is not a list of [step, value] numbers")
+    for field, what in (*metric_problems(payload), *name_problems(payload)):
+        raise PipelineError(f"{path}: {field} {what}; nothing was logged")
+    if not result_metrics(payload) and not payload.get("curves"):
+        raise PipelineError(f"{path}: the file holds no number to log ({_no_metrics_hint(payload)}); nothing was logged")
     return data, payload
+
+
+def _no_metrics_hint(payload: dict[str, Any]) -> str:
+    rows = result_rows(payload)
+    if not rows:
+        return "no result or results rows, matmul_peak_tflops or curves"
+    texts = [f"{where}.{k}" for where, row in rows for k in row if k not in ROW_LABELS]
+    if not texts:
+        return "its rows hold labels only"
+    more = " ..." if len(texts) > 6 else ""
+    return f"its rows hold no number: {', '.join(texts[:6])}{more} are not numbers"
 
 
 def log_result(path: Path, experiment: str | None = None) -> tuple[str, bool]:

@@ -8,6 +8,7 @@ every writer uses.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
-from pipeline.redact import redact
+from pipeline.redact import redact, userinfo_end
 
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
@@ -78,21 +79,20 @@ def within_deadline(fn, what: str = "tracking call", seconds: float | None = Non
 def client_uri(uri: str) -> str:
     """The URI MLflow itself sees: credentials of an http(s) URI move to MLFLOW_TRACKING_USERNAME /
     MLFLOW_TRACKING_PASSWORD (MLflow's own basic-auth variables, inherited by jobs), so nothing
-    MLflow prints or raises ("View run ... at: URL") can carry the password."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
-        return uri
-    userinfo, host = parts.netloc.rsplit("@", 1)
-    user, _, password = userinfo.partition(":")
+    MLflow prints or raises ("View run ... at: URL") can carry the password. The userinfo is
+    found as ``redact`` finds it, so a password holding ``/`` or ``@`` moves whole."""
     from urllib.parse import unquote
 
+    scheme, sep, rest = uri.partition("://")
+    at = userinfo_end(rest) if sep and scheme.lower() in ("http", "https") else -1
+    if at < 0:
+        return uri
+    user, _, password = rest[:at].partition(":")
     if user:
         os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
     if password:
         os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    return f"{scheme}{sep}{rest[at + 1 :]}"
 
 
 def mlflow_client(uri: str):
@@ -129,12 +129,29 @@ def tracking_uri(cfg: MlflowConfig, root: Path | None = None) -> str:
     return f"sqlite:///{project_root(root) / 'mlflow.db'}"
 
 
-def log_batched(client, run_id: str, metrics: Sequence[Any] = (), params: Sequence[Any] = ()) -> None:
-    """Metrics and params in MLflow's batch sizes (the one loop every writer goes through)."""
+def log_batched(client, run_id: str, metrics: Sequence[Any] = (), params: Sequence[Any] = (), tags: Sequence[Any] = ()) -> None:
+    """Metrics, params and tags in MLflow's batch sizes (the one loop every writer goes through)."""
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=list(params[i : i + MAX_PARAMS_PER_BATCH]))
+    for i in range(0, len(tags), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=list(tags[i : i + MAX_PARAMS_PER_BATCH]))
     for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=list(metrics[i : i + MAX_METRICS_PER_BATCH]))
+
+
+@functools.lru_cache(maxsize=4096)  # a spool names the same few keys on every row
+def name_problem(name: str) -> str | None:
+    """Why MLflow would refuse ``name`` as a metric, param or tag key (None: it takes it). Checked
+    before anything is sent, so a refusal is an error naming the key, not a run left half written."""
+    from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, path_not_unique, validate_param_and_metric_name
+
+    if not name or len(name) > MAX_ENTITY_KEY_LENGTH:
+        return f"is not 1 to {MAX_ENTITY_KEY_LENGTH} characters long"
+    if not validate_param_and_metric_name(name):
+        return "holds a character MLflow refuses in a name (it takes letters, digits and _ - . : / space)"
+    if path_not_unique(name):
+        return "reads as another name as a path (MLflow refuses a leading / or .., // , /./ or a trailing /)"
+    return None
 
 
 def finite(v: Any) -> bool:

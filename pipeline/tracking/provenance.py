@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.redact import redact
+from pipeline.redact import redact, without_userinfo
 
 MAX_PARAM_CHARS = 6000
 
@@ -133,8 +133,8 @@ def standard_tags(stage: str) -> dict[str, str]:
         if info.get("git.branch"):
             tags["mlflow.source.git.branch"] = info["git.branch"]
         remote = _git("remote", "get-url", "origin")
-        if remote and "@" not in remote.split("//", 1)[-1].split("/", 1)[0]:  # never a URL with credentials
-            tags["mlflow.source.git.repoURL"] = remote
+        if remote:  # without its user (which may be a token), password and credential parameters
+            tags["mlflow.source.git.repoURL"] = without_userinfo(remote)
     if os.environ.get("DVC_EXP_NAME"):
         tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
     if os.environ.get("DVC_EXP_BASELINE_REV"):

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,3 +34,77 @@ def test_an_older_files_gib_figures_are_logged_by_their_names_now():
     old = result_metrics({"result": {"layers": 4, "peak_mem_gb": 88.25, "symmetric_gb": 1.5, "tokens_per_s": 9.0}})
     new = result_metrics({"result": {"layers": 4, "peak_mem_gib": 88.25, "symmetric_gib": 1.5, "tokens_per_s": 9.0}})
     assert old == new == {"4/layers": 4.0, "4/peak_mem_gib": 88.25, "4/symmetric_gib": 1.5, "4/tokens_per_s": 9.0}
+
+
+# --------------------------------------------------------------- issue 50: `moe bench log` refusals
+
+
+def _bench_log(tmp_path, monkeypatch, payloads: dict[str, str], env: dict[str, str] | None = None):
+    """`moe bench log` of the named files (written from ``payloads``) in tmp_path, its own store."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    for name, text in payloads.items():
+        (tmp_path / name).write_text(text)
+    return CliRunner().invoke(app, ["bench", "log", *payloads])
+
+
+def _bench_runs(tmp_path) -> int:
+    if not (tmp_path / "mlflow.db").exists():
+        return 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("bench")
+    return len(client.search_runs([exp.experiment_id])) if exp else 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ('{"result": {"layers": 4, "bad key!": 1.0}}', "result.json: result.bad key! names the metric '4/bad key!', which holds a character"),
+        ('{"result": {"layers": 4, "tflops": 1.0}, "config": {"a//b": 1}}', "result.json: config.a//b names a param that reads as another name"),
+        ('{"result": {"layers": 4}, "environment": {"dev ice?": "x"}}', "result.json: environment.dev ice? names a tag that holds a character"),
+        ("{}", "result.json: the file holds no number to log (no result or results rows"),
+        (
+            '{"result": {"note": "fast", "recipe": "bf16"}}',
+            "result.json: the file holds no number to log (its rows hold no number: result.note, result.recipe",
+        ),
+        ('{"result": {"layers": 4, "tflops": "12.5"}}', "result.json: result.tflops is '12.5', a number written as text"),
+        ('{"results": [{"shape": "a", "tflops": 1.0}, {"shape": "b", "tflops": "n/a"}]}', "result.json: results[1].tflops is 'n/a', not a number"),
+        ('{"result": {"layers": 4, "tflops": NaN}}', "result.json: result.tflops is not a finite number"),
+        ('{"result": {"layers": 4}, "matmul_peak_tflops": "990"}', "result.json: matmul_peak_tflops is '990', a number written as text"),
+    ],
+    ids=["metric-name", "param-name", "tag-name", "empty", "only-text", "number-as-text", "text-in-a-number-column", "nan", "peak-as-text"],
+)
+def test_a_result_mlflow_would_refuse_or_without_metrics_is_an_error_and_makes_no_run(tmp_path, monkeypatch, payload, named):
+    r = _bench_log(tmp_path, monkeypatch, {"result.json": payload})
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and lines[-1].startswith(f"error: {named}"), r.output
+    assert "unreachable" not in r.output and "Traceback" not in r.output
+    assert _bench_runs(tmp_path) == 0
+
+
+def test_every_file_is_checked_before_the_first_is_logged(tmp_path, monkeypatch):
+    good = '{"result": {"layers": 4, "tflops": 1.0}}'
+    r = _bench_log(tmp_path, monkeypatch, {"a.json": good, "b.json": '{"result": {"layers": 4, "tflops": "12"}}'})
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error: b.json: result.tflops is '12'"), r.output
+    assert _bench_runs(tmp_path) == 0
+
+
+def test_an_unreachable_server_spools_the_run_with_a_warning_and_no_traceback(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}/?private_token=s3cret", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    r = _bench_log(tmp_path, monkeypatch, {"result.json": '{"result": {"layers": 4, "tflops": 1.0}}'}, env)
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "result.json -> spooled to mlflow-fallback.jsonl (MLflow unreachable)" in r.output
+    assert "Traceback" not in r.output and "s3cret" not in r.output
+    spooled = (tmp_path / "mlflow-fallback.jsonl").read_text()
+    assert '"4/tflops": 1.0' in spooled and "s3cret" not in spooled

@@ -691,6 +691,32 @@ def _corpus_as_markdown(ws):
     assert any("x # Injected &lt;img src=x onerror=alert(1)&gt;" in line for line in body if line.startswith("| training data |"))
 
 
+# ---------------------------------------------------------------- issue 50: run directories, Slurm values, job.json
+
+
+def _users_run_shaped_metrics(ws):
+    """A user's folder whose metrics.jsonl reads like a run's (step rows), without a run's job.json."""
+    (ws / "mymetrics").mkdir()
+    (ws / "mymetrics/metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n')
+
+
+def _users_eval_beside_run_files(ws):
+    (ws / "myeval/eval").mkdir(parents=True)
+    (ws / "myeval/eval/notes.txt").write_text("my notes\n")
+    (ws / "myeval/metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+
+
+def _job_json_layout_dp_zero(ws):
+    """A job.json whose layout says dp 0 (a ZeroDivisionError in every worker before)."""
+    spec = json.loads((ws / "runs/train/job.json").read_text())
+    spec["layout"]["dp"] = 0
+    (ws / "edited.json").write_text(json.dumps(spec))
+    r = subprocess.run([sys.executable, "-m", "pipeline.worker", "edited.json"], cwd=ws, capture_output=True, text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-1500:]
+    assert "job.json: layout.dp: must be >= 1, got 0" in errors[0], errors[0]
+
+
 CASES = [
     # 1: no checkpoint path reaches an unrestricted unpickling
     Case("bytes-entry-convert", 1, ["convert", "--out", "hf2", "--no-mlflow"], setup=_plant_bytes, check=_no_exec),
@@ -1016,6 +1042,41 @@ CASES = [
         expect="ok",
         check=_names("result.json -> spooled to mlflow-fallback.jsonl (MLflow unreachable)"),
     ),
+    # issue 50: run directories, Slurm values, job ids, init_from, job.json
+    Case(
+        "run-dir-users-metrics-shaped-like-a-runs",
+        50,
+        [*TRAIN, "--set", "executor.run_dir=mymetrics", "--set", "checkpoint.dir=runs/m/ck"],
+        setup=_users_run_shaped_metrics,
+        check=_names("holds metrics.jsonl but no job.json"),
+        keep=("mymetrics/*",),
+    ),
+    Case(
+        "run-dir-users-eval-folder",
+        50,
+        [*TRAIN, "--set", "executor.run_dir=myeval", "--set", "checkpoint.dir=runs/e/ck"],
+        setup=_users_eval_beside_run_files,
+        check=_names("holds eval, which a training run does not write"),
+        keep=("myeval/*", "myeval/eval/*"),
+    ),
+    Case("slurm-cpus-per-task-negative", 50, ["params", "--set", "slurm.cpus_per_task=-4"], check=_names("slurm.cpus_per_task: must be between")),
+    Case("slurm-mem-negative-job", 50, ["job", "--set", "slurm.mem=-5G"], check=_names("slurm.mem: '-5G' must be")),
+    Case("slurm-time-min-1e12-submit", 50, ["submit", "--dry-run", "--set", "slurm.time_min=1000000000000"], check=_names("slurm.time_min")),
+    Case("slurm-job-name-bidi-override", 50, ["submit", "--dry-run", "--set", "slurm.job_name=ab\u202ecd"], check=_names("U+202E")),
+    Case("cancel-job-id-a-flag", 50, ["cancel", "--", "--me"], check=_names("'--me' is not a Slurm job id")),
+    Case(
+        "params-init-from-missing",
+        50,
+        ["params", "--set", "checkpoint.init_from=/nonexistent", "--set", "checkpoint.dir=runs/fresh/ck", "--set", "executor.run_dir=runs/fresh"],
+        check=_names("checkpoint.init_from: /nonexistent: no complete checkpoint found"),
+    ),
+    Case(  # a checkpoint to resume: init_from is not read, by the worker nor by `moe params`
+        "params-init-from-missing-but-resuming",
+        50,
+        ["params", "--set", "checkpoint.init_from=/nonexistent"],
+        expect="ok",
+    ),
+    Case("job-json-layout-dp-zero", 50, call=_job_json_layout_dp_zero),
 ]
 
 
