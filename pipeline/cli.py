@@ -572,11 +572,12 @@ def is_requests_file(path: Path) -> bool:
 def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
     """Validate params.yaml (+ overrides), check it as `moe train` would, print the flat values
     and where each came from (params.yaml, --set, the recipe, the model preset, the default)."""
-    from pipeline.params import params_sources
+    from pipeline.params import check_init_from, params_sources
     from pipeline.stages.train import check_train
 
     cfg = _load(params, set_)
     check_train(cfg, resolve_data=(Path(cfg.tokenize.output) / "manifest.json").is_file())
+    check_init_from(cfg.experiment())  # the worker's check, now: not after a job has started
     sources, _ = params_sources(params, set_ or [])
     for k, v in cfg.flatten().items():
         print(redact(f"{k} = {json.dumps(v)}  # {sources.get(k, 'default')}"))

@@ -8,7 +8,9 @@ parallel, precision) build a :class:`moe.config.ExperimentConfig`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,16 +84,68 @@ class ExecutorConfig(Config):
 _SHELL_WORDS = re.compile(r"[A-Za-z0-9_./+=:@%,-]+( [A-Za-z0-9_./+=:@%,-]+)*")
 
 
+def unsafe_char(text: str) -> str | None:
+    """The first character of ``text`` that must not reach a script: a control character (a
+    newline starts a new command), a format character (U+202E and the other bidi overrides
+    show the script other than it runs; zero-width ones hide text), a line or paragraph
+    separator, or a surrogate, private-use or unassigned code point."""
+    return next((c for c in text if unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp")), None)
+
+
+_CHAR_KINDS = {
+    "Cc": "a control character",
+    "Cf": "a format character: a bidi override or an invisible one",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
+
+
+def describe_char(c: str) -> str:
+    """``U+202E (a format character: ...)``: an unsafe character named without printing it."""
+    return f"U+{ord(c):04X} ({_CHAR_KINDS.get(unicodedata.category(c), 'not a printable character')})"
+
+
 def check_script_values(section: Config, prefix: str) -> None:
-    """Every string of a section that reaches the generated sbatch script is one line: a
-    newline or other control character would start a new shell command in the script."""
+    """Every string of a section that reaches the generated sbatch script is one line of
+    characters that read as they run (``unsafe_char``)."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         items = value if isinstance(value, list) else [value]
         for i, item in enumerate(items):
-            if isinstance(item, str) and any(ord(c) < 32 or ord(c) == 127 for c in item):
+            bad = unsafe_char(item) if isinstance(item, str) else None
+            if bad is not None:
                 where = f"{prefix}.{f.name}" + (f"[{i}]" if isinstance(value, list) else "")
-                raise ConfigError(f"{where}: {item!r} contains a newline or control character")
+                raise ConfigError(f"{where}: {item!r} contains {describe_char(bad)}; it would reach the sbatch script")
+
+
+# What each Slurm value may be: sbatch reads them from `#SBATCH` lines, where a value it does not
+# expect is refused late (at submission) or, worse, read as something else.
+SLURM_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a job name, account or QOS
+SLURM_NAMES = re.compile(r"[A-Za-z0-9._-]{1,64}(,[A-Za-z0-9._-]{1,64})*")  # partitions, comma-separated
+SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9._:&|*,()\[\]-]{1,1024}")  # features with & | [ ] * ( )
+SLURM_MEM = re.compile(r"[1-9][0-9]*[KMGT]?")  # megabytes, or K/M/G/T
+_NAME = "letters, digits and ._- (at most 64)"
+SLURM_FORMS = {  # key -> (its form, the form in words)
+    "job_name": (SLURM_NAME, _NAME),
+    "account": (SLURM_NAME, _NAME),
+    "qos": (SLURM_NAME, _NAME),
+    "partition": (SLURM_NAMES, "names of letters, digits and ._-, comma-separated"),
+    "constraint": (SLURM_CONSTRAINT, "features of letters, digits and ._: joined by & | , with [ ] ( ) *"),
+    "mem": (SLURM_MEM, "a positive whole number of megabytes, or one with a K, M, G or T suffix, e.g. 200G"),
+}
+SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=[!-~]+)?")  # a long option, its value printable ASCII without spaces
+# Bounds: Slurm's own where it has one (--signal takes at most 65535 s), else far past any
+# real job; anything beyond is a typo.
+SLURM_LIMITS = {  # key -> (least, most)
+    "nodes": (1, 100_000),
+    "tasks_per_node": (1, 1024),
+    "gpus_per_node": (0, 64),
+    "cpus_per_task": (1, 4096),
+    "time_min": (1, 365 * 24 * 60),  # a year
+    "signal_delay_s": (0, 65535),
+    "max_requeues": (0, 10_000),
+}
+MAX_POLL_S = 3600.0
 
 
 @dataclasses.dataclass
@@ -123,24 +177,35 @@ class SlurmConfig(Config):
     poll_s: float = 2.0
 
     def _check(self, p: str) -> None:
-        for name in ("nodes", "tasks_per_node", "time_min"):
-            require(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
-        require(self.gpus_per_node >= 0, f"{p}.gpus_per_node", "must be >= 0")
+        self._check_numbers(p)
         if self.gpus_per_node:
             require(
                 self.gpus_per_node == self.tasks_per_node,
                 f"{p}.gpus_per_node",
                 f"{self.gpus_per_node} GPUs per node but {self.tasks_per_node} tasks per node: one task drives one GPU",
             )
-        require(self.signal_delay_s >= 0, f"{p}.signal_delay_s", "must be >= 0")
-        require(self.max_requeues >= 0, f"{p}.max_requeues", "must be >= 0")
-        require(self.poll_s > 0, f"{p}.poll_s", "must be > 0")
-        for line in self.extra_sbatch:
-            require(line.startswith("--"), f"{p}.extra_sbatch", f"{line!r} must be a long option like --reservation=x")
         check_script_values(self, p)
-        for name in ("partition", "account", "qos", "mem", "job_name"):  # one sbatch word each
+        self._check_words(p)
+
+    def _check_numbers(self, p: str) -> None:
+        """Counts and durations within SLURM_LIMITS (a negative or absurd one reaches sbatch as written)."""
+        for name, (low, most) in SLURM_LIMITS.items():
             value = getattr(self, name)
-            require(value is None or not any(c.isspace() for c in value), f"{p}.{name}", f"{value!r} must not contain spaces")
+            if value is not None:  # (cpus_per_task null: the partition's default)
+                require(low <= value <= most, f"{p}.{name}", f"must be between {low} and {most}, got {value}")
+        require(0 < self.poll_s <= MAX_POLL_S and math.isfinite(self.poll_s), f"{p}.poll_s", f"must be > 0 and <= {MAX_POLL_S:g}, got {self.poll_s}")
+
+    def _check_words(self, p: str) -> None:
+        """Names, sizes and options in the forms sbatch reads (letters, digits and ._- for names)."""
+        for name, (form, what) in SLURM_FORMS.items():
+            value = getattr(self, name)
+            require(value is None or bool(form.fullmatch(value)), f"{p}.{name}", f"{value!r} must be {what}")
+        for line in self.extra_sbatch:
+            require(
+                bool(SBATCH_OPTION.fullmatch(line)),
+                f"{p}.extra_sbatch",
+                f"{line!r} must be a long option like --reservation=x (printable ASCII, no spaces)",
+            )
 
 
 @dataclasses.dataclass
@@ -163,6 +228,11 @@ class ContainerConfig(Config):
             require(bool(self.image), f"{p}.image", f"must name an image when container.runtime is {self.runtime}")
         for m in self.mounts:
             require(":" in m, f"{p}.mounts", f"{m!r} must be host_path:container_path")
+            require("," not in m, f"{p}.mounts", f"{m!r} must be one mount (the runtimes read a comma as the start of another)")
+        if self.workdir is not None:  # the container side of the repository's mount, <cwd>:<workdir>
+            require(
+                not any(c in self.workdir for c in ",:"), f"{p}.workdir", f"{self.workdir!r} must not contain ',' or ':' (it is one side of a mount)"
+            )
         check_script_values(self, p)
         require(
             bool(_SHELL_WORDS.fullmatch(self.python)),
@@ -286,6 +356,29 @@ class PipelineConfig(ExperimentConfig):
         return Path(self.tokenize.output)
 
 
+def check_init_from(exp: ExperimentConfig) -> None:
+    """checkpoint.init_from as the trainer checks it before it loads the weights (a complete
+    checkpoint, its meta.json intact, written for this model's architecture), by the trainer's
+    own functions; only for a run that starts fresh (a checkpoint in checkpoint.dir is resumed
+    instead, and init_from ignored). Needs torch: for the commands that check a run."""
+    from moe.errors import CheckpointError
+    from moe.train.checkpoint import latest_checkpoint, read_meta
+    from moe.train.trainer import _check_same_model  # the check Trainer.load_weights runs: not a copy
+
+    init = exp.checkpoint.init_from
+    if not init:
+        return
+    try:
+        if latest_checkpoint(exp.checkpoint.dir) is not None:
+            return
+    except CheckpointError as exc:
+        raise ConfigError(f"checkpoint.dir: {exc}") from None
+    try:
+        _check_same_model(read_meta(init).get("config", {}).get("model", {}), exp.model, init)
+    except CheckpointError as exc:
+        raise ConfigError(f"checkpoint.init_from: {exc}") from None
+
+
 MAX_PARAMS_BYTES = 1 << 20  # a params file is a page of settings, not data
 MAX_YAML_DEPTH = 32
 MAX_YAML_NODES = 100_000
@@ -389,7 +482,7 @@ def load_params(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
         return fit_short_run(cfg, _set_keys(overrides))[0].validate()
     except ConfigError as exc:
         text = str(exc)
-        key = text.split(":", 1)[0].strip()
+        key = text.split(":", 1)[0].strip().split("[", 1)[0]  # (slurm.setup[0]: the list's key)
         if key in _set_keys(overrides) or any(key.startswith(k + ".") for k in _set_keys(overrides)):
             raise ConfigError(f"--set {text}") from None  # the command line's value, not the file's
         raise ConfigError(text if text.startswith(f"{path}:") else f"{path}: {text}") from None

@@ -1,9 +1,11 @@
 """What a training run writes into its run directory and checkpoint directory, and the check
 that a directory given as one holds nothing else (a user's folder is never written into).
 
-The check reads what is there: every entry must be a name a run writes, and the files a run
-rewrites (its job spec, summary, metrics, logs, lock) must read as ours: a user's folder that
-happens to hold a ``summary.json`` or ``logs/rank0.log`` of its own is refused, not overwritten.
+The check reads what is there: every entry must be a name a run writes, the files a run
+rewrites (its job spec, summary, metrics, logs, lock) must read as ours, and a folder holding
+anything but the lock must carry the run's record, the ``job.json`` every executor writes
+before anything else: a user's folder that happens to hold a ``summary.json``, a
+``logs/rank0.log`` or a ``metrics.jsonl`` of step rows of its own is refused, not overwritten.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from moe.train.checkpoint import STEP_DIR_NAME
 from pipeline.errors import PipelineError
 
 # The run directory: the job spec, its summary, metrics, logs, the lock, the tracking spool,
-# the expert-load heatmap, and the temporary names they are written through.
+# the expert-load heatmap and the output ledger it is entered in (pipeline.outputs).
+RUN_RECORD = "job.json"  # written by every executor before the job starts: what makes a folder a run's
 RUN_DIR_NAMES = (
-    "job.json",
+    RUN_RECORD,
     "summary.json",
     "metrics.jsonl",
     "logs",
@@ -29,12 +32,15 @@ RUN_DIR_NAMES = (
     "mlflow-fallback.jsonl",
     "mlflow-fallback.jsonl.synced",
     "expert_load.png",
-    "eval",
     ".moe-outputs.json",
-    ".*.tmp-*",
-    "*.tmp",
-    ".expert_load.png.*",
 )
+# The temporaries those are written through (pipeline.outputs.write_atomic and the metrics
+# sink: ``.<name>.tmp-*``), and the fixed one of versions before (read as metrics below).
+RUN_DIR_TEMPORARIES = (
+    *(f".{name}.tmp-*" for name in (RUN_RECORD, "summary.json", "metrics.jsonl", "expert_load.png", ".moe-outputs.json")),
+    "metrics.jsonl.tmp",
+)
+NEEDS_NO_RECORD = (".lock",)  # the lock is taken before the record is written
 # The checkpoint directory: complete steps, the pointer to the newest, temporaries of saves.
 CHECKPOINT_DIR_NAMES = ("latest", ".lock", ".tmp-step_*", ".tmp-old-step_*", ".latest.tmp-*")
 
@@ -129,6 +135,7 @@ _CONTENT = {
     "job.json": _is_job_spec,
     "summary.json": _is_summary,
     "metrics.jsonl": _is_metrics,
+    "metrics.jsonl.tmp": _is_metrics,
     "logs": _is_log_dir,
     ".lock": _is_lock,
 }
@@ -170,21 +177,42 @@ def check_run_dirs(run_dir: str | Path, checkpoint_dir: str | Path, also: tuple[
                 f"checkpoint.dir: {ckpt} holds {foreign}, which a training run does not write; "
                 "refusing to write checkpoints there: choose another directory"
             )
-    if not run.is_dir():
-        return
+    if run.is_dir():
+        _check_run_dir(run, ckpt, also)
+
+
+def _check_run_dir(run: Path, ckpt: Path, also: tuple[str, ...]) -> None:
+    """Every entry is one a run writes and reads as ours; and the folder carries the run's
+    record (its job.json, or the caller's marker) unless it holds only what is there before
+    the record is written (the lock, the checkpoint directory)."""
+    unrecorded = None  # the first entry that only a run directory with its record may hold
     for p in sorted(run.iterdir()):
         if p.resolve() == ckpt.resolve() or (p.name in also and p.is_file() and not p.is_symlink()):
             continue
-        if _matches(p.name, RUN_DIR_NAMES) and not p.is_symlink():
-            if _not_ours(p):
-                hint = f" (a run directory of a version before worker logs began with {LOG_HEADER!r}: remove its logs/)" if p.name == "logs" else ""
-                raise PipelineError(
-                    f"executor.run_dir: {run} holds {p.name}, whose content is not what a training run writes there; "
-                    f"refusing to overwrite it: choose another directory{hint}"
-                )
-            continue
-        if p.is_dir() and not p.is_symlink() and _foreign_in_checkpoint_dir(p) is None:
-            continue  # an earlier run's checkpoint directory (checkpoint.dir changed since)
+        _check_run_entry(run, p)
+        if unrecorded is None and p.name not in NEEDS_NO_RECORD:
+            unrecorded = p.name
+    records = [run / name for name in (RUN_RECORD, *also)]  # a caller's marker is its runs' record
+    if unrecorded is not None and not any(r.is_file() and not r.is_symlink() for r in records):
         raise PipelineError(
-            f"executor.run_dir: {run} holds {p.name}, which a training run does not write; refusing to write into it: choose another directory"
+            f"executor.run_dir: {run} holds {unrecorded} but no {RUN_RECORD}, the record every training run writes first: "
+            "it is not a run directory; refusing to write into it: choose another directory"
         )
+
+
+def _check_run_entry(run: Path, p: Path) -> None:
+    """``p`` is a name a run writes whose content reads as ours, or an earlier run's checkpoint
+    directory (checkpoint.dir changed since)."""
+    if _matches(p.name, RUN_DIR_NAMES + RUN_DIR_TEMPORARIES) and not p.is_symlink():
+        if _not_ours(p):
+            hint = f" (a run directory of a version before worker logs began with {LOG_HEADER!r}: remove its logs/)" if p.name == "logs" else ""
+            raise PipelineError(
+                f"executor.run_dir: {run} holds {p.name}, whose content is not what a training run writes there; "
+                f"refusing to overwrite it: choose another directory{hint}"
+            )
+        return
+    if p.is_dir() and not p.is_symlink() and _foreign_in_checkpoint_dir(p) is None:
+        return
+    raise PipelineError(
+        f"executor.run_dir: {run} holds {p.name}, which a training run does not write; refusing to write into it: choose another directory"
+    )

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from moe.errors import MoeError
 from pipeline.executors.base import TrainJob
 from pipeline.requeue import requeue_or_stop
 
@@ -41,7 +42,7 @@ class SlurmTrainTask:
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         _set_threads(env.local_world_size)
         stop = StopRequest().install([signal.SIGUSR2])  # replaces submitit's own USR2 handler
-        job = TrainJob.read(self.spec_path)
+        job = _read_job(self.spec_path)
         code, summary = worker.run_and_report(job, stop=stop, lock=True)
         if code != 0:
             raise SystemExit(code)
@@ -51,6 +52,15 @@ class SlurmTrainTask:
 
     def checkpoint(self, *args, **kwargs):  # submitit hook; unused: our USR2 handler replaces it
         return None
+
+
+def _read_job(spec_path: str) -> TrainJob:
+    """The job spec, or one `error:` line naming it and the task's exit code (not a traceback)."""
+    try:
+        return TrainJob.read(spec_path)
+    except MoeError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
 
 
 def _set_threads(tasks_on_node: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from moe.config import ConfigError, ExperimentConfig
 from moe.train.process import run_process, train
-from moe.train.sinks import ConsoleSink, JsonlSink
+from moe.train.sinks import ConsoleSink, JsonlSink, check_output_target, write_file_atomic
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,16 +33,24 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{args.config}: not valid JSON ({exc})") from None
         cfg = ExperimentConfig.load(data, args.overrides)
+        check_outputs(args)
         sinks = [ConsoleSink()] + ([JsonlSink(args.metrics_jsonl)] if args.metrics_jsonl else [])
         trainer, summary = train(cfg, sinks)
         if args.summary_json and trainer.env.is_main:
-            args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-            args.summary_json.write_text(json.dumps(summary.__dict__, indent=2, default=str))
+            write_file_atomic(args.summary_json, json.dumps(summary.__dict__, indent=2, default=str))
 
     code, _, message = run_process(body)
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """The files the caller names are checked before any training: a symlink or a directory
+    there is refused now, not after the run (which would leave checkpoints and no summary)."""
+    for flag, path in (("--summary-json", args.summary_json), ("--metrics-jsonl", args.metrics_jsonl)):
+        if path is not None:
+            check_output_target(path, flag)
 
 
 if __name__ == "__main__":

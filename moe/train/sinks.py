@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import secrets
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Protocol
+
+from moe.errors import MoeError
 
 log = logging.getLogger("moe.train")
 
@@ -38,24 +43,64 @@ class JsonlSink:
         self._f.flush()
 
     def _open_from(self, step: int):
+        check_output_target(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file() and not self.path.is_symlink():
+        if self.path.exists():
             kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) < step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with _open_no_follow(tmp, os.O_TRUNC) as f:
-                f.write("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-        return _open_no_follow(self.path, os.O_APPEND)
+            write_file_atomic(self.path, "".join(line + "\n" for line in kept))
+        return _open_for_append(self.path)
 
     def close(self, summary: dict[str, Any]) -> None:
         if self._f is not None:
             self._f.close()
 
 
-def _open_no_follow(path: Path, mode_flag: int):
-    """Open for writing without following a symlink at ``path`` (never write through a planted link)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | mode_flag, 0o644)
-    return os.fdopen(fd, "a" if mode_flag == os.O_APPEND else "w")
+def check_output_target(path: Path, key: str | None = None) -> None:
+    """Before anything is written: ``path`` is absent or a regular file, and its folder can be
+    one. A symlink there would carry the write into whatever it points at (a user's file), and
+    a directory or device is nobody's output; ``key`` (a flag) names the setting at fault."""
+    where = f"{key}: {path}" if key else str(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # (NotADirectoryError: a file where its folder belongs)
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise MoeError(f"{where} is a symlink; refusing to write through it (remove it or choose another path)")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise MoeError(f"{where} exists and is not a regular file; refusing to replace it")
+    folder = next((p for p in Path(path).absolute().parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise MoeError(f"{where}: {folder} is not a directory")
+
+
+def write_file_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a fresh temporary in the same folder and a rename:
+    the rename replaces a name instead of writing through a symlink, and a failure (a full
+    disk) leaves the old file whole and no temporary behind."""
+    check_output_target(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _open_for_append(path: Path):
+    """Open for appending without following a symlink at ``path`` (one planted since the check)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError:
+        check_output_target(path)  # names a symlink planted since: one error line, not a traceback
+        raise
+    return os.fdopen(fd, "a")
 
 
 def _step_of(line: str) -> float:

@@ -10,6 +10,7 @@ back to ``sacct``.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any
 
 from pipeline.errors import PipelineError, SubmissionRefused
 from pipeline.executors.base import JobResult, TrainJob
-from pipeline.params import ContainerConfig, SlurmConfig
+from pipeline.params import ContainerConfig, SlurmConfig, describe_char, unsafe_char
 from pipeline.run_lock import RunLock
 from pipeline.slurm_task import SlurmTrainTask
 
@@ -36,6 +37,9 @@ FORWARD_USR2_TO_TASKS = [
     '  trap - USR2; return "$rc"',
     "}",
 ]
+# A Slurm job id as the commands take one: digits, an array task (12345_7), tasks of an array
+# (12345_[1-3,5]) or a heterogeneous job's component (12345+1).
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+|_\[[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*\]|\+[0-9]+)?")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
@@ -48,6 +52,14 @@ def require_slurm(*commands: str) -> None:
             f"Slurm is not available on this machine: `{missing[0]}` is not on PATH. "
             "Run this on a Slurm login node; `moe submit --dry-run` prints the job script anywhere"
         )
+
+
+def check_job_id(job_id: str) -> str:
+    """A job id given on the command line is one before it reaches scancel, scontrol or sacct
+    (``--me`` would be read as a flag: cancel every job of the user) or a log path (``../x``)."""
+    if not JOB_ID.fullmatch(str(job_id)):
+        raise PipelineError(f"job id: {str(job_id)!r} is not a Slurm job id (digits, e.g. 12345; an array task, 12345_7)")
+    return str(job_id)
 
 
 def _slurm_executor_class(render_only: bool):
@@ -69,11 +81,12 @@ def _slurm_executor_class(render_only: bool):
 def check_script_value(value: str, what: str) -> str:
     """A value written into the batch script (a path, most often) must be one line: a newline
     or another control character would end an ``#SBATCH`` line or a quoted word there and start
-    a command of its own (quoting protects spaces, not line breaks inside #SBATCH comments)."""
-    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    a command of its own (quoting protects spaces, not line breaks inside #SBATCH comments);
+    a bidi override would show the script other than it runs (pipeline.params.unsafe_char)."""
+    bad = unsafe_char(value)
     if bad is not None:
         raise PipelineError(
-            f"{what}: {value!r} contains a control character ({bad!r}); it would reach the sbatch script: rename it or run from another directory"
+            f"{what}: {value!r} contains {describe_char(bad)}; it would reach the sbatch script: rename it or run from another directory"
         )
     return value
 
@@ -81,6 +94,11 @@ def check_script_value(value: str, what: str) -> str:
 def check_script_paths(slurm: SlurmConfig, container: ContainerConfig) -> None:
     """Every path the generated script names, derived from the working directory included."""
     check_script_value(os.getcwd(), "the working directory")
+    if container.runtime != "none" and any(c in os.getcwd() for c in ",:"):
+        raise PipelineError(
+            f"the working directory: {os.getcwd()!r} contains ',' or ':', which would split the repository's "
+            f"container mount (container.runtime={container.runtime}): run from another directory"
+        )
     check_script_value(str(Path(slurm.folder).absolute()), "slurm.folder (absolute)")
     check_script_value(sys.executable, "the Python interpreter")
     for name in ("image", "workdir"):
@@ -199,6 +217,7 @@ class SlurmExecutor:
         return job_id
 
     def log_paths(self, job_id: str, task: int = 0) -> tuple[Path, Path]:
+        check_job_id(job_id)
         folder = Path(self.slurm.folder)
         return folder / f"{job_id}_{task}_log.out", folder / f"{job_id}_{task}_log.err"
 
@@ -236,6 +255,7 @@ class SlurmExecutor:
 
 def job_state(job_id: str) -> tuple[str, str | None]:
     """(state, exit code "N:S") from scontrol, else sacct; UNKNOWN when neither knows it."""
+    check_job_id(job_id)
     require_slurm("scontrol")
     r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True)
     if r.returncode == 0 and "JobState=" in r.stdout:
@@ -251,6 +271,7 @@ def job_state(job_id: str) -> tuple[str, str | None]:
 
 
 def cancel(job_id: str) -> None:
+    check_job_id(job_id)
     require_slurm("scancel")
     r = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True)
     if r.returncode != 0:

@@ -284,3 +284,29 @@ def test_mlflow_server_without_its_database_is_one_error_in_bounded_time(tmp_pat
     assert len(errors) == 1 and f"127.0.0.1:{port}/mlflow" in errors[0], r.stderr
     assert "s3 cr/et@x" not in r.stderr + r.stdout and "cr/et" not in r.stderr + r.stdout
     assert not (tmp_path / "art").exists()
+
+
+# ------------------------------------------------------------------ issue 50: values reaching Slurm
+
+
+def test_params_job_and_submit_refuse_a_slurm_value_naming_the_key(workspace):
+    """Item 3: the config's own check refuses it, so every command that reads params.yaml does,
+    before any script is rendered or spec written."""
+    for cmd in (["params"], ["job"], ["submit", "--dry-run"]):
+        assert_one_error_line(moe(*cmd, "--set", "slurm.mem=-5G"), 2, "--set slurm.mem: '-5G' must be a positive whole number")
+    assert_one_error_line(moe("submit", "--dry-run", "--set", "slurm.job_name=ab\u202ecd"), 2, "slurm.job_name: 'ab\\u202ecd' contains U+202E")
+    assert not Path("runs").exists()
+
+
+@pytest.mark.parametrize("cmd", [["cancel"], ["status"], ["logs"]])
+def test_a_job_id_that_is_no_job_id_is_refused_before_slurm(workspace, cmd):
+    """Item 4: `moe cancel -- --me` handed --me to scancel (every job of the user)."""
+    for job_id in ("--me", "../../etc/passwd", "12 34", "123;id"):
+        assert_one_error_line(moe(*cmd, "--", job_id), 2, f"job id: {job_id!r} is not a Slurm job id")
+
+
+def test_params_refuses_an_init_from_the_worker_would_refuse(workspace):
+    """Item 5: `moe params` checked init_from only in the worker of a started run."""
+    assert_one_error_line(
+        moe("params", "--set", "checkpoint.init_from=/nonexistent"), 2, "checkpoint.init_from: /nonexistent: no complete checkpoint found"
+    )
