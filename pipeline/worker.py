@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import ExperimentConfig
+from moe.errors import MoeError
 from moe.reader import Bool, FileFormatError, Int, Map, Nullable, Num, Str, read_json
 from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink, read_metric_rows
@@ -166,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         from moe.train.preemption import StopRequest
 
         stop = StopRequest().install([signal.SIGUSR2])
-    job = TrainJob.read(argv[0])
+    try:
+        job = TrainJob.read(argv[0])
+    except MoeError as exc:  # a job spec that is not one of ours: one line, its exit code
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     code, summary = run_and_report(job, stop, lock=slurm)
     if code == 0 and summary.get("preempted"):
         from pipeline.requeue import requeue_or_stop
