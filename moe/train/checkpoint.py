@@ -182,6 +182,7 @@ class CheckpointManager:
         self._error: CheckpointError | None = None
         self.last_write_s: float | None = None  # the background write time of the last completed save
         self._fits: bool | None = None  # whether every rank can stage in host memory (decided once)
+        self._allocating: threading.Thread | None = None
 
     def clean_stale(self) -> None:
         """Remove temporary directories that interrupted saves left behind (rank 0)."""
@@ -265,9 +266,29 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{tmp}: cannot write checkpoint step {step} ({_cause(exc)}){_space_note(self.root)}") from None
 
+    def prepare(self, tensors: dict[str, Any]) -> None:
+        """Allocate the host buffers of asynchronous saves now, in a background thread, so the
+        first save does not hold training while pinned memory is allocated (measured on one
+        H200: 16 s for 21 GiB at the first save, 0.42 s to copy into the kept buffers after)."""
+        if not self.asynchronous or self._staging or self._allocating is not None or not self._host_copies_fit(tensors):
+            return
+        specs = _buffer_specs(tensors)
+        if not any(pin for _, _, pin in specs.values()):
+            return  # CPU training: a copy costs what an allocation does
+
+        def allocate() -> None:
+            for where, (shape, dtype, pin) in specs.items():
+                self._staging[where] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+        self._allocating = threading.Thread(target=allocate, name="checkpoint-host-buffers", daemon=True)
+        self._allocating.start()
+
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Copies of ``tensors`` in host memory (pinned when they come from a GPU), into buffers
         kept for the next save; the device is waited for once, after every copy is queued."""
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
         staged = _stage_tree(tensors, self._staging)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -358,6 +379,18 @@ def _stage_tree(tree: Any, buffers: dict[str, torch.Tensor] | None = None, where
             buffers[where] = buf
     buf.copy_(tree.detach(), non_blocking=tree.is_cuda)
     return buf
+
+
+def _buffer_specs(tree: Any, where: str = "") -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
+    """The host buffers _stage_tree fills, by the same keys: (shape, dtype, pinned)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _buffer_specs(sub, f"{where}.{key}" if where else str(key)).items()}
+    if not isinstance(tree, torch.Tensor):
+        return {}
+    local = tree.to_local() if isinstance(tree, DTensor) else tree
+    return {where: (local.shape, local.dtype, local.is_cuda)}
 
 
 def _fits_in_host_memory(tensors: dict[str, Any]) -> bool:

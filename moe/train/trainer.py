@@ -261,6 +261,8 @@ class Trainer:
         """Train to ``train.max_steps``; stop early after ``stop_at`` steps, or when ``stop``
         is requested (a signal), checkpointing there so that a restart resumes exactly."""
         self.maybe_resume()
+        if self.cfg.checkpoint.save:
+            self.ckpt.prepare(save_entries(self.model, self.opt))  # host buffers of asynchronous saves
         preempted = False
         if stop is not None:
             stop.agreed()  # creates the control group on every rank up front

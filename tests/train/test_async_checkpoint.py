@@ -144,3 +144,14 @@ def test_background_saves_overlap_the_steps_that_follow(tmp_path, corpus, monkey
     assert writing.is_set()
     assert logged[4]["checkpoint/blocked_s"] < 1.0  # staged at step 2, written while steps 3-4 ran
     assert latest_checkpoint(tmp_path / "run").name == "step_00000004" == summary.checkpoint.rsplit("/", 1)[-1]
+
+
+def test_the_buffers_allocated_ahead_are_the_ones_a_save_fills(tmp_path):
+    """prepare() allocates (on a GPU machine, pinned and in the background) exactly the host
+    buffers the first save copies into, under the same keys, shapes and dtypes."""
+    live = {"model": {"w": torch.ones(4, 2), "b": torch.zeros(3, dtype=torch.bfloat16)}, "optim": {"w": {"step": torch.tensor(1.0)}}}
+    specs = ck._buffer_specs(live)
+    mgr = CheckpointManager(tmp_path, asynchronous=True)
+    mgr.save_async(1, live, {}, {})
+    mgr.wait()
+    assert {k: (tuple(b.shape), b.dtype) for k, b in mgr._staging.items()} == {k: (tuple(s), d) for k, (s, d, _) in specs.items()}
