@@ -7,6 +7,8 @@ MoeError is a bug: a traceback and exit code 1.
 
 from __future__ import annotations
 
+import errno
+
 EXIT_CODES = {
     "ok": 0,
     "unexpected": 1,
@@ -47,11 +49,20 @@ class NonFiniteLossError(MoeError, RuntimeError):
     exit_code = EXIT_CODES["nonfinite_loss"]
 
 
+class OutputError(MoeError, OSError):
+    """An output that cannot be written (a full disk, a quota, a read-only file system); the
+    message names the file."""
+
+
+# What the machine says about where a run writes, never a bug of ours: one line, not a traceback.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
 def exit_code_of(exc: BaseException) -> int | None:
     """The exit code of an expected failure (None: a bug). The one place the policy lives:
     the command line, a worker process and ``python -m moe.train`` all ask it."""
     if isinstance(exc, MoeError):
         return exc.exit_code
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) or (isinstance(exc, OSError) and exc.errno in DISK_ERRNOS):
         return EXIT_CODES["bad_input"]
     return None

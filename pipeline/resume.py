@@ -26,10 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moe.reader import FileFormatError, read_text
 from moe.train.checkpoint import META, STEP_DIR_NAME, CheckpointError, latest_checkpoint, list_checkpoints, read_meta
 from pipeline.errors import PipelineError
 
 log = logging.getLogger("pipeline.resume")
+LATEST_MAX_BYTES = 256  # "step_00001000\n", as moe.train.checkpoint reads it
 
 # Keys that do not change what a run computes.
 NOT_HASHED = {
@@ -217,6 +219,15 @@ def remove_own_checkpoints(root: Path) -> int:
             shutil.rmtree(p)
             removed += 1
     latest = root / "latest"
-    if latest.is_file() and not latest.is_symlink() and STEP_DIR_NAME.match(latest.read_text().strip()):
+    if not latest.is_symlink() and STEP_DIR_NAME.match(_pointer_text(latest)):
         latest.unlink()
     return removed
+
+
+def _pointer_text(latest: Path) -> str:
+    """What ``latest`` names (as the checkpointer writes it: a step directory's name), or ""
+    where it is absent or not a small text file (then it is not ours to remove)."""
+    try:
+        return read_text(latest, LATEST_MAX_BYTES).strip()
+    except FileFormatError:
+        return ""

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import re
-import stat
 from pathlib import Path
 
+from moe.reader import MIB, FileFormatError, Int, Map, Nullable, Plain, Str, parse_json, read_bytes, read_json
 from moe.train.checkpoint import STEP_DIR_NAME
+from moe.train.sinks import METRIC_ROW, METRICS_MAX_BYTES
 from pipeline.errors import PipelineError
 
 # The run directory: the job spec, its summary, metrics, logs, the lock, the tracking spool,
@@ -48,16 +48,25 @@ CHECKPOINT_DIR_NAMES = ("latest", ".lock", ".tmp-step_*", ".tmp-old-step_*", ".l
 # The first line of every worker log (pipeline.executors.local writes it): how a run knows its own logs.
 LOG_HEADER = "# moe worker log"
 _LOG_NAME = re.compile(r"rank\d+\.log")
-_JSON_LIMIT = 64 << 20  # a job spec or summary larger than this is not one of ours
-_SCAN = 1 << 20  # metrics.jsonl: the first and the last MiB are read
+_JSON_LIMIT = 64 * MIB  # a job spec or summary larger than this is not one of ours
+_SCAN = MIB  # metrics.jsonl: the lines of the first and the last MiB are checked
+LOCK_MAX_BYTES = 4096
+# The .lock's holder as pipeline.run_lock writes it (emptied when released).
+LOCK_HOLDER_SCHEMA = Map(
+    required={
+        "pid": Int(1, 2**31 - 1),
+        "host": Str(255),
+        "command": Str(4096),
+        "slurm_job_id": Nullable(Str(64)),  # $SLURM_JOB_ID as the environment had it
+        "since": Str(64, r"[0-9T:+.-]+"),
+    }
+)
 
 
 def _json_object(path: Path) -> dict | None:
-    if path.stat().st_size > _JSON_LIMIT:
-        return None
     try:
-        data = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError):
+        data = read_json(path, Plain(), _JSON_LIMIT)
+    except FileFormatError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -76,37 +85,39 @@ def _is_job_spec(path: Path) -> bool:
 
 
 def _is_summary(path: Path) -> bool:
-    from moe.train.trainer import TrainSummary
+    from pipeline.worker import SUMMARY_SCHEMA
 
-    data = _json_object(path)
-    fields = {f.name for f in dataclasses.fields(TrainSummary)} | {"already_finished"}
-    return data is not None and {"steps", "final_loss"} <= data.keys() <= fields
+    try:
+        read_json(path, SUMMARY_SCHEMA, _JSON_LIMIT)
+    except FileFormatError:
+        return False
+    return True
 
 
 def _metric_row(line: bytes) -> bool | None:
-    """True: a metrics row (a JSON object with an integer step and numbers); False: JSON that is
-    not one; None: not JSON at all (a line a crash tore)."""
+    """True: a metrics row (moe.train.sinks.METRIC_ROW); False: JSON that is not one; None: not
+    JSON at all (a line a crash tore)."""
     try:
-        row = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+        row = parse_json(line.decode("utf-8"), "a metrics line")
+    except (UnicodeDecodeError, FileFormatError):
         return None
-    if not isinstance(row, dict) or type(row.get("step")) is not int:
+    try:
+        METRIC_ROW.check(row)
+    except FileFormatError:
         return False
-    return all(v is None or type(v) in (int, float) for v in row.values())
+    return True
 
 
 def _is_metrics(path: Path) -> bool:
-    """Every JSON line read (all of a small file; the first and last MiB of a large one) is a
+    """Every JSON line checked (all of a small file; the first and last MiB of a large one) is a
     metrics row, and at least one is (an empty file holds nothing to lose). Lines that are not
     JSON at all (a write torn by a crash) are tolerated: the readers skip them with a warning."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size <= 2 * _SCAN:
-            lines = f.read().split(b"\n")
-        else:
-            head = f.read(_SCAN)
-            f.seek(size - _SCAN)
-            lines = head.split(b"\n")[:-1] + f.read().split(b"\n")[1:]  # drop the lines the cut splits
+    try:
+        data = read_bytes(path, METRICS_MAX_BYTES)
+    except FileFormatError:
+        return False
+    # a large file: the first and the last MiB, less the lines the cuts split
+    lines = data.split(b"\n") if len(data) <= 2 * _SCAN else data[:_SCAN].split(b"\n")[:-1] + data[-_SCAN:].split(b"\n")[1:]
     kinds = [_metric_row(line) for line in lines if line.strip()]
     return not kinds or (False not in kinds and True in kinds)
 
@@ -123,10 +134,16 @@ def _is_log_dir(path: Path) -> bool:
 
 
 def _is_lock(path: Path) -> bool:
-    if not stat.S_ISREG(path.lstat().st_mode) or path.stat().st_size > 4096:
+    """Empty (released) or naming its holder as pipeline.run_lock writes it."""
+    if path.is_symlink():
         return False
-    text = path.read_bytes().strip()
-    return not text or _json_object(path) is not None
+    try:
+        text = read_bytes(path, LOCK_MAX_BYTES).decode("utf-8").strip()
+        if text:
+            LOCK_HOLDER_SCHEMA.check(parse_json(text, str(path)), f"{path}: ")
+    except (UnicodeDecodeError, FileFormatError):
+        return False
+    return True
 
 
 # Entries whose content is checked (the rest are written only through the output ledger, or

@@ -13,13 +13,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 
 from moe.digest import sha256_file as file_sha256  # moe.data's name for it
 from moe.errors import TokenDataError  # noqa: F401 - raised here, defined with every other error
+from moe.reader import FileFormatError, Int, Map, Nullable, Str, read_json
 
 SIDECAR_SUFFIX = ".json"
 FORMAT = "olmo-core-tokens/1"
@@ -102,57 +102,48 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+SIDECAR_LIMIT = 1 << 20  # ours are a few hundred bytes
+TOKEN_ID = Int(0, 2**32 - 1)
+# The sidecar as write_token_file writes it (dataclasses.asdict(TokenFileInfo)); a field of
+# TokenFileInfo with a default may be absent (sidecars written before it existed).
+SIDECAR_SCHEMA = Map(
+    required={
+        "dtype": Str(16, choices=tuple(_DTYPES)),
+        "vocab_size": Int(1, 2**32),
+        "eos_id": TOKEN_ID,
+        "pad_id": Nullable(TOKEN_ID),
+        "tokenizer_hash": Nullable(Str(256)),
+        "num_tokens": Int(0, 2**53),
+        "sha256": Str(64, r"[0-9a-f]{64}"),
+    },
+    optional={"num_documents": Nullable(Int(0, 2**53)), "format": Str(64, choices=(FORMAT,))},
+)
+
+
 def read_sidecar(path: str | os.PathLike) -> TokenFileInfo:
     side = sidecar_path(path)
     if not Path(path).is_file():
         raise TokenDataError(f"{path}: token file not found")
-    if not side.is_file():
+    if not side.exists():
         raise TokenDataError(f"{path}: sidecar {side.name} not found (was the file written by `moe tokenize`?)")
-    if side.stat().st_size > SIDECAR_LIMIT:
-        raise TokenDataError(f"{side}: a sidecar of {side.stat().st_size} bytes is not one of ours (at most {SIDECAR_LIMIT})")
     try:
-        raw = json.loads(side.read_bytes())
-        if not isinstance(raw, dict):
-            raise ValueError(f"a {type(raw).__name__}, not an object")
-        fields = {f.name for f in dataclasses.fields(TokenFileInfo)}
-        info = TokenFileInfo(**{k: v for k, v in raw.items() if k in fields})
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise TokenDataError(f"{side}: unreadable sidecar ({exc})") from None
+        info = TokenFileInfo(**read_json(side, SIDECAR_SCHEMA, SIDECAR_LIMIT))
+    except FileFormatError as exc:
+        raise TokenDataError(str(exc)) from None
     problem = _sidecar_problem(info)
     if problem:
         raise TokenDataError(f"{side}: {problem}")
     return info
 
 
-SIDECAR_LIMIT = 1 << 20
-
-
-def _is_int(v: object) -> bool:
-    return type(v) is int
-
-
 def _sidecar_problem(info: TokenFileInfo) -> str | None:
-    """What is wrong with a sidecar's fields (types and ranges), or None."""
-    if info.format != FORMAT:
-        return f"format {info.format!r} is not {FORMAT!r}"
-    if info.dtype not in _DTYPES:
-        return f"unknown dtype {info.dtype!r}"
-    if not _is_int(info.vocab_size) or not 0 < info.vocab_size <= 2**32:
-        return f"vocab_size {info.vocab_size!r} is not an integer in 1..2^32"
+    """What is wrong between a sidecar's fields (SIDECAR_SCHEMA checked each alone), or None."""
     if dtype_for_vocab(info.vocab_size) == "uint32" and info.dtype == "uint16":
         return f"dtype uint16 cannot hold vocab_size {info.vocab_size}"
     for name in ("eos_id", "pad_id"):
         v = getattr(info, name)
-        if (v is not None or name == "eos_id") and (not _is_int(v) or not 0 <= v < info.vocab_size):
+        if v is not None and v >= info.vocab_size:
             return f"{name} {v!r} is not a token id below vocab_size {info.vocab_size}"
-    for name in ("num_tokens", "num_documents"):
-        v = getattr(info, name)
-        if (v is not None or name == "num_tokens") and (not _is_int(v) or v < 0):
-            return f"{name} {v!r} is not a count"
-    if not isinstance(info.sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", info.sha256):
-        return f"sha256 {info.sha256!r} is not a sha256 digest"
-    if info.tokenizer_hash is not None and not isinstance(info.tokenizer_hash, str):
-        return f"tokenizer_hash {info.tokenizer_hash!r} is not text"
     return None
 
 

@@ -13,10 +13,12 @@ import dataclasses
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 from moe.errors import ConfigError
+from moe.reader import MIB, FileFormatError, Int, List, Map, Nullable, Spec, Str, parse_json, read_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,35 +96,107 @@ def dump_task_requests(tasks: list[TaskRequests], meta: dict) -> bytes:
     return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), mtime=0)
 
 
+MAX_COMPRESSED_BYTES = 512 * MIB  # the whole core suite, unlimited, exports to far less
+MAX_JSON_BYTES = 2048 * MIB  # its JSON once decompressed: a gzip bomb stops here
+_ID = Int(0, 2**32 - 1)  # a token id, a document's index, a length in characters or bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _RequestRow(Spec):
+    """A request as dump_task_requests writes it: one value per field of Request, in order
+    (a fixed-length list, which moe.reader's List, of one item type, does not describe)."""
+
+    def check(self, value: Any, where: str = "", path: str = "") -> Any:
+        if not isinstance(value, list) or len(value) != len(_FIELDS):
+            raise self.fail(where, path, f"a list of the {len(_FIELDS)} fields {', '.join(_FIELDS)}", value)
+        return [_check_field(name, v, where, f"{path}.{name}") for name, v in zip(_FIELDS, value, strict=True)]
+
+
+_TOKENS = List(_ID, max_len=1_000_000, min_len=1)  # never empty
+
+
+def _check_field(name: str, value: Any, where: str, path: str) -> Any:
+    if name not in ("ctx", "cont"):
+        return _ID.check(value, where, path)
+    # millions of ids in an export: List.check (a path per item) only to name a bad one
+    if isinstance(value, list) and 1 <= len(value) <= _TOKENS.max_len and all(type(i) is int and 0 <= i <= _ID.hi for i in value):
+        return value
+    return _TOKENS.check(value, where, path)
+
+
+# The file dump_task_requests writes, with the meta `moe tasks --export` gives it.
+REQUESTS_SCHEMA = Map(
+    required={
+        "format": Str(64, choices=(FORMAT,)),
+        "fields": List(Str(64), max_len=len(_FIELDS)),  # equal to _FIELDS: checked before the schema
+        "tasks": List(
+            Map(
+                required={
+                    "name": Str(256, r"[A-Za-z0-9_.:\-]+"),
+                    "metric": Str(32, r"[a-z_]+"),  # moe.eval.metrics.METRIC_TYPES (which imports this module)
+                    "docs_total": Int(0, 10**9),
+                    "requests": List(_RequestRow(), max_len=10_000_000),
+                },
+                optional={"sample": Nullable(List(_ID, max_len=10**9)), "dropped": List(_ID, max_len=10**9)},
+            ),
+            max_len=10_000,
+        ),
+    },
+    optional={
+        "tokenizer_sha256": Str(64, r"[0-9a-f]{64}"),
+        "vocab_size": Int(1, 2**32),
+        "pad_id": _ID,
+        "max_len": Int(1, 2**31),
+        "limit": Nullable(Int(1, 10**9)),
+        "seed": Int(0, 2**63 - 1),
+    },
+)
+
+
 def load_task_requests(path: str | os.PathLike) -> tuple[list[TaskRequests], dict]:
     """(tasks, meta) from a file dump_task_requests wrote; anything else is one clear error."""
     try:
-        body = json.loads(gzip.decompress(Path(path).read_bytes()))
-    except (OSError, EOFError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a tokenised-requests file (`moe tasks --export`): {exc}") from None
+        body = parse_json(_gunzip(read_bytes(path, MAX_COMPRESSED_BYTES), path), str(path))
+    except FileFormatError as exc:
+        detail = str(exc).removeprefix(f"{path}: ")
+        raise ConfigError(f"{path}: not a tokenised-requests file (`moe tasks --export` writes one): {detail}") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("fields") != _FIELDS:
         raise ConfigError(f"{path}: not a {FORMAT} file (`moe tasks --export` writes one)")
-    tasks = []
     try:
-        for t in body["tasks"]:
-            requests = []
-            for row in t["requests"]:
-                values = dict(zip(_FIELDS, row, strict=True))
-                values["ctx"], values["cont"] = tuple(values["ctx"]), tuple(values["cont"])
-                if not (values["ctx"] and values["cont"]) or not all(isinstance(i, int) and i >= 0 for i in values["ctx"] + values["cont"]):
-                    raise ValueError(f"task {t['name']}: a request with empty or non-integer token ids")
-                requests.append(Request(**values))
-            sample = t.get("sample")  # absent from files written before the sampled limit
-            tasks.append(
-                TaskRequests(
-                    str(t["name"]),
-                    str(t["metric"]),
-                    tuple(requests),
-                    int(t["docs_total"]),
-                    None if sample is None else tuple(int(d) for d in sample),
-                    tuple(int(d) for d in t.get("dropped", ())),
-                )
-            )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: damaged tokenised-requests file ({exc})") from None
+        body = REQUESTS_SCHEMA.check(body, f"{path}: ")
+    except FileFormatError as exc:
+        raise ConfigError(str(exc)) from None
+    tasks = [
+        TaskRequests(
+            t["name"],
+            t["metric"],
+            tuple(_request(row) for row in t["requests"]),
+            t["docs_total"],
+            None if t.get("sample") is None else tuple(t["sample"]),  # absent from files written before the sampled limit
+            tuple(t.get("dropped", ())),
+        )
+        for t in body["tasks"]
+    ]
     return tasks, {k: v for k, v in body.items() if k not in ("tasks", "fields")}
+
+
+def _request(row: list) -> Request:
+    values = dict(zip(_FIELDS, row, strict=True))
+    return Request(**values | {"ctx": tuple(values["ctx"]), "cont": tuple(values["cont"])})
+
+
+def _gunzip(raw: bytes, path: str | os.PathLike) -> str:
+    """The text of one gzip member, decompressed to at most MAX_JSON_BYTES."""
+    inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        data = inflate.decompress(raw, MAX_JSON_BYTES + 1)
+    except zlib.error as exc:
+        raise FileFormatError(f"{path}: not gzip data ({exc})") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise FileFormatError(f"{path}: more than {MAX_JSON_BYTES} bytes once decompressed")
+    if not inflate.eof or inflate.unused_data:
+        raise FileFormatError(f"{path}: {'truncated' if not inflate.eof else 'trailing bytes after the'} gzip data")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(f"{path}: not UTF-8 text once decompressed (byte {exc.start})") from None

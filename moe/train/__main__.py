@@ -13,9 +13,14 @@ import logging
 import sys
 from pathlib import Path
 
-from moe.config import ConfigError, ExperimentConfig
+from moe.config import ExperimentConfig
+from moe.reader import MIB, Map, Plain, Str, read_json
 from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink, check_output_target, write_file_atomic
+
+MAX_CONFIG_BYTES = 16 * MIB  # a run's config is a few kB; data.paths may list many thousands of files
+# A mapping of config sections, each plain bounded JSON: ExperimentConfig.load checks every key next.
+CONFIG_FILE_SCHEMA = Map(other=Plain(), keys=Str(64, r"[a-z_]+"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     def body() -> None:
-        try:
-            data = json.loads(args.config.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{args.config}: not valid JSON ({exc})") from None
-        cfg = ExperimentConfig.load(data, args.overrides)
+        cfg = ExperimentConfig.load(read_json(args.config, CONFIG_FILE_SCHEMA, MAX_CONFIG_BYTES), args.overrides)
         check_outputs(args)
         sinks = [ConsoleSink()] + ([JsonlSink(args.metrics_jsonl)] if args.metrics_jsonl else [])
         trainer, summary = train(cfg, sinks)

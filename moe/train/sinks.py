@@ -8,14 +8,25 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import stat
 import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from moe.errors import MoeError
+from moe.errors import DISK_ERRNOS, MoeError, OutputError
+from moe.reader import MIB, AnyOf, FileFormatError, Int, Map, Nullable, Num, Str, parse_json, read_bytes
 
 log = logging.getLogger("moe.train")
+
+METRICS_MAX_BYTES = 4096 * MIB  # a long run of a wide model logs tens of kB per row
+# A metrics.jsonl row as JsonlSink.log writes it: the step, then the trainer's figures, each a
+# finite number or, when not finite, its text (str(float)); null (a missing figure) is accepted.
+METRIC_ROW = Map(
+    required={"step": Int(0, 10**12)},
+    other=Nullable(AnyOf((Num(), Str(8, choices=("nan", "inf", "-inf"))), "a finite number, or nan, inf, -inf")),
+    keys=Str(256, r"[A-Za-z0-9_.:/\-]+"),  # loss, eval/<task>/<metric>, expert_load/layer_<i>/expert_<e>, ...
+)
 
 
 class MetricsSink(Protocol):
@@ -36,23 +47,35 @@ class JsonlSink:
         self._f = None  # opened on the first log: ranks that never log never touch the file
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._f is None:
-            self._f = self._open_from(step)
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        self._f.write(json.dumps({"step": step, **clean}) + "\n")
-        self._f.flush()
+        try:
+            if self._f is None:
+                self._f = self._open_from(step)
+            self._f.write(json.dumps({"step": step, **clean}) + "\n")
+            self._f.flush()
+        except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:
+                raise
+            raise OutputError(f"{self.path}: cannot write the metrics of step {step} ({exc.strerror}{_free_note(self.path)})") from None
 
     def _open_from(self, step: int):
         check_output_target(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) < step]
+            kept = [line for line in _metric_lines(self.path) if _step_of(line) < step]
             write_file_atomic(self.path, "".join(line + "\n" for line in kept))
         return _open_for_append(self.path)
 
     def close(self, summary: dict[str, Any]) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def _free_note(path: Path) -> str:
+    try:
+        return f"; {shutil.disk_usage(path.parent).free / 2**30:.2f} GiB free on its file system"
+    except OSError:
+        return ""
 
 
 def check_output_target(path: Path, key: str | None = None) -> None:
@@ -103,12 +126,22 @@ def _open_for_append(path: Path):
     return os.fdopen(fd, "a")
 
 
+def _metric_lines(path: Path) -> list[str]:
+    """The lines of a metrics file (bounded, a regular file). Not strict UTF-8: a damaged line
+    is one line to skip, not a reason to refuse the whole history."""
+    return read_bytes(path, METRICS_MAX_BYTES).decode("utf-8", errors="replace").splitlines()
+
+
+def parse_metric_row(line: str, where: str) -> dict[str, Any]:
+    """One metrics.jsonl line checked against METRIC_ROW (FileFormatError names the field)."""
+    return METRIC_ROW.check(parse_json(line, where), f"{where}: ")
+
+
 def _step_of(line: str) -> float:
-    """The step of a metrics line; inf (dropped) for a line that is not a whole JSON row."""
+    """The step of a metrics line; inf (dropped) for a line that is not a whole metrics row."""
     try:
-        row = json.loads(line)
-        return int(row["step"])
-    except (ValueError, KeyError, TypeError):
+        return parse_metric_row(line, "a metrics line")["step"]
+    except FileFormatError:
         return math.inf
 
 
@@ -138,15 +171,18 @@ def read_metric_rows(path: Path) -> list[dict[str, Any]]:
     line (a kill mid-write, an edit) is skipped with one warning naming it, as the training
     sink itself drops it on the next resume."""
     by_step: dict[int, dict[str, Any]] = {}
-    damaged = []
-    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+    damaged: list[tuple[int, FileFormatError]] = []
+    for lineno, line in enumerate(_metric_lines(path), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            by_step[int(row["step"])] = row
-        except (ValueError, KeyError, TypeError):
-            damaged.append(lineno)
+            row = parse_metric_row(line, f"{path}: line {lineno}")
+        except FileFormatError as exc:
+            damaged.append((lineno, exc))
+            continue
+        by_step[row["step"]] = row
     if damaged:
-        print(f"warning: {path}:{damaged[0]}: skipped {len(damaged)} damaged line(s) (not a JSON row with a step)", file=sys.stderr, flush=True)
+        (lineno, exc), n = damaged[0], len(damaged)
+        why = str(exc).removeprefix(f"{path}: line {lineno}: ")
+        print(f"warning: {path}:{lineno}: skipped {n} damaged line(s) (not a metrics row; the first: {why})", file=sys.stderr, flush=True)
     return [by_step[s] for s in sorted(by_step)]

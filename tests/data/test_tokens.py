@@ -103,14 +103,27 @@ def test_dataset_errors_name_the_problem(tmp_path):
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (lambda s: s.update(vocab_size="512"), "vocab_size '512' is not an integer"),
-        (lambda s: s.update(eos_id=10**6), "eos_id 1000000 is not a token id"),
-        (lambda s: s.update(num_tokens=-1), "num_tokens -1 is not a count"),
-        (lambda s: s.update(sha256=None), "sha256 None is not a sha256 digest"),
+        (lambda s: s.update(vocab_size="512"), "part.npy.json: vocab_size: expected an integer, got '512'"),
+        (lambda s: s.update(eos_id=10**6), "eos_id 1000000 is not a token id below vocab_size 512"),
+        (lambda s: s.update(num_tokens=-1), r"part.npy.json: num_tokens: expected an integer in \[0, .*\], got -1"),
+        (lambda s: s.update(sha256=None), "part.npy.json: sha256: expected a string, got None"),
         (lambda s: s.update(dtype="uint16", vocab_size=70000), "dtype uint16 cannot hold vocab_size 70000"),
-        (lambda s: s.clear() or s.update(x=[1]), "unreadable sidecar"),
+        (lambda s: s.clear() or s.update(x=[1]), "part.npy.json: dtype: missing"),
+        (lambda s: s.update(shard=3), "part.npy.json: shard: unknown key"),
+        (lambda s: s.update(format="olmo-core-tokens/2"), "part.npy.json: format: expected one of olmo-core-tokens/1"),
+        (lambda s: s.update(tokenizer_hash="h" * 300), "part.npy.json: tokenizer_hash: expected a string of at most 256"),
     ],
-    ids=["vocab-size-text", "eos-outside-vocab", "negative-count", "no-digest", "dtype-too-small", "fields-missing"],
+    ids=[
+        "vocab-size-text",
+        "eos-outside-vocab",
+        "negative-count",
+        "no-digest",
+        "dtype-too-small",
+        "fields-missing",
+        "unknown-key",
+        "other-format",
+        "long-text",
+    ],
 )
 def test_a_sidecar_with_wrong_field_types_is_one_error_naming_the_field(tmp_path, edit, message):
     path = tmp_path / "part.npy"
@@ -127,5 +140,34 @@ def test_a_sidecar_that_is_a_list_is_one_error(tmp_path):
     path = tmp_path / "part.npy"
     write_token_file(path, np.arange(10), vocab_size=512, eos_id=0, tokenizer_hash="abc")
     next(tmp_path.glob("*.json")).write_text("[1, 2]")
-    with pytest.raises(TokenDataError, match="a list, not an object"):
+    with pytest.raises(TokenDataError, match=r"part.npy.json: the file: expected a mapping, got \[1, 2\]"):
         read_sidecar(path)
+
+
+def test_a_sidecar_with_nan_or_too_large_is_one_error(tmp_path):
+    path = tmp_path / "part.npy"
+    write_token_file(path, np.arange(10), vocab_size=512, eos_id=0)
+    side = tmp_path / "part.npy.json"
+    side.write_text(side.read_text().replace('"num_tokens": 10', '"num_tokens": NaN'))
+    with pytest.raises(TokenDataError, match="part.npy.json: not valid JSON .*NaN is not a number JSON allows"):
+        read_sidecar(path)
+    side.write_text(" " * (2 << 20))
+    with pytest.raises(TokenDataError, match=r"part.npy.json: \d+ bytes, more than the 1048576"):
+        read_sidecar(path)
+
+
+def test_a_fifo_in_place_of_the_sidecar_is_refused_at_once(tmp_path):
+    """Issue 50: a FIFO where the sidecar belongs is one error, not a read that never returns."""
+    import os
+    import threading
+
+    path = tmp_path / "part.npy"
+    write_token_file(path, np.arange(10), vocab_size=512, eos_id=0)
+    (tmp_path / "part.npy.json").unlink()
+    os.mkfifo(tmp_path / "part.npy.json")
+    raised = []
+    t = threading.Thread(target=lambda: raised.append(pytest.raises(TokenDataError, read_sidecar, path)), daemon=True)
+    t.start()
+    t.join(5)
+    assert raised, "reading a FIFO sidecar blocked"
+    assert "part.npy.json: not a regular file" in str(raised[0].value)

@@ -91,3 +91,29 @@ def test_checkpoints_stored_in_the_dvc_cache_make_way_for_another_config(trained
 def test_nothing_there_is_fresh(tmp_path):
     assert prepare_checkpoints({"checkpoint": {"dir": str(tmp_path / "none")}}) == "fresh"
     assert not Path(tmp_path / "none").exists()
+
+
+def test_latest_is_removed_only_when_it_reads_as_the_checkpointers_pointer(tmp_path):
+    """Issue 50: ``latest`` is read through moe.reader (a regular file of at most 256 bytes): a
+    FIFO there is left alone at once (never a read that blocks), as is anything not a pointer."""
+    import os
+    import threading
+
+    from pipeline.resume import remove_own_checkpoints
+
+    latest = tmp_path / "latest"
+    os.mkfifo(latest)
+    done = []
+    t = threading.Thread(target=lambda: done.append(remove_own_checkpoints(tmp_path)), daemon=True)
+    t.start()
+    t.join(5)
+    assert done == [0], "a FIFO at latest blocked"
+    assert latest.exists()
+    latest.unlink()
+    for text in ("step_00000005" + " " * 300, "my notes\n"):  # too large; not a step's name
+        latest.write_text(text)
+        remove_own_checkpoints(tmp_path)
+        assert latest.read_text() == text
+    latest.write_text("step_00000005\n")
+    remove_own_checkpoints(tmp_path)
+    assert not latest.exists()

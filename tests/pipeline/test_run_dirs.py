@@ -101,3 +101,88 @@ def test_the_temporaries_a_run_writes_are_names_the_check_accepts(tmp_path, monk
     sink.close({})
     assert renamed and all(_matches(name, RUN_DIR_TEMPORARIES) for name in renamed), renamed
     assert not _matches("notes.tmp", RUN_DIR_TEMPORARIES) and not _matches(".bashrc.tmp-1", RUN_DIR_TEMPORARIES)
+
+
+HOLDER = {"pid": 4242, "host": "node1", "command": "moe train", "slurm_job_id": None, "since": "2026-12-03T18:00:00+00:00"}
+SUMMARY = {"steps": 3, "start_step": 0, "final_loss": 2.5}
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "ours"),
+    [
+        (".lock", json.dumps(HOLDER), True),
+        (".lock", json.dumps({**HOLDER, "pid": "4242"}), False),  # wrong type
+        (".lock", json.dumps({**HOLDER, "pid": 0}), False),  # out of range
+        (".lock", json.dumps({**HOLDER, "user": "me"}), False),  # unknown key
+        (".lock", json.dumps(HOLDER).replace("4242", "NaN"), False),  # NaN
+        ("summary.json", json.dumps(SUMMARY), True),
+        ("summary.json", json.dumps({**SUMMARY, "steps": "3"}), False),
+        ("summary.json", json.dumps({**SUMMARY, "accuracy": 0.9}), False),
+        ("summary.json", json.dumps(SUMMARY).replace("2.5", "NaN"), False),
+        ("metrics.jsonl", ROW + '{"step": 2, "loss": "nan"}\n', True),  # the sink's text for a non-finite loss
+        ("metrics.jsonl", ROW + '{"step": 2, "loss": "x"}\n', False),
+        ("metrics.jsonl", ROW + '{"step": -2, "loss": 1.0}\n', False),
+        ("metrics.jsonl", ROW + '{"step": 2, "my loss": 1.0}\n', False),
+        ("metrics.jsonl", ROW + '{"step": 2, "loss": 1.0, oops\n', True),  # a line a kill tore: tolerated
+    ],
+    ids=[
+        "lock",
+        "lock-pid-text",
+        "lock-pid-zero",
+        "lock-unknown-key",
+        "lock-nan",
+        "summary",
+        "summary-steps-text",
+        "summary-unknown-key",
+        "summary-nan",
+        "metrics-nan-text",
+        "metrics-text",
+        "metrics-negative-step",
+        "metrics-odd-key",
+        "metrics-torn-line",
+    ],
+)
+def test_a_runs_files_read_as_ours_only_as_their_writers_write_them(tmp_path, name, content, ours):
+    """Issue 50: the lock, summary and metrics rows are checked against their writers' schemas
+    (LOCK_HOLDER_SCHEMA, pipeline.worker.SUMMARY_SCHEMA, moe.train.sinks.METRIC_ROW)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _job_json(run)
+    (run / name).write_text(content)
+    if ours:
+        check_run_dirs(run, run / "ck")
+    else:
+        with pytest.raises(PipelineError, match=f"holds {name}, whose content is not what a training run writes"):
+            check_run_dirs(run, run / "ck")
+
+
+def test_a_large_metrics_file_is_checked_at_its_ends(tmp_path, monkeypatch):
+    from pipeline import run_dirs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _job_json(run)
+    monkeypatch.setattr(run_dirs, "_SCAN", 200)
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 100))
+    (run / "metrics.jsonl").write_text(rows)
+    check_run_dirs(run, run / "ck")
+    (run / "metrics.jsonl").write_text(rows + '{"step": 100, "loss": "x"}\n')
+    with pytest.raises(PipelineError, match="holds metrics.jsonl, whose content"):
+        check_run_dirs(run, run / "ck")
+
+
+@pytest.mark.parametrize("name", ["job.json", "summary.json", "metrics.jsonl", ".lock", "logs/rank0.log"])
+def test_a_fifo_in_place_of_a_runs_file_is_refused_at_once(tmp_path, name):
+    import threading
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    if name != "job.json":
+        _job_json(run)
+    os.mkfifo(run / name)
+    raised = []
+    t = threading.Thread(target=lambda: raised.append(pytest.raises(PipelineError, check_run_dirs, run, run / "ck")), daemon=True)
+    t.start()
+    t.join(5)
+    assert raised, f"a FIFO at {name} blocked the check"
+    assert f"holds {name.split('/')[0]}, whose content is not what a training run writes" in str(raised[0].value)

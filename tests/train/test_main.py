@@ -71,3 +71,31 @@ def test_the_summary_replaces_an_earlier_one_through_a_temporary(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "out/summary.json").read_text())["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.json"]  # no temporary left
+
+
+def test_a_config_file_that_is_not_a_mapping_of_sections_is_one_error_line(tmp_path):
+    """Issue 50: the config file comes in through moe.reader (bounded, no NaN, a mapping of
+    sections); ExperimentConfig then checks every key."""
+    for name, text, said in (
+        ("list.json", "[1, 2]", "error: list.json: the file: expected a mapping, got [1, 2]"),
+        ("nan.json", '{"optim": {"lr": NaN}}', "error: nan.json: not valid JSON (NaN is not a number JSON allows)"),
+        ("key.json", '{"Model Size": 1}', "error: key.json: the file key: expected a string matching"),
+    ):
+        (tmp_path / name).write_text(text)
+        r = _run(name, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith(said) and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_fifo_as_the_config_file_is_refused_at_once(tmp_path, capsys):
+    import os
+    import threading
+
+    from moe.train.__main__ import main
+
+    os.mkfifo(tmp_path / "run.json")
+    codes = []
+    t = threading.Thread(target=lambda: codes.append(main([str(tmp_path / "run.json")])), daemon=True)
+    t.start()
+    t.join(30)
+    assert codes == [2], "reading a FIFO config blocked"
+    assert "run.json: not a regular file" in capsys.readouterr().err
