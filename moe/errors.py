@@ -49,6 +49,28 @@ class NonFiniteLossError(MoeError, RuntimeError):
     exit_code = EXIT_CODES["nonfinite_loss"]
 
 
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a line break, a control character or an invisible
+    formatting one (bidi overrides) inside a value is shown as its escape, so a file name or a
+    key can never start a forged line of a log or an error message."""
+    import unicodedata
+
+    def shown(ch: str) -> str:
+        if ch.isprintable() or ch == " ":
+            return ch
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") or not ch.isprintable():
+            code = ord(ch)
+            return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+        return ch
+
+    return text if text.isprintable() else "".join(shown(ch) for ch in text)
+
+
+def error_line(message: str) -> str:
+    """The one form of an expected failure on a terminal: ``error: <message>`` on one line."""
+    return f"error: {one_line(message)}"
+
+
 class OutputError(MoeError, OSError):
     """An output that cannot be written (a full disk, a quota, a read-only file system); the
     message names the file."""

@@ -18,7 +18,7 @@ try:
 except ImportError as _exc:  # `pip install .` without the extra: say which one
     raise SystemExit(f"error: the moe command needs the pipeline extra ({_exc}): pip install 'moe-pipeline[pipeline]'") from None
 
-from moe.errors import MoeError
+from moe.errors import MoeError, one_line
 from pipeline.redact import redact
 
 console = Console(stderr=True)
@@ -48,7 +48,7 @@ GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU kind for the memory plan
 
 
 def fail(message: str, code: int) -> None:
-    console.print(f"[bold red]error:[/] {escape(redact(without_unsafe_advice(message)))}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(one_line(redact(without_unsafe_advice(message))))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

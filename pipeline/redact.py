@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from urllib.parse import unquote_plus
 
+from moe.errors import one_line
+
 MASK = "***"
 SCHEME_SEP = "://"
 _AUTHORITY = re.compile(re.escape(SCHEME_SEP))
@@ -224,7 +226,7 @@ def install_log_redaction() -> None:
             message = record.getMessage()
         except Exception:  # a malformed record: leave it to logging's own error path
             return record
-        clean = redact(message)
+        clean = one_line(redact(message))  # a value's line break never forges a log line
         if clean != message:
             record.msg, record.args = clean, ()
         if record.exc_info and record.exc_info[1] is not None and not record.exc_text:

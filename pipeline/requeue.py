@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from moe.errors import EXIT_CODES
+from moe.errors import EXIT_CODES, error_line
 from pipeline.executors.base import TrainJob
 
 log = logging.getLogger("pipeline.slurm")
@@ -40,7 +40,7 @@ def requeue_or_stop(job: TrainJob, rank: int, step: int) -> None:
                 f"not requeueing again. The checkpoint at step {step} resumes with `moe submit`"
             )
             log.error(message)
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            print(error_line(message), file=sys.stderr, flush=True)
             _record_stop(job, message)
         raise SystemExit(REQUEUE_LIMIT_EXIT)
     if rank == 0:

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from moe.errors import MoeError
+from moe.errors import MoeError, error_line
 from pipeline.executors.base import TrainJob
 from pipeline.requeue import requeue_or_stop
 
@@ -59,7 +59,7 @@ def _read_job(spec_path: str) -> TrainJob:
     try:
         return TrainJob.read(spec_path)
     except MoeError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(error_line(str(exc)), file=sys.stderr, flush=True)
         raise SystemExit(exc.exit_code) from None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.config import ExperimentConfig
-from moe.errors import MoeError
+from moe.errors import MoeError, error_line
 from moe.reader import Bool, FileFormatError, Int, Map, Nullable, Num, Str, read_json
 from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink, read_metric_rows
@@ -143,7 +143,7 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
         return code, summary
     from pipeline.console import without_unsafe_advice
 
-    print(f"error: {without_unsafe_advice(message)}", file=sys.stderr, flush=True)
+    print(error_line(without_unsafe_advice(message)), file=sys.stderr, flush=True)
     if rank == 0:
         close_job_run(job, ok=False)
     return code, {}
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = TrainJob.read(argv[0])
     except MoeError as exc:  # a job spec that is not one of ours: one line, its exit code
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(error_line(str(exc)), file=sys.stderr, flush=True)
         return exc.exit_code
     code, summary = run_and_report(job, stop, lock=slurm)
     if code == 0 and summary.get("preempted"):

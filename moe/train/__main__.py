@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from moe.config import ExperimentConfig
+from moe.errors import error_line
 from moe.reader import MIB, Map, Plain, Str, read_json
 from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink, check_output_target, write_file_atomic
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     code, _, message = run_process(body)
     if message is not None:
-        print(f"error: {message}", file=sys.stderr)
+        print(error_line(message), file=sys.stderr)
     return code
 
 
