@@ -16,14 +16,16 @@ make it; and every value goes into the card through its format's escaper (pipeli
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from moe.config import ModelConfig
 from moe.plan.accounting import param_counts
+from moe.reader import FileFormatError, read_json
+from moe.train.sinks import read_metric_rows
 from pipeline.escape import markdown_number, markdown_text, python_literal, yaml_front_matter
 from pipeline.hub import hub_id
+from pipeline.outputs import MANIFEST_SCHEMA, MAX_MANIFEST_BYTES
 
 # Where the evaluation sets come from (their licenses are their authors': see each dataset card).
 EVAL_DATASETS = {
@@ -79,10 +81,6 @@ def training_data(inputs: list[str]) -> tuple[list[str], str]:
     return [], f"the corpus the tokenize stage read (tokenize.inputs: {named}); its license is its source's"
 
 
-TOKENS_FORMAT = "olmo-core-tokens/1"  # the tokenize stage's manifest.json
-MAX_MANIFEST_BYTES = 64 << 20
-
-
 def trained_corpus(meta: dict[str, Any]) -> list[str] | None:
     """The tokenize stage's inputs for the tokens this checkpoint was trained on: the manifest.json
     of each folder in its data.paths (or that folder's parent: ``data/tokens/train``), when the
@@ -102,21 +100,20 @@ def trained_corpus(meta: dict[str, Any]) -> list[str] | None:
 
 def _manifest_inputs(tokens: Path, tokenizer: str) -> list[str] | None:
     for directory in (tokens, tokens.parent):
-        manifest = _small_json(directory / "manifest.json")
-        if not isinstance(manifest, dict) or manifest.get("format") != TOKENS_FORMAT:
-            continue
-        inputs = manifest.get("inputs")
-        if (manifest.get("tokenizer") or {}).get("sha256") == tokenizer and isinstance(inputs, list) and all(isinstance(i, str) for i in inputs):
-            return inputs
+        manifest = _tokens_manifest(directory / "manifest.json")
+        if manifest is not None and manifest["tokenizer"]["sha256"] == tokenizer:
+            return manifest["inputs"]
     return None
 
 
-def _small_json(path: Path) -> Any:
+def _tokens_manifest(path: Path) -> dict[str, Any] | None:
+    """The tokenize stage's manifest at ``path``; None where there is none (or another file: a
+    web app's manifest.json, a symlink, a FIFO, a damaged one), so the card says the records do not tell."""
+    if path.is_symlink() or not path.exists():
+        return None
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
-            return None
-        return json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return read_json(path, MANIFEST_SCHEMA, MAX_MANIFEST_BYTES)
+    except FileFormatError:
         return None
 
 
@@ -147,23 +144,22 @@ def card_origin(meta: dict[str, Any], base_model: str | None, continued_from: st
 
 
 def eval_at_step(metrics_jsonl: Path, step: int) -> dict[str, dict[str, float]]:
-    """task -> {metric: value} of the in-loop evaluation logged at ``step`` (empty if none)."""
-    if not metrics_jsonl.is_file():
+    """task -> {metric: value} of the in-loop evaluation logged at ``step`` (empty if none), from
+    the run's metrics.jsonl as the train stage reads it (the later row of a step wins; a FIFO or a
+    file over its bound there is one error naming it)."""
+    if not metrics_jsonl.exists():
         return {}
+    row = next((r for r in read_metric_rows(metrics_jsonl) if r.get("step") == step), {})
     found: dict[str, dict[str, float]] = {}
-    for line in metrics_jsonl.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if row.get("step") != step:
-            continue
-        found = {}
-        for k, v in row.items():
-            parts = k.split("/")  # eval/<task>/<metric>[/stderr]
-            if len(parts) in (3, 4) and parts[0] == "eval" and isinstance(v, (int, float)) and parts[3:] in ([], ["stderr"]):
-                found.setdefault(parts[1], {})["/".join(parts[2:])] = float(v)
+    for k, v in row.items():
+        parts = k.split("/")  # eval/<task>/<metric>[/stderr]
+        if len(parts) in (3, 4) and parts[0] == "eval" and _is_number(v) and parts[3:] in ([], ["stderr"]):
+            found.setdefault(parts[1], {})["/".join(parts[2:])] = float(v)
     return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _index_entry(task: str, metrics: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ config key or output name) wrote it, are kept in the directory's ledger ``.moe-o
 an existing file is overwritten only when the ledger says this writer wrote exactly this
 content (another stage's output in the same folder is not this one's), or when a recogniser
 that reads its content says it is this writer's format (a fresh clone that carries the
-outputs but not the ledger). Every write goes to a
+outputs but not the ledger); a ledger that is not ours (a FIFO, a damaged file) is refused,
+naming it, before the stage writes. Every write goes to a
 temporary name in the same directory and is renamed over the target, which replaces a
 symlink itself instead of writing through it; a symlink where an output belongs is refused.
 
@@ -28,6 +29,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -35,10 +37,23 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from moe.digest import sha256_file
+from moe.reader import AnyOf, FileFormatError, Int, List, Map, Nullable, Num, Plain, Str, read_bytes, read_json
 from pipeline.errors import PipelineError
 
 LEDGER = ".moe-outputs.json"
 Recognise = Callable[[Path], bool]
+
+SHA256_HEX = Str(64, r"[0-9a-f]{64}")
+# A stage record's written_files (file_record): every file the stage wrote, by its path relative to
+# the output (inside() checks each name before it is used), with its size and sha256.
+WRITTEN_FILES = Map(other=Map(required={"size": Int(0), "sha256": SHA256_HEX}), keys=Str(4096), max_keys=1_000_000)
+MAX_RECORD_BYTES = 64 << 20  # a million files' entries: far larger is not a record of ours
+# The directory's ledger (record_output_file): file name -> the sha256 of what the writer (a config
+# key or output name) wrote; an entry of the older form is a bare sha256 (it vouches for nothing).
+_LEDGER_ENTRY = AnyOf((Map(required={"sha256": SHA256_HEX, "by": Str(4096)}), SHA256_HEX), "a {sha256, by} entry or a bare sha256")
+LEDGER_SCHEMA = Map(other=_LEDGER_ENTRY, keys=Str(255, r"[^/\x00]+"), max_keys=100_000)
+MAX_LEDGER_BYTES = 16 << 20
+MAX_CSV_BYTES = 256 << 20  # a recogniser reads the whole file: our plots' CSVs (a row per step) stay far below
 
 
 # ------------------------------------------------------------------ plain safe writes
@@ -114,15 +129,17 @@ def enclosing_output(path: Path, record_names: tuple[str, ...]) -> Path | None:
     return None
 
 
+# What makes a JSON file a stage's record, to recognise one (its entries are checked where they are used).
+_RECORD_SHAPE = Map(required={"written_files": Map(other=Plain(), keys=Str(4096), max_keys=1_000_000)}, other=Plain())
+
+
 def _lists_written_files(record: Path) -> bool:
     """A stage's record: a JSON object with a ``written_files`` mapping (a web app's manifest.json is not one)."""
     try:
-        if record.stat().st_size > 64 << 20:
-            return False
-        data = json.loads(record.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        read_json(record, _RECORD_SHAPE, MAX_RECORD_BYTES)
+    except FileFormatError:
         return False
-    return isinstance(data, dict) and isinstance(data.get("written_files"), dict)
+    return True
 
 
 # ------------------------------------------------------------------ copies
@@ -189,20 +206,22 @@ def _ledger_path(path: Path) -> Path:
     return path.parent / LEDGER
 
 
-def _read_ledger(directory: Path) -> dict[str, dict[str, str]]:
-    """name -> {"sha256": ..., "by": writer}; an entry of the older form (a bare sha256) names
-    no writer and so vouches for nothing (the recogniser decides)."""
+def _read_ledger(directory: Path, key: str | None = None) -> dict[str, dict[str, str]]:
+    """name -> {"sha256": ..., "by": writer} (none while there is no ledger); an entry of the older
+    form (a bare sha256) names no writer and so vouches for nothing (the recogniser decides). A
+    ledger that is not ours (a FIFO, a device, a damaged or foreign file) is refused at once,
+    naming the writer ``key`` whose output it stands beside."""
+    path = directory / LEDGER
+    if not os.path.lexists(path):
+        return {}
     try:
-        data = json.loads((directory / LEDGER).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    out = {}
-    for name, entry in data.items():
-        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("by"), str):
-            out[name] = {"sha256": entry["sha256"], "by": entry["by"]}
-    return out
+        data = read_json(path, LEDGER_SCHEMA, MAX_LEDGER_BYTES)
+    except FileFormatError as exc:
+        raise PipelineError(
+            f"{key + ': ' if key else ''}{exc} (the ledger of the outputs written in {directory}: move it away, "
+            "and those outputs are recognised by their content)"
+        ) from None
+    return {name: entry for name, entry in data.items() if isinstance(entry, dict)}
 
 
 def is_own_file(path: Path, recognise: Recognise | None = None, key: str | None = None) -> bool:
@@ -210,7 +229,7 @@ def is_own_file(path: Path, recognise: Recognise | None = None, key: str | None 
     this content, or ``recognise`` reads it as this writer's format."""
     if path.is_symlink() or not path.is_file():
         return False
-    recorded = _read_ledger(path.parent).get(path.name)
+    recorded = _read_ledger(path.parent, key).get(path.name)
     if recorded is not None and recorded["by"] == key and recorded["sha256"] == sha256_file(path):
         return True
     if recognise is None:
@@ -226,6 +245,7 @@ def check_output_file(path: str | os.PathLike, key: str, recognise: Recognise | 
     path = Path(path)
     if path.is_symlink():
         raise PipelineError(f"{key}: {path} is a symlink; refusing to write through it (remove it or choose another path)")
+    _read_ledger(path.parent, key)  # the ledger this write will update: one not ours is refused before any work
     if not path.exists():
         return
     if not path.is_file():
@@ -249,35 +269,48 @@ def write_output_file(path: str | os.PathLike, data: str | bytes, key: str, reco
 
 def record_output_file(path: Path, key: str) -> None:
     """Enter a file just written by the writer ``key`` into its directory's ledger."""
-    ledger = _read_ledger(path.parent)
+    ledger = _read_ledger(path.parent, key)
     ledger[path.name] = {"sha256": sha256_file(path), "by": key}
     write_atomic(_ledger_path(path), json.dumps(ledger, indent=2, sort_keys=True) + "\n")
 
 
-def json_keys_within(allowed: set[str], required: str | set[str]) -> Recognise:
+def json_keys_within(allowed: set[str], required: str | set[str], max_bytes: int = MAX_RECORD_BYTES) -> Recognise:
     """A recogniser for our JSON metrics files: an object holding every ``required`` key and no
     key of another schema (require all the keys the writer always writes: a user's
-    ``{"val_loss": 3.2}`` must not pass for a file with a dozen)."""
+    ``{"val_loss": 3.2}`` must not pass for a file with a dozen). A file that is not JSON, not a
+    regular file or over ``max_bytes`` is not ours."""
     needed = {required} if isinstance(required, str) else set(required)
 
     def recognise(path: Path) -> bool:
-        if path.stat().st_size > 64 << 20:
+        try:
+            data = read_json(path, Plain(), max_bytes)
+        except FileFormatError:
             return False
-        data = json.loads(path.read_text())
         return isinstance(data, dict) and needed <= set(data) <= allowed
 
     return recognise
 
 
-def csv_header(header: list[str]) -> Recognise:
+def csv_header(header: list[str], max_bytes: int = MAX_CSV_BYTES) -> Recognise:
+    """A recogniser for our CSV files: the first line is ``header``."""
+    expected = ",".join(header).encode()
+
     def recognise(path: Path) -> bool:
-        with open(path, newline="") as f:
-            return f.readline().rstrip("\r\n") == ",".join(header)
+        try:
+            raw = read_bytes(path, max_bytes)
+        except FileFormatError:
+            return False
+        return re.split(rb"\r\n|\r|\n", raw, maxsplit=1)[0] == expected
 
     return recognise
 
 
 # ------------------------------------------------------------------ directories
+
+
+# A stage's record as _foreign reads it: the files it wrote, beside the stage's own fields (each
+# stage reads those with its own schema: tokenize's MANIFEST_SCHEMA, convert's CONVERSION_RECORD_SCHEMA).
+OUTPUT_RECORD_SCHEMA = Map(required={"written_files": WRITTEN_FILES}, other=Plain())
 
 
 def file_record(directory: Path, exclude: str) -> dict[str, dict[str, Any]]:
@@ -297,12 +330,9 @@ def _foreign(out: Path, record_name: str) -> str | None:
     if record_path.is_symlink() or not record_path.is_file():
         return f"no {record_name}"
     try:
-        record = json.loads(record_path.read_text())
-        files = record["written_files"]
-        if not isinstance(files, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{record_name} does not list the files this stage wrote"
+        files = read_json(record_path, OUTPUT_RECORD_SCHEMA, MAX_RECORD_BYTES)["written_files"]
+    except FileFormatError as exc:
+        return f"{record_name} does not list the files this stage wrote ({str(exc).removeprefix(f'{record_path}: ')})"
     for name in files:
         inside(out, name, f"{record_path}: written_files")
     for p in sorted(out.rglob("*")):
@@ -315,10 +345,12 @@ def _foreign(out: Path, record_name: str) -> str | None:
             if not any(f.startswith(rel + "/") for f in files):
                 return f"{rel}/"
             continue
+        if not p.is_file():  # a FIFO or a device: never opened to hash it
+            return f"{rel} (not a regular file)"
         entry = files.get(rel)
-        if not isinstance(entry, dict):
+        if entry is None:
             return rel
-        if p.stat().st_size != entry.get("size") or sha256_file(p) != entry.get("sha256"):
+        if p.stat().st_size != entry["size"] or sha256_file(p) != entry["sha256"]:
             return f"{rel} (changed since it was written)"
     return None
 
@@ -366,3 +398,51 @@ def replace_own_output(tmp: Path, out: Path, record_name: str, key: str) -> None
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, out)
+
+
+# ------------------------------------------------------------------ the tokenize stage's record
+# manifest.json of tokenize.output, written by pipeline.stages.tokenize.run_tokenize; read back by
+# that stage's readers and by the model card (a lower floor: so its schema lives here).
+
+MANIFEST_FORMAT = "olmo-core-tokens/1"
+_TEXT = Str(4096)
+_COUNT = Int(0, 2**63 - 1)
+_TOKEN_ID = Int(0, 2**32 - 1)
+_SPLIT = Map(required={"files": List(Str(64, r"part-[0-9]{5,}\.npy"), max_len=10_000_000), "documents": _COUNT, "tokens": _COUNT})
+# Its params: what determines the content (pipeline.stages.tokenize leaves out NOT_CONTENT_PARAMS; a
+# manifest of an older version holds stall_timeout_s).
+_PARAMS = Map(
+    optional={
+        "inputs": List(_TEXT, max_len=100_000),
+        "text_field": Str(256),
+        "tokenizer": Nullable(_TEXT),
+        "vocab_size": Int(1, 2**32),
+        "max_bytes": Nullable(Int(1)),
+        "max_document_bytes": Int(1),
+        "val_fraction": Num(0, 1),
+        "seed": Int(0),
+        "shard_tokens": Int(1),
+        "stall_timeout_s": Num(0),
+    }
+)
+# Its whole record, as run_tokenize writes it (written_files: sealed in by seal_output); the skipped
+# lists and written_files are absent from the manifests of older versions.
+MANIFEST_SCHEMA = Map(
+    required={
+        "format": Str(choices=(MANIFEST_FORMAT,)),
+        "tokenizer": Map(
+            required={"sha256": SHA256_HEX, "vocab_size": Int(1, 2**32), "eos_id": _TOKEN_ID},
+            optional={"source": _TEXT, "eos_token": Str(256), "pad_id": Nullable(_TOKEN_ID), "pad_token": Nullable(Str(256))},
+        ),
+        "inputs": List(_TEXT, max_len=100_000),
+        "splits": Map(required={"train": _SPLIT, "val": _SPLIT}),
+    },
+    optional={
+        "sources": _COUNT,
+        "skipped_files": List(_TEXT, max_len=10_000_000),
+        "skipped_documents": List(Map(required={"source": _TEXT, "reason": _TEXT}), max_len=10_000_000),
+        "params": _PARAMS,
+        "written_files": WRITTEN_FILES,
+    },
+)
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest listing millions of skipped documents still fits

@@ -28,16 +28,27 @@ from moe.interop import (
     model_config_from_hf,
     to_hf,
 )
+from moe.reader import FileFormatError, Int, Map, Nullable, Plain, Spec, Str, read_json
 from moe.train.checkpoint import CheckpointError, CheckpointManager, read_meta, resolve_checkpoint
 from moe.train.state import split_experts
 from moe.train.weights import expert_names, load_checkpoint_weights, model_shapes
 from pipeline.errors import PipelineError
-from pipeline.hub import source_model_id
-from pipeline.outputs import check_own_output, fresh_temp_dir, inside, replace_own_output, seal_output, write_atomic
+from pipeline.hub import HF_CONFIG_SCHEMA, MAX_HF_CONFIG_BYTES, source_model_id
+from pipeline.outputs import SHA256_HEX, WRITTEN_FILES, check_own_output, fresh_temp_dir, inside, replace_own_output, seal_output, write_atomic
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The conversion record (convert_to_hf's provenance, sealed with the files it wrote), as the
+# release stage reads it back.
+CONVERSION_RECORD_SCHEMA = Map(
+    required={"checkpoint": Str(4096), "written_files": WRITTEN_FILES},
+    optional={
+        "step": Nullable(Int(0)),
+        "tokenizer_sha256": Nullable(SHA256_HEX),
+        "dtype": Str(choices=tuple(DTYPES)),
+    },
+)
 
 
 def trained_checkpoint(checkpoint: str | Path) -> Path:
@@ -204,18 +215,28 @@ def file_inside(directory: Path, name: Any, named_by: str) -> Path:
     return path
 
 
-def read_json_file(path: Path) -> Any:
+# model.safetensors.index.json (transformers' and _write_shards'): tensor name -> the shard holding it
+# (each file name then taken only through file_inside), and free-form metadata (total_size).
+HF_INDEX_SCHEMA = Map(
+    required={"weight_map": Map(other=Str(4096), keys=Str(1024), max_keys=1_000_000)},
+    optional={"metadata": Map(other=Plain(max_depth=8), max_keys=1000)},
+)
+MAX_HF_INDEX_BYTES = 64 << 20
+
+
+def read_json_file(path: Path, schema: Spec, max_bytes: int) -> Any:
+    """A JSON file of an HF directory, checked against ``schema`` (one error naming file and field)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
-        raise PipelineError(f"{path}: not valid JSON ({type(exc).__name__}: {exc})") from None
+        return read_json(path, schema, max_bytes)
+    except FileFormatError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 def read_hf_config(directory: Path) -> ModelConfig:
     if not (directory / "config.json").exists():
         raise PipelineError(f"{directory}: no config.json; not a Hugging Face model directory")
     path = file_inside(directory, "config.json", str(directory))
-    return model_config_from_hf(read_json_file(path), str(path))
+    return model_config_from_hf(read_json_file(path, HF_CONFIG_SCHEMA, MAX_HF_CONFIG_BYTES), str(path))
 
 
 def shard_names(directory: Path) -> dict[str, str] | list[str]:
@@ -226,9 +247,8 @@ def shard_names(directory: Path) -> dict[str, str] | list[str]:
         raise PipelineError(f"{directory}: holds both model.safetensors and {INDEX}; a checkpoint has one or the other")
     if (directory / INDEX).exists():
         path = file_inside(directory, INDEX, str(directory))
-        index = read_json_file(path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
+        weight_map = read_json_file(path, HF_INDEX_SCHEMA, MAX_HF_INDEX_BYTES)["weight_map"]
+        if not weight_map:
             raise PipelineError(f"{path}: weight_map must be a non-empty object of tensor name -> file name")
         for name, file in weight_map.items():
             file_inside(directory, file, f"{path}: weight_map[{name!r}]")

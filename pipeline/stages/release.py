@@ -12,19 +12,19 @@ temporary directory and renamed, like convert.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from moe.config import ModelConfig
 from moe.eval.suite import headline
-from moe.reader import FileFormatError
+from moe.reader import FileFormatError, read_json
 from moe.train.checkpoint import CheckpointError, read_meta
 from pipeline.errors import PipelineError
 from pipeline.eval.tasks import TASKS, task_source
 from pipeline.model_card import CardEvaluation
 from pipeline.outputs import (
+    MAX_RECORD_BYTES,
     check_own_output,
     clone_file,
     enclosing_output,
@@ -34,11 +34,11 @@ from pipeline.outputs import (
     seal_output,
     write_atomic,
 )
+from pipeline.stages.convert import CONVERSION_RECORD_SCHEMA
 from pipeline.stages.convert import MARKER as CONVERTED
 from pipeline.stages.evaluate import converted_model_identity, detail_path, read_detail, recognise_detail
 
 MARKER = "moe_release.json"  # marks a directory as our release output (replaceable)
-MAX_RECORD_BYTES = 64 << 20
 TOKENS_MANIFEST = "manifest.json"  # the tokenize stage's record
 STAGE_RECORDS = (MARKER, CONVERTED, TOKENS_MANIFEST)  # a directory holding one is a stage's output
 
@@ -95,16 +95,10 @@ def check_outside_other_outputs(cfg, out: Path) -> None:
 
 def read_conversion_record(hf: Path) -> dict[str, Any]:
     """The convert stage's record in ``hf``: the checkpoint it converted and the files it wrote."""
-    path = hf / CONVERTED
     try:
-        if path.stat().st_size > MAX_RECORD_BYTES:
-            raise ValueError("larger than any record the convert stage writes")
-        record = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise PipelineError(f"convert.output: {path} is unreadable ({exc}): run `moe convert` again") from None
-    if not isinstance(record, dict) or not isinstance(record.get("written_files"), dict) or not isinstance(record.get("checkpoint"), str):
-        raise PipelineError(f"convert.output: {path} is not the convert stage's record (no checkpoint or written_files): run `moe convert` again")
-    return record
+        return read_json(hf / CONVERTED, CONVERSION_RECORD_SCHEMA, MAX_RECORD_BYTES)
+    except FileFormatError as exc:
+        raise PipelineError(f"convert.output: {exc}: not the convert stage's record; run `moe convert` again") from None
 
 
 def copy_converted_files(hf: Path, files: dict[str, Any], tmp: Path) -> None:

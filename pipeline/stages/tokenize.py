@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -28,9 +27,19 @@ from pathlib import Path
 
 import numpy as np
 
+from moe.reader import FileFormatError, read_json
 from pipeline.corpus import Document, Source, is_text_source, is_validation, read_documents, resolve_sources
 from pipeline.errors import PipelineError
-from pipeline.outputs import check_own_output, fresh_temp_dir, replace_own_output, seal_output, write_atomic
+from pipeline.outputs import (
+    MANIFEST_FORMAT,
+    MANIFEST_SCHEMA,
+    MAX_MANIFEST_BYTES,
+    check_own_output,
+    fresh_temp_dir,
+    replace_own_output,
+    seal_output,
+    write_atomic,
+)
 from pipeline.params import TokenizeConfig
 from pipeline.tokenizer import TokenizerInfo, describe, load_tokenizer, train_bpe
 
@@ -39,6 +48,10 @@ SPLITS = ("train", "val")
 # (the tokenizers library needs ~200 bytes per character) and a heartbeat after each batch.
 BATCH_CHARS = 1 << 20
 log = logging.getLogger("pipeline.tokenize")
+
+# The manifest's params: what determines the content (not the workers, the stall deadline or the
+# output path). Its schema: pipeline.outputs.MANIFEST_SCHEMA (the card reads it too).
+NOT_CONTENT_PARAMS = ("workers", "stall_timeout_s", "output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +332,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
             w.flush()
         write_atomic(tmp / "tokenizer.json", info.json_text)
         manifest = {
-            "format": "olmo-core-tokens/1",
+            "format": MANIFEST_FORMAT,
             "tokenizer": {
                 "source": source,
                 "sha256": info.sha256,
@@ -334,8 +347,7 @@ def run_tokenize(cfg: TokenizeConfig, progress: Callable[[int, int], None] | Non
             "skipped_files": skipped.files,
             "skipped_documents": skipped.documents,
             "splits": {s: {"files": w.files, "documents": w.documents, "tokens": w.tokens} for s, w in writers.items()},
-            # what determines the content (not workers, the stall deadline or the output path)
-            "params": {k: v for k, v in cfg.to_dict().items() if k not in ("workers", "stall_timeout_s", "output")},
+            "params": {k: v for k, v in cfg.to_dict().items() if k not in NOT_CONTENT_PARAMS},
         }
         manifest = seal_output(tmp, "manifest.json", manifest)  # lists every file: proof of what we wrote
         replace_own_output(tmp, out, "manifest.json", "tokenize.output")
@@ -357,14 +369,11 @@ def _collect(results: Iterator[dict[str, list[np.ndarray]]], writers: dict[str, 
 
 
 def read_manifest(tokens_dir: str | Path) -> dict:
+    """The tokenize stage's manifest.json in ``tokens_dir``, every field checked."""
     path = Path(tokens_dir) / "manifest.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise PipelineError(f"{path}: not found; run the tokenize stage first (moe tokenize)")
     try:
-        manifest = json.loads(path.read_text())
-        tok = manifest["tokenizer"]
-        if not (isinstance(tok["sha256"], str) and isinstance(tok["vocab_size"], int)):
-            raise TypeError("tokenizer.sha256/vocab_size have the wrong type")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PipelineError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc}); rerun `moe tokenize`") from None
-    return manifest
+        return read_json(path, MANIFEST_SCHEMA, MAX_MANIFEST_BYTES)
+    except FileFormatError as exc:
+        raise PipelineError(f"{exc}: not the tokenize stage's manifest; rerun `moe tokenize`") from None

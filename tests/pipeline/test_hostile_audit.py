@@ -587,6 +587,15 @@ def _lock_fifo(ws):
     os.mkfifo(d / ".lock")
 
 
+def _ledger_fifo(ws):
+    """A FIFO as the ledger of metrics/ (issue 50, item 8 of its audit: `moe train` and `moe evaluate` hung on it)."""
+    ledger = ws / "metrics/.moe-outputs.json"
+    ledger.parent.mkdir(exist_ok=True)
+    if ledger.exists():
+        ledger.unlink()
+    os.mkfifo(ledger)
+
+
 # ---------------------------------------------------------------- 13: mismatches
 
 
@@ -1077,6 +1086,24 @@ CASES = [
         expect="ok",
     ),
     Case("job-json-layout-dp-zero", 50, call=_job_json_layout_dp_zero),
+    Case(
+        "ledger-is-a-fifo-train",
+        50,
+        TRAIN,
+        setup=_ledger_fifo,
+        subprocess=True,
+        timeout=180,
+        check=_names("metrics/.moe-outputs.json: not a regular file"),
+    ),
+    Case(
+        "ledger-is-a-fifo-evaluate",
+        50,
+        ["evaluate", "--no-mlflow"],
+        setup=_ledger_fifo,
+        subprocess=True,
+        timeout=180,
+        check=_names("metrics/.moe-outputs.json: not a regular file"),
+    ),
 ]
 
 

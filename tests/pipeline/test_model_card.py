@@ -139,6 +139,24 @@ def _body(card: str) -> str:
     return card.split("\n---\n", 1)[1]
 
 
+TOKENIZER_SHA = "ab" * 32
+
+
+def tokens_manifest(inputs: list[str], **changes) -> dict:
+    """A tokenize stage's manifest.json (as run_tokenize writes it) naming ``inputs``."""
+    tokenizer = {
+        "source": "here",
+        "sha256": TOKENIZER_SHA,
+        "vocab_size": 320,
+        "eos_id": 0,
+        "eos_token": "<|endoftext|>",
+        "pad_id": None,
+        "pad_token": None,
+    }
+    split = {"files": ["part-00000.npy"], "documents": 1, "tokens": 10}
+    return {"format": "olmo-core-tokens/1", "tokenizer": tokenizer, "inputs": inputs, "splits": {"train": split, "val": split}, **changes}
+
+
 def _python_snippet(card: str) -> ast.Module:
     lines = card.splitlines()
     start = lines.index("```python") + 1
@@ -155,11 +173,10 @@ def _hostile_card(name: str, tmp_path: Path, monkeypatch) -> str:
 
     monkeypatch.chdir(tmp_path)
     Path("tok").mkdir()
-    manifest = {"format": "olmo-core-tokens/1", "tokenizer": {"sha256": "abc"}, "inputs": PAYLOADS}
-    Path("tok/manifest.json").write_text(json.dumps(manifest))
+    Path("tok/manifest.json").write_text(json.dumps(tokens_manifest(PAYLOADS)))
     bad = PAYLOADS[3]
     config = {
-        "data": {"paths": ["tok/train"], "tokenizer_hash": "abc", "seq_len": bad},
+        "data": {"paths": ["tok/train"], "tokenizer_hash": TOKENIZER_SHA, "seq_len": bad},
         "train": {"global_batch_size": bad, "micro_batch_size": bad, "grad_clip": bad, "seed": bad},
         "optim": {"lr": bad, "betas": PAYLOADS},
         "schedule": {"decay": bad, "warmup_steps": bad},
@@ -205,3 +222,58 @@ def test_the_card_describes_the_checkpoint_as_recorded_not_today_s_params(ws):
     card = Path(cfg.release.output, "README.md").read_text()
     assert "| training data | the corpus the tokenize stage read (tokenize.inputs: corpus); its license is its source's |" in card
     assert "<img" not in card and "evil-lab" not in card and "base_model" not in _header_text(card) and "Continued from" not in card
+
+
+# ---------------------------------------------- issue 50: the records the card reads, through moe.reader
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        tokens_manifest(["corpus"], format="olmo-core-tokens/2"),
+        tokens_manifest(["corpus"], tokenizer={"sha256": TOKENIZER_SHA}),  # not the whole record
+        tokens_manifest([7]),
+        tokens_manifest(["corpus"], sources=-1),
+        tokens_manifest(["corpus"], homepage="https://example.org"),
+        {"name": "my web app", "start_url": "/"},
+    ],
+)
+def test_a_manifest_not_of_the_tokenize_stage_s_schema_names_no_corpus(tmp_path, manifest):
+    from pipeline.model_card import trained_corpus
+
+    (tmp_path / "tok").mkdir()
+    meta = {"config": {"data": {"paths": [str(tmp_path / "tok/train")], "tokenizer_hash": TOKENIZER_SHA}}}
+    (tmp_path / "tok/manifest.json").write_text(json.dumps(tokens_manifest(["corpus"])))
+    assert trained_corpus(meta) == ["corpus"]
+    (tmp_path / "tok/manifest.json").write_text(json.dumps(manifest))
+    assert trained_corpus(meta) is None
+
+
+def test_a_fifo_as_the_manifest_or_the_run_s_metrics_is_answered_at_once(tmp_path):
+    from moe.reader import FileFormatError
+    from pipeline.model_card import eval_at_step, trained_corpus
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "tok/manifest.json")
+    meta = {"config": {"data": {"paths": [str(tmp_path / "tok/train")], "tokenizer_hash": TOKENIZER_SHA}}}
+    assert within(lambda: trained_corpus(meta), fifo) is None
+    fifo = fifo_at(tmp_path / "run/metrics.jsonl")
+    with pytest.raises(FileFormatError, match="metrics.jsonl: not a regular file"):
+        within(lambda: eval_at_step(fifo, 8), fifo)
+
+
+def test_eval_at_step_takes_the_later_row_of_the_step_and_numbers_only(tmp_path, capsys):
+    from pipeline.model_card import eval_at_step
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 8, "loss": 3.0, "eval/arc_easy/acc": 0.2},
+        "{damaged",
+        {"step": 8, "loss": 3.0, "eval/arc_easy/acc": 0.25, "eval/arc_easy/acc/stderr": 0.05, "eval/arc_easy/note": "nan", "eval/x": 1.0},
+        {"step": 9, "loss": 2.9, "eval/arc_easy/acc": 0.5},
+    ]
+    metrics.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    assert eval_at_step(metrics, 8) == {"arc_easy": {"acc": 0.25, "acc/stderr": 0.05}}
+    assert eval_at_step(metrics, 7) == {} and eval_at_step(tmp_path / "none.jsonl", 8) == {}
+    warned = capsys.readouterr().err
+    assert "metrics.jsonl" in warned and "damaged" in warned  # the damaged line, skipped with one warning (moe.train.sinks)

@@ -140,3 +140,110 @@ def test_enclosing_output_finds_the_stage_record_above_a_path(tmp_path):
     names = ("moe_release.json", "manifest.json")
     assert enclosing_output(out / "inner/deeper", names) == out / "moe_release.json"
     assert enclosing_output(tmp_path / "runs/elsewhere", names) is None
+
+
+# ------------------------------------------------ issue 50: the ledger and records through moe.reader
+
+HEX = "ab" * 32
+
+
+def test_a_fifo_in_place_of_the_ledger_is_refused_at_once_before_anything_is_written(tmp_path):
+    """Issue 50 item 8: a FIFO as metrics/.moe-outputs.json hung `moe train` and `moe evaluate`."""
+    from pipeline.outputs import _read_ledger, check_output_file
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "metrics" / LEDGER)
+    words = re.escape(f"metrics/train.json: {fifo}: not a regular file (the ledger of the outputs written in {tmp_path / 'metrics'}")
+    with pytest.raises(PipelineError, match=words):
+        within(lambda: _read_ledger(tmp_path / "metrics", "metrics/train.json"), fifo)
+    with pytest.raises(PipelineError, match=words):  # the output is absent: refused all the same, before any work
+        within(lambda: check_output_file(tmp_path / "metrics/train.json", "metrics/train.json"), fifo)
+    (tmp_path / "metrics/train.json").write_text('{"final_loss": 3.0}\n')
+    with pytest.raises(PipelineError, match=words):
+        within(lambda: write_output_file(tmp_path / "metrics/train.json", '{"final_loss": 2.0}\n', "metrics/train.json"), fifo)
+    assert (tmp_path / "metrics/train.json").read_text() == '{"final_loss": 3.0}\n' and fifo.is_fifo()
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        (json.dumps({"train.json": {"sha256": 7, "by": "metrics/train.json"}}), "train.json: expected a {sha256, by} entry or a bare sha256"),
+        (json.dumps({"train.json": {"sha256": HEX, "by": "k", "mode": "w"}}), "train.json: expected a {sha256, by} entry or a bare sha256"),
+        (json.dumps({"train.json": "not a digest"}), "train.json: expected a {sha256, by} entry or a bare sha256"),
+        (json.dumps({"../train.json": HEX}), "the file key: expected a string matching"),
+        ('{"train.json": NaN}', "not valid JSON (NaN is not a number JSON allows"),
+        ("[]", "the file: expected a mapping"),
+    ],
+)
+def test_a_ledger_not_of_our_schema_is_one_error_naming_the_entry(tmp_path, text, field):
+    (tmp_path / LEDGER).write_text(text)
+    (tmp_path / "train.json").write_text('{"final_loss": 3.0}\n')
+    with pytest.raises(PipelineError) as exc:
+        write_output_file(tmp_path / "train.json", "{}", "metrics/train.json")
+    message = str(exc.value)
+    assert message.startswith(f"metrics/train.json: {tmp_path / LEDGER}: ") and field in message and "\n" not in message
+    assert (tmp_path / "train.json").read_text() == '{"final_loss": 3.0}\n'
+
+
+def test_recognisers_say_not_ours_at_once_for_a_fifo_a_huge_or_a_broken_file(tmp_path):
+    from pipeline.outputs import _lists_written_files, csv_header
+    from tests.pipeline.fifo import fifo_at, within
+
+    recognise_json = json_keys_within({"val_loss", "step"}, {"val_loss"})
+    recognise_csv = csv_header(["step", "loss"])
+    fifo = fifo_at(tmp_path / "eval.json")
+    assert within(lambda: recognise_json(fifo), fifo) is False
+    assert within(lambda: recognise_csv(fifo), fifo) is False
+    assert within(lambda: _lists_written_files(fifo), fifo) is False
+    good = tmp_path / "loss.csv"
+    good.write_bytes(b"step,loss\r\n1,3.0\r\n")
+    assert recognise_csv(good) and not csv_header(["step", "loss"], max_bytes=8)(good)
+    (tmp_path / "eval.json").unlink()
+    (tmp_path / "eval.json").write_text('{"val_loss": 3.0, "step": 8}')
+    assert recognise_json(tmp_path / "eval.json") and not json_keys_within({"val_loss"}, "val_loss", max_bytes=8)(tmp_path / "eval.json")
+    (tmp_path / "eval.json").write_text('{"val_loss": NaN}')
+    assert recognise_json(tmp_path / "eval.json") is False
+    (tmp_path / "record.json").write_text('{"written_files": []}')
+    assert _lists_written_files(tmp_path / "record.json") is False
+
+
+def _sealed(tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    seal_output(out, "moe_conversion.json", {"checkpoint": "ck"})
+    return out
+
+
+@pytest.mark.parametrize(
+    "entry, field",
+    [
+        ({"size": "2", "sha256": HEX}, "written_files.config.json.size: expected an integer"),
+        ({"size": -1, "sha256": HEX}, "written_files.config.json.size: expected an integer in [0, inf]"),
+        ({"size": 2, "sha256": "00"}, "written_files.config.json.sha256: expected a string matching"),
+        ({"size": 2, "sha256": HEX, "mode": 420}, "written_files.config.json.mode: unknown key"),
+    ],
+)
+def test_a_record_whose_entries_are_not_ours_is_refused_naming_the_field(tmp_path, entry, field):
+    out = _sealed(tmp_path)
+    record = json.loads((out / "moe_conversion.json").read_text())
+    record["written_files"]["config.json"] = entry
+    (out / "moe_conversion.json").write_text(json.dumps(record))
+    with pytest.raises(PipelineError, match=re.escape(f"(moe_conversion.json does not list the files this stage wrote ({field}")):
+        check_own_output(out, "moe_conversion.json", "convert.output")
+
+
+def test_a_fifo_as_the_record_or_inside_the_output_is_refused_at_once(tmp_path):
+    from tests.pipeline.fifo import fifo_at, within
+
+    out = _sealed(tmp_path)
+    fifo = fifo_at(out / "weights.bin")
+    record = json.loads((out / "moe_conversion.json").read_text())
+    record["written_files"]["weights.bin"] = {"size": 0, "sha256": HEX}  # a FIFO's size: only hashing it would tell
+    (out / "moe_conversion.json").write_text(json.dumps(record))
+    with pytest.raises(PipelineError, match=re.escape("(weights.bin (not a regular file))")):
+        within(lambda: check_own_output(out, "moe_conversion.json", "convert.output"), fifo)
+    fifo.unlink()
+    fifo = fifo_at(out / "moe_conversion.json")
+    with pytest.raises(PipelineError, match=re.escape("(no moe_conversion.json)")):
+        within(lambda: check_own_output(out, "moe_conversion.json", "convert.output"), fifo)

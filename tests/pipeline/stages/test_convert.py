@@ -235,7 +235,7 @@ def test_the_index_must_match_the_shards(tmp_path):
 def test_a_deeply_nested_config_json_is_one_clear_error(tmp_path):
     d = transformers_dir(tmp_path / "hf")
     (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(PipelineError, match="config.json: not valid JSON"):
+    with pytest.raises(PipelineError, match="config.json: (nested too deeply|not valid JSON)"):
         check_hf_dir(d)
 
 
@@ -265,3 +265,80 @@ def test_a_checkpoint_converted_from_hf_records_no_tokenizer_and_converts_with_o
     convert_to_hf("runs/train/checkpoints", tmp_path / "hf", tok)
     convert_from_hf(tmp_path / "hf", tmp_path / "ck")
     convert_to_hf(tmp_path / "ck", tmp_path / "hf2", tok)  # no data.tokenizer_hash to compare: only the vocabulary is
+
+
+# ----------------------------------------------- issue 50: config.json and the index through moe.reader
+
+OLMOE_CONFIG = {
+    "model_type": "olmoe",
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "intermediate_size": 8,
+}
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        (json.dumps({**OLMOE_CONFIG, "hidden_size": "16"}), "config.json: hidden_size: expected an integer"),
+        (json.dumps({**OLMOE_CONFIG, "num_experts": -2}), "config.json: num_experts: expected an integer in [0, "),
+        (json.dumps({**OLMOE_CONFIG, "rope_scaling": "linear"}), "config.json: rope_scaling: expected a mapping"),
+        (json.dumps(OLMOE_CONFIG)[:-1] + ', "rms_norm_eps": 1e999}', "config.json: rms_norm_eps: expected a finite number"),
+        (json.dumps(OLMOE_CONFIG)[:-1] + ', "initializer_range": NaN}', "config.json: not valid JSON (NaN"),
+        (json.dumps({**OLMOE_CONFIG, "task_specific_params": {"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}}), "task_specific_params"),
+    ],
+)
+def test_a_config_json_not_of_its_schema_is_one_error_naming_the_key(tmp_path, text, field):
+    from pipeline.stages.convert import read_hf_config
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(PipelineError) as exc:
+        read_hf_config(tmp_path)
+    assert field in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "index, field",
+    [
+        ({"weight_map": {"model.norm.weight": 7}}, "weight_map.model.norm.weight: expected a string"),
+        ({"weight_map": {"model.norm.weight": "a.safetensors"}, "shards": 2}, "shards: unknown key"),
+        ({"metadata": {"total_size": 8}}, "weight_map: missing"),
+    ],
+)
+def test_an_index_not_of_its_schema_is_one_error_naming_the_field(tmp_path, index, field):
+    from pipeline.stages.convert import INDEX, shard_names
+
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(PipelineError, match=re.escape(f"{INDEX}: {field}")):
+        shard_names(tmp_path)
+
+
+def test_a_fifo_as_config_json_or_index_is_refused_at_once(tmp_path):
+    from pipeline.hub import source_model_id
+    from pipeline.stages.convert import INDEX, read_hf_config, shard_names
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "config.json")
+    with pytest.raises(PipelineError, match="config.json: not found or not a file"):
+        within(lambda: read_hf_config(tmp_path), fifo)
+    assert within(lambda: source_model_id(tmp_path), fifo) is None
+    fifo = fifo_at(tmp_path / INDEX)
+    with pytest.raises(PipelineError, match=f"{INDEX}: not found or not a file"):
+        within(lambda: shard_names(tmp_path), fifo)
+
+
+def test_the_source_model_id_is_a_hub_id_of_a_config_json_of_its_schema(tmp_path):
+    from pipeline.hub import source_model_id
+
+    (tmp_path / "hf").mkdir()
+    config = tmp_path / "hf/config.json"
+    config.write_text(json.dumps({**OLMOE_CONFIG, "_name_or_path": "allenai/OLMoE-1B-7B-0924"}))
+    assert source_model_id(tmp_path / "hf") == "allenai/OLMoE-1B-7B-0924"
+    config.write_text(json.dumps({**OLMOE_CONFIG, "_name_or_path": "allenai/OLMoE-1B-7B-0924", "hidden_size": "16"}))
+    assert source_model_id(tmp_path / "hf") is None  # not a config.json of its schema: no origin claimed
+    config.write_text(json.dumps({**OLMOE_CONFIG, "_name_or_path": ["allenai/OLMoE-1B-7B-0924"]}))
+    assert source_model_id(tmp_path / "hf") is None

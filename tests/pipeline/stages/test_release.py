@@ -117,3 +117,60 @@ def test_a_release_inside_another_output_is_refused_naming_both(ws, out, words):
     with pytest.raises(PipelineError, match=re.escape(f"release.output: {out} {words}")):
         release(f"release.output={out}")
     assert not (ws / out).exists() or out in ("runs/hf", "plots")
+
+
+# ------------------------------------------- issue 50: the conversion record through moe.reader
+
+PROVENANCE = {"checkpoint": "runs/train/checkpoints/step_00000008", "step": 8, "tokenizer_sha256": "ab" * 32, "dtype": "float32"}
+
+
+def _converted(tmp_path: Path, **changes) -> Path:
+    """A folder with a conversion record as convert_to_hf seals it, with ``changes`` made to it."""
+    from pipeline.outputs import seal_output
+    from pipeline.stages.convert import MARKER
+
+    hf = tmp_path / "hf"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    record = seal_output(hf, MARKER, PROVENANCE)
+    (hf / MARKER).write_text(json.dumps({**record, **changes}))
+    return hf
+
+
+def test_the_conversion_record_as_convert_writes_it_reads_back(tmp_path):
+    from pipeline.stages.release import read_conversion_record
+
+    record = read_conversion_record(_converted(tmp_path))
+    assert record["checkpoint"] == PROVENANCE["checkpoint"] and set(record["written_files"]) == {"config.json"}
+    assert read_conversion_record(_converted(tmp_path / "hf-from-hf", step=None, tokenizer_sha256=None))["step"] is None
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"checkpoint": 7}, "checkpoint: expected a string"),
+        ({"step": -1}, "step: expected an integer in [0, inf]"),
+        ({"dtype": "float16"}, "dtype: expected one of float32, bfloat16"),
+        ({"tokenizer_sha256": "abc"}, "tokenizer_sha256: expected a string matching"),
+        ({"release": "yes"}, "release: unknown key"),
+        ({"written_files": {"config.json": {"size": 2}}}, "written_files.config.json.sha256: missing"),
+    ],
+)
+def test_a_conversion_record_not_of_its_schema_is_one_error_naming_the_field(tmp_path, changes, field):
+    from pipeline.stages.release import read_conversion_record
+
+    hf = _converted(tmp_path, **changes)
+    with pytest.raises(PipelineError) as exc:
+        read_conversion_record(hf)
+    message = str(exc.value)
+    assert message.startswith(f"convert.output: {hf / 'moe_conversion.json'}: {field}") and "run `moe convert` again" in message
+    assert "\n" not in message
+
+
+def test_a_fifo_as_the_conversion_record_is_refused_at_once(tmp_path):
+    from pipeline.stages.release import read_conversion_record
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "moe_conversion.json")
+    with pytest.raises(PipelineError, match=re.escape(f"convert.output: {fifo}: not a regular file")):
+        within(lambda: read_conversion_record(tmp_path), fifo)

@@ -1,6 +1,7 @@
 import gzip
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from moe.data import TokenDataset, open_token_file
 from pipeline.corpus import Source, read_documents
 from pipeline.errors import PipelineError
 from pipeline.params import TokenizeConfig
-from pipeline.stages.tokenize import run_tokenize
+from pipeline.stages.tokenize import read_manifest, run_tokenize
 from pipeline.tokenizer import load_tokenizer
 
 
@@ -39,6 +40,7 @@ def test_outputs_are_valid_token_files_and_decode_back(workspace):
     assert m["splits"]["val"]["documents"] > 0
     info = load_tokenizer(out / "tokenizer.json")
     assert info.sha256 == m["tokenizer"]["sha256"] and info.vocab_size == 300
+    assert read_manifest(out) == m  # the manifest as written passes its schema (MANIFEST_SCHEMA)
     arr, side = open_token_file(out / "train" / "part-00000.npy", tokenizer_hash=info.sha256)
     assert side.eos_id == info.eos_id and side.num_documents == m["splits"]["train"]["documents"]
     first_doc = arr[: int(np.argmax(arr == info.eos_id))]
@@ -141,6 +143,7 @@ def test_documents_over_the_bound_are_skipped_unread_and_listed(workspace):
     assert all("tokenize.max_document_bytes (1000 bytes)" in s["reason"] for s in m["skipped_documents"])
     assert m["skipped_files"] == [] and m["params"]["max_document_bytes"] == 1000
     assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 6
+    assert read_manifest("out") == m
     keys = [doc.key for doc in read_documents(Source(d / "a.jsonl", "long/a.jsonl"), "text", 1000)]
     assert keys == ["long/a.jsonl:1", "long/a.jsonl:3"]
 
@@ -162,3 +165,83 @@ def test_encoding_in_batches_does_not_change_the_output(workspace, monkeypatch):
     monkeypatch.setattr(stage, "BATCH_CHARS", 1 << 30)
     run_tokenize(cfg(output="one_batch", workers=1, inputs=["corpus", "stdlib"], max_bytes=200_000))
     assert tree_digest(Path("small_batches")) == tree_digest(Path("one_batch"))
+
+
+# ------------------------------------------------ issue 50: the manifest through moe.reader
+
+
+def _manifest(**changes) -> dict:
+    """A manifest as run_tokenize writes it (the params of the default config), with ``changes``."""
+    from pipeline.stages.tokenize import NOT_CONTENT_PARAMS
+
+    params = {k: v for k, v in TokenizeConfig().to_dict().items() if k not in NOT_CONTENT_PARAMS}
+    manifest = {
+        "format": "olmo-core-tokens/1",
+        "tokenizer": {
+            "source": "here",
+            "sha256": "ab" * 32,
+            "vocab_size": 512,
+            "eos_id": 0,
+            "eos_token": "<|endoftext|>",
+            "pad_id": None,
+            "pad_token": None,
+        },
+        "inputs": ["stdlib"],
+        "sources": 3,
+        "skipped_files": [],
+        "skipped_documents": [{"source": "docs.jsonl:2", "reason": "over tokenize.max_document_bytes"}],
+        "splits": {s: {"files": ["part-00000.npy"], "documents": 3, "tokens": 300} for s in ("train", "val")},
+        "params": params,
+        "written_files": {"tokenizer.json": {"size": 1234, "sha256": "cd" * 32}},
+    }
+    return {**manifest, **changes}
+
+
+def test_every_param_of_the_stage_has_its_place_in_the_manifest_schema(tmp_path, monkeypatch):
+    """A new tokenize param must be added to the manifest's schema, or every manifest is refused."""
+    monkeypatch.chdir(tmp_path)
+    Path("out").mkdir()
+    Path("out/manifest.json").write_text(json.dumps(_manifest()))
+    assert read_manifest("out")["params"]["vocab_size"] == 512
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"tokenizer": {"sha256": 7, "vocab_size": 512, "eos_id": 0}}, "tokenizer.sha256: expected a string"),
+        (
+            {"splits": {"train": {"files": [], "documents": 0, "tokens": -1}, "val": {"files": [], "documents": 0, "tokens": 0}}},
+            "splits.train.tokens: expected an integer in [0, ",
+        ),
+        (
+            {"splits": {"train": {"files": ["../x.npy"], "documents": 0, "tokens": 0}, "val": {"files": [], "documents": 0, "tokens": 0}}},
+            "splits.train.files[0]: expected a string matching",
+        ),
+        ({"format": "olmo-core-tokens/2"}, "format: expected one of olmo-core-tokens/1"),
+        ({"workers": 4}, "workers: unknown key"),
+    ],
+)
+def test_a_manifest_not_of_its_schema_is_one_error_naming_the_field(tmp_path, monkeypatch, changes, field):
+    monkeypatch.chdir(tmp_path)
+    Path("out").mkdir()
+    Path("out/manifest.json").write_text(json.dumps(_manifest(**changes)))
+    with pytest.raises(PipelineError) as exc:
+        read_manifest("out")
+    message = str(exc.value)
+    assert message.startswith(f"out/manifest.json: {field}") and "rerun `moe tokenize`" in message and "\n" not in message
+
+
+def test_a_manifest_with_nan_or_a_fifo_in_its_place_is_one_error_at_once(tmp_path, monkeypatch):
+    from tests.pipeline.fifo import fifo_at, within
+
+    monkeypatch.chdir(tmp_path)
+    Path("out").mkdir()
+    Path("out/manifest.json").write_text(json.dumps(_manifest(), allow_nan=True).replace('"val_fraction": 0.05', '"val_fraction": NaN'))
+    with pytest.raises(PipelineError, match=re.escape("out/manifest.json: not valid JSON (NaN is not a number JSON allows")):
+        read_manifest("out")
+    fifo = fifo_at(Path("out/manifest.json"))
+    with pytest.raises(PipelineError, match="out/manifest.json: not a regular file"):
+        within(lambda: read_manifest("out"), fifo)
+    fifo.unlink()
+    with pytest.raises(PipelineError, match="out/manifest.json: not found; run the tokenize stage first"):
+        read_manifest("out")
