@@ -384,7 +384,15 @@ def fresh_temp_dir(beside: Path) -> Path:
     import tempfile
 
     beside.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 is for its privacy; the output it becomes follows the user's umask
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def replace_own_output(tmp: Path, out: Path, record_name: str, key: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moe.reader import FileFormatError, read_text
 from pipeline.errors import PipelineError
 from pipeline.outputs import write_atomic
 
@@ -64,14 +65,21 @@ def describe(tok: Tokenizer, source: str = "tokenizer") -> TokenizerInfo:
     )
 
 
+MAX_TOKENIZER_BYTES = 256 * 2**20  # the largest public tokenizer.json files are a few tens of MiB
+
+
 def load_tokenizer(path: str | Path) -> TokenizerInfo:
     """A tokenizer.json file, or a directory holding one (e.g. a saved HF tokenizer)."""
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
+    if not file.exists():
         raise PipelineError(f"tokenize.tokenizer: {file} not found")
     try:
-        tok = Tokenizer.from_file(str(file))
+        text = read_text(file, MAX_TOKENIZER_BYTES)  # a regular file of bounded size, before the parser sees it
+    except FileFormatError as exc:
+        raise PipelineError(f"tokenize.tokenizer: {exc}") from None
+    try:
+        tok = Tokenizer.from_str(text)
     except Exception as exc:  # tokenizers raises a plain Exception
         raise PipelineError(f"tokenize.tokenizer: {file} is not a tokenizers JSON file ({exc})") from None
     return describe(tok, str(file))

@@ -2,6 +2,7 @@
 name a record lists stays inside its folder, and a copy shares nothing with its source (issue 50)."""
 
 import json
+import os
 import re
 
 import pytest
@@ -247,3 +248,17 @@ def test_a_fifo_as_the_record_or_inside_the_output_is_refused_at_once(tmp_path):
     fifo = fifo_at(out / "moe_conversion.json")
     with pytest.raises(PipelineError, match=re.escape("(no moe_conversion.json)")):
         within(lambda: check_own_output(out, "moe_conversion.json", "convert.output"), fifo)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o077, 0o700), (0o002, 0o775)])
+def test_an_output_folder_follows_the_umask(tmp_path, umask, mode):
+    """A stage's output folder is made under a private temporary name, then renamed into place:
+    it ends with the permissions the user's umask gives a new folder, not mkdtemp's 0700."""
+    from pipeline.outputs import fresh_temp_dir
+
+    old = os.umask(umask)
+    try:
+        made = fresh_temp_dir(tmp_path / "release")
+    finally:
+        os.umask(old)
+    assert made.stat().st_mode & 0o777 == mode
