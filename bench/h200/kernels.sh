@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30 on one H200: our layer against its GEMMs alone and SonicMoE, and the FP8 token-row
+# Kernels on one H200 (issue 30): our layer against its GEMMs alone and SonicMoE, and the FP8 token-row
 # path. Not run yet (the session that built them had no device time left). The fused expert MLP
 # (issue 31) this script also timed was measured slower than torch's grouped GEMM and removed
 # (issue 38, bench/NOTES.md). Each part fits one device call (< 10 min):

@@ -1,7 +1,7 @@
 """The expert weight-gradient GEMM that accumulates in its epilogue (issue 38): under the Triton
 interpreter against a per-expert float64 loop and through the optimizer's gradient sink against
 the separate path; compiled for sm90 here with the shipped tile config (no GPU needed). Speed is
-measured on the GPU machine (python -m bench.wgrad, bench/h200/issue38.sh)."""
+measured on the GPU machine (python -m bench.wgrad, bench/h200/wgrad_in_gemm.sh)."""
 
 import pytest
 

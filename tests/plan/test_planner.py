@@ -83,7 +83,7 @@ def _result(path: Path) -> dict:
     return json.loads(path.read_text())["result"]
 
 
-# Measured on one H200 on 2026-12-02 (bench/h200/issues36-39.sh plan): 1-4 micro-batches,
+# Measured on one H200 on 2026-12-02 (bench/h200/plan_and_fp8_memory.sh plan): 1-4 micro-batches,
 # recompute none/selective/full, the olmoe-1b-7b recipe's logit z-loss on and off.
 HELD_OUT = sorted(
     p

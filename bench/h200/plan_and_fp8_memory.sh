@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issues 36 (planner) and 39 (FP8 memory) on one H200, one part per call. (Its `fused` part, the
+# The planner against measured peaks and FP8 memory (issues 36, 39), on one H200, one part per call. (Its `fused` part, the
 # layer table of issue 38's fused expert MLP at its best tile, went with the fused path, whose
 # code last existed at commit dfdbf43: bench/NOTES.md.)
-#   bench/h200/issues36-39.sh plan      # moe plan against measured peaks at several accumulation counts and recompute modes
-#   bench/h200/issues36-39.sh fp8mem    # where FP8's extra memory is: paper width at micro-batch 1 (bf16 and FP8), OLMoE width FP8
-#   bench/h200/issues36-39.sh memory    # what is live at the peak: planner config (olmoe-1b-7b, 4 layers, 8x4096, 2 micro-batches) and paper width bf16 vs FP8
+#   bench/h200/plan_and_fp8_memory.sh plan      # moe plan against measured peaks at several accumulation counts and recompute modes
+#   bench/h200/plan_and_fp8_memory.sh fp8mem    # where FP8's extra memory is: paper width at micro-batch 1 (bf16 and FP8), OLMoE width FP8
+#   bench/h200/plan_and_fp8_memory.sh memory    # what is live at the peak: planner config (olmoe-1b-7b, 4 layers, 8x4096, 2 micro-batches) and paper width bf16 vs FP8
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:-.}

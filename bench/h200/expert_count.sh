@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 29 on one H200: experts 8 -> 128 at constant active parameters (OLMoE width, 4 layers,
+# Expert count on one H200 (issue 29): experts 8 -> 128 at constant active parameters (OLMoE width, 4 layers,
 # 16K tokens per micro-batch, 16 micro-batches = 262K tokens per optimizer step), dropless,
 # with the expert gradients accumulated in fp32 (today) and in bf16 (optim.expert_grad_accum).
-#   bench/h200/issue29.sh            # random routing fp32/bf16, learned routing bf16
-#   bench/h200/issue29.sh profile    # one profiled step at E=8 and E=128 (bf16 accumulation)
+#   bench/h200/expert_count.sh            # random routing fp32/bf16, learned routing bf16
+#   bench/h200/expert_count.sh profile    # one profiled step at E=8 and E=128 (bf16 accumulation)
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
-touch /tmp/issue29-start
+touch /tmp/expert-count-start
 run() {  # routing experts accumulation
   python3 -m bench.model --layers 4 --seq 4096 --micro 4 --accum 16 --warmup 2 --steps 5 \
     --routing "$1" --experts "$2" --expert-grad-accum "$3" 2>&1 | tail -4
@@ -25,4 +25,4 @@ for accum in fp32 bf16; do
   for e in 8 128; do run random "$e" "$accum"; done
 done
 for e in 8 128; do run learned "$e" bf16; done
-find bench/results -name 'model-*.json' -newer /tmp/issue29-start -exec cp {} "$OUT"/ \;
+find bench/results -name 'model-*.json' -newer /tmp/expert-count-start -exec cp {} "$OUT"/ \;
