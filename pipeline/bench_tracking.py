@@ -8,12 +8,12 @@ a metric named <row label>/<field> (a GiB figure by its name now, ``*_gib``, old
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from moe.reader import AnyOf, Bool, FileFormatError, List, Map, Nullable, Num, Plain, Str, parse_json, read_text
 from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
 from pipeline.tracking.client import mlflow_client, name_problem, tracking_uri, within_deadline
@@ -116,6 +116,25 @@ def logged_run(uri: str, experiment: str, sha256: str) -> str | None:
 
 
 RESULT_LIMIT = 64 << 20
+# A bench/results file (bench/common.py write_result): the fields `moe bench log` reads, typed;
+# each benchmark's own fields (losses, step_times_s, sweeps, ...) are free-form by design (the
+# file itself is the run's artifact). Which row fields are metrics, and MLflow's name rules,
+# are checked next (metric_problems, name_problems): a figure written as text is named there.
+_ROW = Map(other=Plain(), max_keys=10_000)
+BENCH_RESULT_SCHEMA = Map(
+    optional={
+        "benchmark": Str(256),
+        "environment": Map(other=Nullable(AnyOf((Str(4096), Num(), Bool()), "text, a number or true/false")), max_keys=1000),
+        "config": Map(other=Plain(), max_keys=10_000),
+        "mlflow": Map(optional={"experiment": Nullable(Str(500))}, other=Plain()),
+        "result": _ROW,
+        "results": Nullable(List(_ROW, max_len=100_000)),
+        "curves": Nullable(Map(other=List(List(Num(), min_len=2, max_len=2), max_len=10_000_000), max_keys=1000)),
+        "artifacts": List(Str(4096), max_len=1000),
+        "matmul_peak_tflops": Plain(),  # a figure; text here is named by metric_problems
+    },
+    other=Plain(),
+)
 
 
 def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
@@ -123,44 +142,36 @@ def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
     the file and the field). ``artifacts`` are looked up by file name in the result's own
     folder: a result file never makes us upload a file from anywhere else."""
 
-    def bad(field: str, what: str) -> PipelineError:
-        return PipelineError(f"{path}: {field} {what} (not a bench/results JSON file)")
+    def bad(what: str) -> PipelineError:
+        return PipelineError(f"{path}: {what} (not a bench/results JSON file)")
 
     path = Path(path)
-    if path.stat().st_size > RESULT_LIMIT:
-        raise bad("the file", f"is larger than {RESULT_LIMIT >> 20} MiB")
-    data = path.read_bytes()
     try:
-        payload = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad("the file", f"is not JSON ({exc})") from None
+        text = read_text(path, RESULT_LIMIT)
+        payload = parse_json(text, str(path))
+    except FileFormatError as exc:  # not a regular file, too large, not UTF-8, not JSON
+        problem = str(exc).removeprefix(f"{path}: ")
+        raise bad("the file is not JSON" + problem.removeprefix("not valid JSON") if problem.startswith("not valid JSON") else problem) from None
     if not isinstance(payload, dict):
-        raise bad("the top level", f"is a {type(payload).__name__}, not an object")
-    for key in ("environment", "config", "mlflow", "result", "curves"):
-        if key in payload and not isinstance(payload[key], dict):
-            raise bad(key, "is not an object")
-    results = payload.get("results")
-    if results is not None and not (isinstance(results, list) and all(isinstance(r, dict) for r in results)):
-        raise bad("results", "is not a list of objects")
+        raise bad(f"the top level is a {type(payload).__name__}, not an object")
+    try:
+        payload = BENCH_RESULT_SCHEMA.check(payload)
+    except FileFormatError as exc:
+        raise bad(str(exc)) from None
     experiment = (payload.get("mlflow") or {}).get("experiment")
-    if experiment is not None and not (isinstance(experiment, str) and experiment.strip() and len(experiment) <= 500):
-        raise bad("mlflow.experiment", "is not a name (1 to 500 characters)")
-    artifacts = payload.get("artifacts", [])
-    if not isinstance(artifacts, list) or not all(isinstance(a, str) and Path(a).name for a in artifacts):
-        raise bad("artifacts", "is not a list of file names")
-    for a in artifacts:
+    if experiment is not None and not experiment.strip():
+        raise bad("mlflow.experiment: expected a name (1 to 500 characters), got a blank")
+    for a in payload.get("artifacts", []):
+        if not Path(a).name:
+            raise bad(f"artifacts: expected file names, got {a!r}")
         local = path.parent / Path(a).name
         if local.is_symlink() or not local.is_file():
-            raise bad("artifacts", f"names {Path(a).name}, which is not a file beside it")
-    for name, curve in (payload.get("curves") or {}).items():
-        ok = isinstance(curve, list) and all(isinstance(p, list) and len(p) == 2 and all(type(x) in (int, float) for x in p) for p in curve)
-        if not ok:
-            raise bad(f"curves.{name}", "is not a list of [step, value] numbers")
+            raise bad(f"artifacts names {Path(a).name}, which is not a file beside it")
     for field, what in (*metric_problems(payload), *name_problems(payload)):
         raise PipelineError(f"{path}: {field} {what}; nothing was logged")
     if not result_metrics(payload) and not payload.get("curves"):
         raise PipelineError(f"{path}: the file holds no number to log ({_no_metrics_hint(payload)}); nothing was logged")
-    return data, payload
+    return text.encode(), payload  # (UTF-8 back to the very bytes read: the file's digest)
 
 
 def _no_metrics_hint(payload: dict[str, Any]) -> str:

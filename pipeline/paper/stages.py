@@ -16,6 +16,7 @@ from typing import Any
 from moe.config import ConfigError
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import capability_problem
+from moe.reader import MIB, read_bytes
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.outputs import write_output_file
 from pipeline.paper.claims import CLAIMS
@@ -24,6 +25,7 @@ from pipeline.paper.hardware import Hardware, detect
 from pipeline.paper.measure import measure
 from pipeline.paper.report import commit_label
 from pipeline.paper.scaling import Scaled, paper_shape, predict_peak_gib
+from pipeline.stages.tokenize import read_manifest
 from pipeline.units import gib
 
 
@@ -374,11 +376,13 @@ def ep(ctx: Context) -> dict[str, Any]:
     return {"shape": shape, "variants": variants, "derived": derived}
 
 
+MAX_LOG_BYTES = 256 * MIB  # a rank's log of the measured run (a few MB)
+
+
 def gerrymander(ctx: Context) -> dict[str, Any]:
     """Learned routing on the tokenised corpus: the balance loss and the measured load together."""
     p, base = ctx.params.paper, ctx.params.base
-    manifest = json.loads((Path(base.tokenize.output) / "manifest.json").read_text())
-    vocab = manifest["tokenizer"]["vocab_size"]
+    vocab = read_manifest(base.tokenize.output)["tokenizer"]["vocab_size"]
     if ctx.hw.kind == "gpu":
         model = {"preset": "olmoe-1b-7b", "n_layers": 4, "vocab_size": max(vocab, 256), "max_seq_len": 1024}
         seq, micro = 1024, 8
@@ -412,7 +416,7 @@ def gerrymander(ctx: Context) -> dict[str, Any]:
     derived["alarm_lines"] = [
         line.split("token gerrymandering alarm: ", 1)[1].strip()
         for f in sorted(logs.glob("*.log"))
-        for line in f.read_text(errors="replace").splitlines()
+        for line in read_bytes(f, MAX_LOG_BYTES).decode(errors="replace").splitlines()  # the job's log, as text
         if "token gerrymandering alarm: " in line
     ]
     v["history"] = [{k: r.get(k) for k in ("step", "loss", "lb_loss", "expert_load_max_over_mean")} for r in rows]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -14,9 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from moe.digest import sha256_file
+from moe.reader import MIB, AnyOf, FileFormatError, List, Map, Nullable, Plain, Spec, Str, read_bytes, read_json, read_yaml
 from pipeline.redact import redact, without_userinfo
+
+log = logging.getLogger("pipeline.tracking")
 
 MAX_PARAM_CHARS = 6000
 
@@ -44,17 +47,30 @@ def pipeline_key(params_path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _yaml(path: Path) -> dict:
+# DVC's own files, as far as the tags read them (DVC writes and checks the rest, free-form here):
+# each stage's outputs with their md5 in dvc.lock, each stage's deps in dvc.yaml.
+_DVC_PATH = Str(4096)
+_DVC_OUT = Map(required={"path": _DVC_PATH}, optional={"md5": Str(64, r"[0-9a-f]{32}(\.dir)?")}, other=Plain())
+_DVC_LOCK_STAGE = Map(optional={"outs": Nullable(List(_DVC_OUT))}, other=Plain())
+_DVC_YAML_STAGE = Map(optional={"deps": Nullable(List(AnyOf((_DVC_PATH, Map(other=Plain())), "a path")))}, other=Plain())
+DVC_LOCK_SCHEMA = Nullable(Map(optional={"stages": Nullable(Map(other=_DVC_LOCK_STAGE, max_keys=10_000))}, other=Plain()))
+DVC_YAML_SCHEMA = Nullable(Map(optional={"stages": Nullable(Map(other=_DVC_YAML_STAGE, max_keys=10_000))}, other=Plain()))
+MAX_DVC_FILE_BYTES = 16 * MIB
+
+
+def _yaml(path: Path, schema: Spec) -> dict:
+    """DVC's file at ``path`` checked against ``schema``; {} where there is none, or it is not
+    one (the tags are a courtesy: a missing one never fails a stage)."""
     try:
-        return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-    except yaml.YAMLError:
+        return read_yaml(path, schema, MAX_DVC_FILE_BYTES) or {}
+    except FileFormatError:
         return {}
 
 
 def dvc_out_hashes(lock_path: Path = Path("dvc.lock")) -> dict[str, str]:
     """path -> md5 of every stage output recorded in dvc.lock."""
     hashes = {}
-    for stage in (_yaml(lock_path).get("stages") or {}).values():
+    for stage in (_yaml(lock_path, DVC_LOCK_SCHEMA).get("stages") or {}).values():
         for out in stage.get("outs") or []:
             if "md5" in out:
                 hashes[out["path"]] = out["md5"]
@@ -66,19 +82,45 @@ def dvc_dep_tags(stage: str, dvc_yaml: Path = Path("dvc.yaml"), lock_path: Path 
 
     DVC writes a stage's entry in dvc.lock as soon as it finishes, so when a stage starts, the
     hashes of the data it reads are already there."""
-    deps = ((_yaml(dvc_yaml).get("stages") or {}).get(stage) or {}).get("deps") or []
+    deps = ((_yaml(dvc_yaml, DVC_YAML_SCHEMA).get("stages") or {}).get(stage) or {}).get("deps") or []
     outs = dvc_out_hashes(lock_path)
     return {f"dvc.dep.{d}": outs[d] for d in deps if isinstance(d, str) and d in outs}
 
 
-def inventory_tags() -> dict[str, str]:
-    """Tags from the container image's inventory file, when running inside the image."""
+# The image's inventory, as containers/inventory.py writes it at build time (image_digest: a
+# digest recorded into it after the build, which environment_tags prefers to none).
+_VERSION = Nullable(Str(128))
+INVENTORY_SCHEMA = Map(
+    optional={
+        "base_image": Str(1024),
+        "base_image_digest": Nullable(Str(128, r"[A-Za-z0-9_+.\-]+:[0-9a-fA-F]{32,128}")),
+        "image_digest": Nullable(Str(128, r"[A-Za-z0-9_+.\-]+:[0-9a-fA-F]{32,128}")),
+        "lock": Str(4096),
+        "lock_sha256": Nullable(Str(64, r"[0-9a-f]{64}")),
+        **dict.fromkeys(("python", "torch", "triton", "nvshmem", "cuda", "nccl"), _VERSION),
+        "pip_freeze": List(Str(4096), max_len=100_000),
+    }
+)
+MAX_INVENTORY_BYTES = 16 * MIB
+
+
+def read_inventory() -> dict[str, Any]:
+    """The container image's inventory ($MOE_IMAGE_INVENTORY), or {} outside the image (or where
+    the file is not one: its tags are a courtesy, never a failed stage)."""
     path = Path(os.environ.get("MOE_IMAGE_INVENTORY", "/opt/moe/inventory.json"))
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}
     try:
-        inv = json.loads(path.read_text())
-    except ValueError:
+        return read_json(path, INVENTORY_SCHEMA, MAX_INVENTORY_BYTES)
+    except FileFormatError as exc:
+        log.warning("image inventory: %s; its tags are left out", exc)
+        return {}
+
+
+def inventory_tags() -> dict[str, str]:
+    """Tags from the container image's inventory file, when running inside the image."""
+    inv = read_inventory()
+    if not inv:
         return {}
     tags = {
         f"image.{k}": str(inv[k])
@@ -101,22 +143,16 @@ def environment_tags() -> dict[str, str]:
             tags["gpu"] = torch.cuda.get_device_name()
     except ImportError:
         pass
-    digest = os.environ.get("MOE_IMAGE_DIGEST")
-    inventory = Path(os.environ.get("MOE_IMAGE_INVENTORY", "/opt/moe/inventory.json"))
-    if inventory.is_file():
-        try:
-            inv = json.loads(inventory.read_text())
-            digest = digest or inv.get("image_digest")
-            for k in ("cuda", "nccl", "nvshmem"):
-                if inv.get(k):
-                    tags[f"image.{k}"] = str(inv[k])
-        except ValueError:
-            pass
+    inv = read_inventory()
+    digest = os.environ.get("MOE_IMAGE_DIGEST") or inv.get("image_digest")
+    for k in ("cuda", "nccl", "nvshmem"):
+        if inv.get(k):
+            tags[f"image.{k}"] = str(inv[k])
     if digest:
         tags["container.image_digest"] = digest
     for lock in ("requirements/cpu.lock", "requirements/gpu.lock"):
         if Path(lock).is_file():
-            tags[f"lock.{Path(lock).name}"] = hashlib.sha256(Path(lock).read_bytes()).hexdigest()[:16]
+            tags[f"lock.{Path(lock).name}"] = sha256_file(lock)[:16]
     return tags
 
 
@@ -169,11 +205,14 @@ def param_value(value: Any) -> str:
     return text
 
 
+MAX_ARTIFACT_BYTES = 1024 * MIB  # a text artifact masked in memory (a long run's metrics.jsonl: some 100 MB)
+
+
 def redacted_copy(path: Path) -> Path:
     """``path`` itself, or a copy under a temporary directory with every URI password masked."""
     import tempfile
 
-    text = path.read_text(errors="replace")
+    text = read_bytes(path, MAX_ARTIFACT_BYTES).decode(errors="replace")  # (FileFormatError: too large, not a file)
     masked = redact(text)
     if masked == text:
         return path

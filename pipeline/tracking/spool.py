@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from moe.reader import FileFormatError, parse_json, read_text
 from pipeline.errors import PipelineError
 from pipeline.redact import redact
 from pipeline.tracking.client import log_batched, mlflow_client, name_problem
@@ -25,6 +26,7 @@ from pipeline.tracking.client import log_batched, mlflow_client, name_problem
 STAGE_FALLBACK = Path("mlflow-fallback.jsonl")
 OFFLINE_PREFIX = "offline-"
 MAX_ROW_BYTES = 16 << 20  # a params row of the longest values is a few MB; more is not a spool row
+MAX_SPOOL_BYTES = 1 << 30  # a long run spooled offline: some 1 kB a logged step
 ROW_FIELDS = frozenset({"run_id", "time_ms", "uri", "create", "step", "metrics", "params", "tags", "status", "abandoned"})
 ACTIONS = ("create", "metrics", "params", "tags", "status", "abandoned")
 RUN_STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
@@ -70,22 +72,25 @@ def read_spool(paths: list[Path]) -> list[SpoolRow]:
     return rows
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of every non-blank line, each read with a bound."""
-    with path.open("rb") as f:
-        for lineno, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), 1):
-            if len(line) > MAX_ROW_BYTES:
-                raise PipelineError(f"{path}:{lineno}: the line is longer than {MAX_ROW_BYTES >> 20} MiB (not a spool row)")
-            if line.strip():
-                yield lineno, line
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of every non-blank line; the file and each line bounded."""
+    try:
+        text = read_text(path, MAX_SPOOL_BYTES)
+    except FileFormatError as exc:  # not a regular file, too large, not UTF-8
+        raise PipelineError(f"{exc} (not a spool); nothing was uploaded and the spool is kept") from None
+    for lineno, line in enumerate(text.split("\n"), 1):  # (as written: one row a line, nothing else splits one)
+        if len(line) > MAX_ROW_BYTES:
+            raise PipelineError(f"{path}:{lineno}: the line is longer than {MAX_ROW_BYTES >> 20} MiB (not a spool row)")
+        if line.strip():
+            yield lineno, line
 
 
-def parse_row(line: bytes) -> dict[str, Any]:
+def parse_row(line: str) -> dict[str, Any]:
     """One spool line as a checked row (BadField names the field at fault)."""
     try:
-        row = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise BadField("the line", f"is not JSON ({str(exc)[:100]})") from None
+        row = parse_json(line, "the line")  # (NaN and Infinity are not JSON: a spooled figure is finite)
+    except FileFormatError as exc:
+        raise BadField("the line", f"is {str(exc).removeprefix('the line: ').replace('not valid JSON', 'not JSON', 1)[:120]}") from None
     if not isinstance(row, dict):
         raise BadField("the line", f"is a JSON {type(row).__name__}, not an object")
     unknown = sorted(set(row) - ROW_FIELDS)

@@ -12,7 +12,6 @@ Only global rank 0 logs; the submitting process creates the run and passes its i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moe.reader import MIB, AnyOf, Bool, FileFormatError, Map, Nullable, Num, Str, read_json
 from pipeline.params import MlflowConfig
 from pipeline.redact import redact
 from pipeline.tracking.client import (
@@ -232,7 +232,11 @@ class Tracker:
         """A file as an artifact; text files go with every URI password masked."""
         path = Path(path)
         if path.is_file():
-            sent = redacted_copy(path) if path.suffix in (".yaml", ".yml", ".lock", ".json", ".txt", ".jsonl") else path
+            try:
+                sent = redacted_copy(path) if path.suffix in (".yaml", ".yml", ".lock", ".json", ".txt", ".jsonl") else path
+            except FileFormatError as exc:  # too large to mask in memory: not uploaded unmasked
+                log.warning("%s; not logged as an artifact", exc)
+                return
             self._send(lambda: self.client.log_artifact(self.run_id, str(sent), artifact_path), {})
 
     def log_stage_start(self, flat_params: Mapping[str, Any]) -> None:
@@ -326,6 +330,31 @@ FINAL_METRICS = {"train": Path("metrics/train.json"), "eval": Path("metrics/eval
 PLOTS_DIR = Path("plots")
 
 
+# metrics/train.json and metrics/eval.json as the train and evaluate stages write them (DVC
+# metrics): figures by name, some null ("never"), true/false, and a table or two of figures
+# (evaluate's suite means, train's last in-loop evaluation), which the parent run leaves out.
+_METRIC_NAME = Str(128, r"[A-Za-z][A-Za-z0-9_./\-]*")
+_METRIC_VALUE = AnyOf((Nullable(Num()), Bool()), "a finite number, true, false or null")
+FINAL_METRICS_SCHEMA = Map(
+    other=AnyOf((_METRIC_VALUE, Map(other=_METRIC_VALUE, keys=_METRIC_NAME, max_keys=1000)), "a figure or a table of figures"),
+    keys=_METRIC_NAME,
+    max_keys=1000,
+)
+MAX_FINAL_METRICS_BYTES = 4 * MIB
+
+
+def read_final_metrics(path: Path) -> dict[str, Any]:
+    """A stage's final metrics; {} where there are none (the stage has not run) or the file is
+    not one (one warning: the parent run's figures are a courtesy, never a failed stage)."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        return read_json(path, FINAL_METRICS_SCHEMA, MAX_FINAL_METRICS_BYTES)
+    except FileFormatError as exc:
+        log.warning("%s; the pipeline run's final metrics leave it out", exc)
+        return {}
+
+
 def finish_parent(client, parent_id: str) -> None:
     """The pipeline's parent run: its final metrics (metrics/*.json) and plots, ended now."""
     from mlflow.entities import Metric
@@ -333,10 +362,7 @@ def finish_parent(client, parent_id: str) -> None:
     now = int(time.time() * 1000)
     items = []
     for prefix, path in FINAL_METRICS.items():
-        try:
-            data = json.loads(path.read_text()) if path.is_file() else {}
-        except ValueError:
-            data = {}
+        data = read_final_metrics(path)
         items += [Metric(f"{prefix}/{k}", float(v), now, 0) for k, v in data.items() if finite(v)]
     log_batched(client, parent_id, metrics=items)
     if PLOTS_DIR.is_dir() and any(PLOTS_DIR.iterdir()):

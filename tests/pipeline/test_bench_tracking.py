@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def _bench_runs(tmp_path) -> int:
         ),
         ('{"result": {"layers": 4, "tflops": "12.5"}}', "result.json: result.tflops is '12.5', a number written as text"),
         ('{"results": [{"shape": "a", "tflops": 1.0}, {"shape": "b", "tflops": "n/a"}]}', "result.json: results[1].tflops is 'n/a', not a number"),
-        ('{"result": {"layers": 4, "tflops": NaN}}', "result.json: result.tflops is not a finite number"),
+        ('{"result": {"layers": 4, "tflops": NaN}}', "result.json: the file is not JSON (NaN is not a number JSON allows)"),
         ('{"result": {"layers": 4}, "matmul_peak_tflops": "990"}', "result.json: matmul_peak_tflops is '990', a number written as text"),
     ],
     ids=["metric-name", "param-name", "tag-name", "empty", "only-text", "number-as-text", "text-in-a-number-column", "nan", "peak-as-text"],
@@ -108,3 +109,47 @@ def test_an_unreachable_server_spools_the_run_with_a_warning_and_no_traceback(tm
     assert "Traceback" not in r.output and "s3cret" not in r.output
     spooled = (tmp_path / "mlflow-fallback.jsonl").read_text()
     assert '"4/tflops": 1.0' in spooled and "s3cret" not in spooled
+
+
+# --------------------------------------------------------------- issue 50: read through moe.reader
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ('{"result": {"layers": 4, "tflops": 1.0}, "environment": ["cpu"]}', "environment: expected a mapping, got ['cpu']"),
+        ('{"curves": {"bf16": [[1, 2.5], [2]]}}', "curves.bf16[1]: expected a list of 2 to 2 items, got '1 items'"),
+        ('{"result": {"layers": 4, "tflops": 1.0}, "artifacts": [7]}', "artifacts[0]: expected a string, got 7"),
+        ('{"result": {"layers": 4, "tflops": 1.0}, "mlflow": {"experiment": "  "}}', "mlflow.experiment: expected a name"),
+    ],
+    ids=["environment-a-list", "curve-point-of-one", "artifact-a-number", "experiment-blank"],
+)
+def test_a_result_file_not_as_the_benchmarks_write_it_is_one_error(tmp_path, payload, named):
+    from pipeline.bench_tracking import load_result
+    from pipeline.errors import PipelineError
+
+    (tmp_path / "result.json").write_text(payload)
+    with pytest.raises(PipelineError, match="^" + re.escape(f"{tmp_path / 'result.json'}: {named}")) as raised:
+        load_result(tmp_path / "result.json")
+    assert str(raised.value).endswith("(not a bench/results JSON file)")
+
+
+def test_a_fifo_in_place_of_a_result_file_is_one_error_at_once(tmp_path):
+    from pipeline.bench_tracking import load_result
+    from pipeline.errors import PipelineError
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "result.json")
+    with pytest.raises(PipelineError, match=r"result.json: not a regular file \(not a bench/results JSON file\)"):
+        within(lambda: load_result(fifo), fifo)
+
+
+def test_the_digest_is_of_the_bytes_read(tmp_path):
+    import hashlib
+
+    from pipeline.bench_tracking import load_result
+
+    raw = '{"result": {"layers": 4, "tflops": 1.0, "note": "süß ✓"}}\n'.encode()
+    (tmp_path / "result.json").write_bytes(raw)
+    data, payload = load_result(tmp_path / "result.json")
+    assert data == raw and hashlib.sha256(data).hexdigest() == hashlib.sha256(raw).hexdigest() and payload["result"]["note"] == "süß ✓"

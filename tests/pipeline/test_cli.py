@@ -310,3 +310,33 @@ def test_params_refuses_an_init_from_the_worker_would_refuse(workspace):
     assert_one_error_line(
         moe("params", "--set", "checkpoint.init_from=/nonexistent"), 2, "checkpoint.init_from: /nonexistent: no complete checkpoint found"
     )
+
+
+# ------------------------------------------ issue 50: what the commands read back, through moe.reader
+
+
+def test_the_converted_config_is_read_quietly_through_the_reader(tmp_path):
+    from pipeline.cli import read_json_file_quiet
+    from tests.pipeline.fifo import fifo_at, within
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "olmoe", "hidden_size": 64, "num_experts": 8, "architectures": ["OlmoeForCausalLM"]}))
+    assert read_json_file_quiet(path)["hidden_size"] == 64
+    for bad in ('{"hidden_size": "64"}', '{"hidden_size": -1}', '{"rope_theta": NaN}', "[1, 2]"):
+        path.write_text(bad)
+        assert read_json_file_quiet(path) == {}, bad
+    fifo = fifo_at(path)
+    assert within(lambda: read_json_file_quiet(fifo), fifo) == {}
+
+
+def test_a_fifo_for_the_token_manifest_is_one_error_at_once(tmp_path):
+    from pipeline.cli import _log_tokens
+    from pipeline.errors import PipelineError
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "tokens/manifest.json")
+    with pytest.raises(PipelineError, match="manifest.json"):
+        within(lambda: _log_tokens(None, str(tmp_path / "tokens"), "train", "training"), fifo)
+    logged = []
+    _log_tokens(logged, str(tmp_path / "nothing-here"), "train", "training")  # not tokenised yet: nothing to log
+    assert logged == []

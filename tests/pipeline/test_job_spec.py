@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from moe.errors import MoeError
 from pipeline.errors import PipelineError
 from pipeline.executors import TrainJob
 from tests.helpers import REPO, make_corpus, tiny_config
@@ -105,3 +106,30 @@ def test_a_slurm_task_reports_a_bad_spec_in_one_line(tmp_path, capsys):
 def test_a_spec_round_trips(job):
     again = TrainJob.read(job.write())
     assert again == job and dataclasses.asdict(again) == dataclasses.asdict(job)
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ('{"config": {"optim": {"lr": NaN}}, "run_dir": "r"}', "not a job spec (not JSON: NaN is not a number JSON allows)"),
+        ('{"config": ' + '{"a": ' * 40 + "1" + "}" * 40 + ', "run_dir": "r"}', "config.a.a.a"),  # ... nested too deeply
+    ],
+    ids=["nan", "nested-too-deeply"],
+)
+def test_a_spec_read_through_the_bounded_reader(tmp_path, content, said):
+    spec = tmp_path / "job.json"
+    spec.write_text(content)
+    with pytest.raises(PipelineError if "NaN" in content else MoeError, match="^" + re.escape(f"{spec}: {said}")):
+        TrainJob.read(spec)
+
+
+def test_a_fifo_in_place_of_the_spec_is_one_error_at_once(tmp_path, capsys):
+    from pipeline.slurm_task import _read_job
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "job.json")
+    with pytest.raises(MoeError, match=re.escape(f"{fifo}: not a regular file")):
+        within(lambda: TrainJob.read(fifo), fifo)
+    with pytest.raises(SystemExit) as info:
+        within(lambda: _read_job(str(fifo)), fifo)
+    assert info.value.code == 2 and capsys.readouterr().err.startswith(f"error: {fifo}: not a regular file")

@@ -122,10 +122,108 @@ def test_a_huge_request_line_is_refused_without_reading_it_whole(tmp_path, monke
         {"doc_id": 0, "idx": 0, "label": 0, "request_type": "loglikelihood", "request": {"context": "a" * 50_000, "continuation": " b"}}
     )
     _requests_copy(tmp_path, extra=huge)
-    with pytest.raises(PipelineError, match=r":2: a request line longer than 10,000 characters"):
+    with pytest.raises(PipelineError, match=r":2: a request line longer than 10,000 bytes"):
         TASKS["arc_easy_rc_0shot"].build(tmp_path)
 
 
 def test_the_shipped_data_passes_every_check():
     for name in ("arc_easy", "winogrande", "hellaswag", "mmlu_stem_mc_5shot", "arc_easy_rc_0shot", "arc_easy_mc_5shot_bpb"):
         assert TASKS[name].build(data_root())
+
+
+# --------------------------------------------------- issue 50: request files through moe.reader
+
+
+def test_a_fifo_in_place_of_a_request_file_is_one_error_at_once(tmp_path):
+    from tests.pipeline.fifo import fifo_at, within
+
+    (tmp_path / "hf_datasets").mkdir()
+    fifo = fifo_at(tmp_path / "oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz")
+    with pytest.raises(PipelineError, match=r"requests.jsonl.gz: not a regular file \(a truncated or damaged request file\)"):
+        within(lambda: data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot"), fifo)
+
+
+def test_a_request_file_that_inflates_past_its_bound_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "MAX_REQUEST_BYTES", 100_000)  # the shipped file inflates to ~1 MB
+    _requests_copy(tmp_path)
+    with pytest.raises(PipelineError, match=r"requests.jsonl.gz: more than 100,000 bytes of requests once decompressed"):
+        data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot")
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda raw: raw[: len(raw) // 2], "truncated gzip data"),
+        (lambda raw: b"not gzip" + raw, "not gzip data"),
+        (lambda raw: raw + b"trailing", "not gzip data"),
+    ],
+    ids=["cut", "not-gzip", "trailing-bytes"],
+)
+def test_a_damaged_request_file_is_one_error(tmp_path, damage, said):
+    file = _requests_copy(tmp_path)
+    file.write_bytes(damage(file.read_bytes()))
+    with pytest.raises(PipelineError, match=rf"requests.jsonl.gz: {said}.*\(a truncated or damaged request file\); reinstall"):
+        data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot")
+
+
+def test_a_request_file_of_several_gzip_members_reads_whole(tmp_path):
+    file = _requests_copy(tmp_path)
+    lines = gzip.decompress(file.read_bytes()).splitlines(keepends=True)
+    half = len(lines) // 2
+    file.write_bytes(gzip.compress(b"".join(lines[:half])) + gzip.compress(b"".join(lines[half:])))
+    assert data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot") == data_mod.read_requests(data_root(), "arc_easy", "rc_0shot")
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ('{"doc_id": 0, "idx": 0, "label": NaN}', r":2: not valid JSON \(NaN is not a number JSON allows\)"),
+        ("[" * 100_000, r":2: nested too deeply"),
+    ],
+    ids=["nan", "deep"],
+)
+def test_a_request_line_that_is_not_json_is_one_error_naming_it(tmp_path, line, said):
+    _requests_copy(tmp_path, extra=line)
+    with pytest.raises(PipelineError, match=said):
+        data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot")
+
+
+def _task_config(root: Path, config) -> Path:
+    path = root / "oe_eval_tasks/arc_easy/rc_0shot/config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (root / "hf_datasets").mkdir(exist_ok=True)
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return path
+
+
+def test_a_tasks_source_comes_from_its_config(tmp_path):
+    from pipeline.eval.tasks import task_source
+
+    _task_config(tmp_path, {"task_config": {"dataset_path": "ai2_arc", "dataset_name": "ARC-Easy", "split": "test", "num_shots": 3}})
+    assert task_source("arc_easy_rc_0shot", str(tmp_path)) == {"type": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test", "num_few_shot": 3}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"task_config": {"dataset_path": "ai2_arc", "num_shots": "3"}},
+        {"task_config": {"dataset_path": "ai2_arc", "num_shots": -1}},
+        {"task_config": ["ai2_arc"]},
+        '{"task_config": {"dataset_path": "ai2_arc", "num_shots": NaN}}',
+    ],
+    ids=["shots-as-text", "shots-negative", "config-a-list", "nan"],
+)
+def test_a_task_config_that_is_not_the_packages_names_nothing(tmp_path, config):
+    from pipeline.eval.tasks import task_source
+
+    _task_config(tmp_path, config)
+    assert task_source("arc_easy_rc_0shot", str(tmp_path)) == {"num_few_shot": 0}  # the name's own 0shot, nothing read
+
+
+def test_a_fifo_in_place_of_a_task_config_names_nothing_at_once(tmp_path):
+    from pipeline.eval.tasks import task_source
+    from tests.pipeline.fifo import fifo_at, within
+
+    (tmp_path / "hf_datasets").mkdir()
+    fifo = fifo_at(tmp_path / "oe_eval_tasks/arc_easy/rc_0shot/config.json")
+    assert within(lambda: task_source("arc_easy_rc_0shot", str(tmp_path)), fifo) == {"num_few_shot": 0}

@@ -123,3 +123,118 @@ def test_a_measurement_folder_is_replaced_only_when_everything_in_it_is_a_runs_o
     assert (run / "notes.txt").read_text() == "my notes\n"
     (run / "notes.txt").unlink()
     assert list(fresh_run_dir(run).iterdir()) == [run / MARKER]
+
+
+# ------------------------------------------------- issue 50: a result file is read through moe.reader
+
+
+def test_a_fifo_in_place_of_a_result_file_is_one_error_at_once(project):
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(project / "h200/results/fp8.json")
+    with pytest.raises(PipelineError, match=r"fp8.json: not a regular file \(not a `moe paper stage` result file\)"):
+        within(lambda: write_report("h200/results", "h200"), fifo)
+    assert not (project / "h200/REPORT.md").exists()
+
+
+def _edited(change) -> str:
+    result = json.loads((H200 / "fp8.json").read_text())
+    change(result)
+    return json.dumps(result)
+
+
+def _set(path: str, value):
+    """``change`` for _edited: the field at ``path`` (dotted, [i] for list items) set to ``value``."""
+    import re
+
+    def change(r):
+        keys = [int(k) if k.isdigit() else k for k in re.findall(r"[^.\[\]]+", path)]
+        for k in keys[:-1]:
+            r = r[k]
+        r[keys[-1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (_set("variants[0].step_time_s", "fast"), r"variants\[0\].step_time_s: expected a finite number, got 'fast'"),
+        (_set("variants[1].tokens_dropped_fraction", 1.5), r"variants\[1\].tokens_dropped_fraction: expected a finite number in \[0, 1\], got 1.5"),
+        (_set("derived.projection.extra", 1), r"derived.projection.extra: unknown key"),
+        (_set("hardware.count", 0), r"hardware.count: expected an integer in \[1, "),
+        (_set("stage", "ep"), r"stage: expected one of fp8, got 'ep'"),  # another stage's result under fp8.json
+        (_set("derived.speedup", float("nan")), r"the file is not JSON \(NaN is not a number JSON allows\)"),
+        (lambda r: r["variants"][0].pop("tflops_per_device"), r"variants\[0\].tflops_per_device is missing"),
+    ],
+    ids=["text-for-a-number", "fraction-over-1", "unknown-key", "no-gpus", "another-stage", "nan", "missing-figure"],
+)
+def test_a_result_file_is_checked_against_what_the_stage_writes(project, change, said):
+    (project / "h200/results/fp8.json").write_text(_edited(change))
+    with pytest.raises(PipelineError, match=rf"^h200/results/fp8.json: {said}.*\(not a `moe paper stage` result file\)$"):
+        write_report("h200/results", "h200")
+    assert not (project / "h200/REPORT.md").exists()
+
+
+def test_a_cpu_run_with_variants_not_run_is_a_result(tmp_path):
+    """What run_stage writes on CPUs (nulls for GPU figures, an FP8 variant not run) reads back."""
+    from pipeline.paper.report import load_stage_result
+    from pipeline.paper.stages import _is_stage_result
+
+    ran = {
+        "name": "fp8-baseline-auto",
+        "status": "ok",
+        "world": 2,
+        "layout": {"pp": 1, "dp": 2, "ep": 2, "data_parallel": "ddp", "shard_optimizer": True},
+        "model": {"preset": "tiny", "d_model": 64, "moe": {"num_experts": 8, "top_k": 2}},
+        "tokens_per_s_per_device": 1200.5,
+        "tflops_per_device": 0.01,
+        "step_time_s": 0.2,
+        "mfu": None,
+        "peak_mem_gib": None,
+        "mem_at_rest_gib": None,
+        "above_rest_gib": None,
+        "peak_rss_gib": 1.2,
+        "tokens_dropped_fraction": None,
+        "profile": None,
+        "predicted_peak_gib": None,
+        "final_loss": 6.1,
+    }
+    result = {
+        "stage": "fp8",
+        "claim": {"stage": "fp8", "title": "t", "paper": "p", "paper_hardware": "h", "reference": {"speedup": 1.21}, "gpus": 4},
+        "hardware": {"kind": "cpu", "name": "cpu", "count": 2, "memory_gib": None, "capability": None, "describe": "2 CPU processes (gloo)"},
+        "scaling": {"shape": "tiny", "notes": [], "model": ran["model"], "seq_len": 64, "micro_batch_size": 4},
+        "steps_per_measurement": 2,
+        "commit": "0123456789ab-dirty",
+        "variants": [ran, {"name": "fp8", "status": "not run", "reason": "FP8 needs a CUDA GPU"}],
+        "derived": {},
+    }
+    (tmp_path / "fp8.json").write_text(json.dumps(result))
+    assert load_stage_result(tmp_path / "fp8.json") == result and _is_stage_result(tmp_path / "fp8.json")
+    (tmp_path / "notes.json").write_text(json.dumps(result))
+    with pytest.raises(PipelineError, match="notes.json: the file is not named after a stage"):
+        load_stage_result(tmp_path / "notes.json")
+
+
+def test_the_parent_run_gets_every_stages_derived_figures(project):
+    from types import SimpleNamespace
+
+    from pipeline.paper.cli import _log_parent_metrics
+
+    sent = []
+    client = SimpleNamespace(log_batch=lambda run_id, metrics: sent.extend(m.key for m in metrics))
+    _log_parent_metrics(SimpleNamespace(client=client, parent_id="p"), Path("h200/results"))
+    assert {"fp8/speedup", "fp8/peak_gib", "recompute/full/peak_ratio", "ep/ep1-nccl/step_time_s"} <= set(sent)
+
+
+def test_the_gerrymander_stage_refuses_a_fifo_for_its_manifest(tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.paper.stages import gerrymander
+    from tests.pipeline.fifo import fifo_at, within
+
+    fifo = fifo_at(tmp_path / "tokens/manifest.json")
+    params = SimpleNamespace(paper=SimpleNamespace(), base=SimpleNamespace(tokenize=SimpleNamespace(output=str(tmp_path / "tokens"))))
+    with pytest.raises(PipelineError, match="manifest.json"):
+        within(lambda: gerrymander(SimpleNamespace(params=params)), fifo)

@@ -38,7 +38,7 @@ def _good_rows(run: str) -> list[dict]:
 
 BAD_ROWS = [
     ("metrics.loss", lambda run: {"run_id": run, "step": 2, "metrics": {"loss": "abc"}}),
-    ("metrics.loss", lambda run: {"run_id": run, "step": 2, "metrics": {"loss": float("nan")}}),  # written as NaN
+    ("the line is not JSON (NaN", lambda run: {"run_id": run, "step": 2, "metrics": {"loss": float("nan")}}),  # written as NaN: not JSON
     ("metrics.loss", lambda run: {"run_id": run, "step": 2, "metrics": {"loss": True}}),
     ("metrics.bad key!", lambda run: {"run_id": run, "step": 2, "metrics": {"bad key!": 1.0}}),
     ("metrics.../x", lambda run: {"run_id": run, "step": 2, "metrics": {"../x": 1.0}}),
