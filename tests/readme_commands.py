@@ -62,7 +62,7 @@ WORKSPACE = [
     "moe evaluate --checkpoint runs/train/checkpoints/step_00000100 --checkpoint runs/train/checkpoints/step_00000150",
 ]
 ELSEWHERE = {
-    "bench/h200/real_run.sh parity": "the H200 runs of issue 28 (its results are in bench/results/real_run/); its parts run on the CPU in tests/bench",
+    "bench/h200/real_run.sh parity": "the H200 runs of issue 28 (results in bench/results/real_run/); its parts run on the CPU in tests/bench",
     "make repro": "the whole pipeline in a fresh venv: CI (.ci/run); its `moe repro` runs in tests/pipeline/test_dvc_e2e.py",
     "make test": "this suite",
     "make setup-gpu PYTHON=python3": (
