@@ -17,6 +17,7 @@ import math
 import os
 import re
 import stat
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,57 @@ def read_text(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> st
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FileFormatError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+# ---------------------------------------------------------------------------------- gzip
+
+
+def gzip_chunks(raw: bytes, where: str | os.PathLike, max_bytes: int) -> Iterator[bytes]:
+    """The inflated bytes of gzip data (every member, as gzip allows), a chunk at a time and at
+    most ``max_bytes`` in all: a gzip bomb stops there, truncated data and bytes that are not a
+    next member are errors naming ``where``."""
+    inflate, data, total = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS), raw, 0
+    while True:
+        try:
+            chunk = inflate.decompress(data, MIB)
+        except zlib.error as exc:
+            raise FileFormatError(f"{where}: not gzip data ({exc})") from None
+        data = inflate.unconsumed_tail
+        total += len(chunk)
+        if total > max_bytes:
+            raise FileFormatError(f"{where}: more than {max_bytes:,} bytes once decompressed")
+        if chunk:
+            yield chunk
+        if inflate.eof:
+            data = inflate.unused_data
+            if not data.strip(b"\0"):  # (zero padding after the last member, as gzip allows)
+                return
+            inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # the next member
+        elif not chunk and not data:
+            raise FileFormatError(f"{where}: truncated gzip data")
+
+
+def gunzip_text(raw: bytes, where: str | os.PathLike, max_bytes: int) -> str:
+    """gzip data inflated (gzip_chunks) and decoded as UTF-8."""
+    data = b"".join(gzip_chunks(raw, where, max_bytes))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(f"{where}: not UTF-8 text once decompressed (byte {exc.start})") from None
+
+
+def gzip_lines(raw: bytes, where: str | os.PathLike, max_bytes: int, max_line: int) -> Iterator[bytes]:
+    """The lines (without their newline) of gzip data; a line longer than ``max_line`` is yielded
+    as soon as it is that long (the caller names it), never held whole."""
+    pending = b""
+    for chunk in gzip_chunks(raw, where, max_bytes):
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from lines
+        if len(pending) > max_line:
+            yield pending
+            return
+    if pending:
+        yield pending
 
 
 # -------------------------------------------------------------------------------- formats

