@@ -13,6 +13,7 @@ from typing import Any
 
 from moe.reader import Bool, FileFormatError, Int, List, Map, Nullable, Num, Plain, Spec, Str, parse_json, read_text
 from pipeline.errors import PipelineError
+from pipeline.escape import markdown_text
 from pipeline.outputs import check_output_file, write_output_file
 from pipeline.paper.claims import CLAIMS, STAGES
 from pipeline.paper.hardware import Hardware
@@ -315,6 +316,19 @@ def _plots(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
     return made
 
 
+def _markdown_safe(value: Any) -> Any:
+    """A result with every text in it escaped for markdown (pipeline.escape.markdown_text), once,
+    before any line of the report is built: a variant name, a hardware description or a shape
+    from a result file is shown as itself, never as a heading, a table cell break or HTML."""
+    if isinstance(value, str):
+        return markdown_text(value)
+    if isinstance(value, dict):
+        return {k: _markdown_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_markdown_safe(v) for v in value]
+    return value
+
+
 def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
     results_dir, out_dir = Path(results_dir), Path(out_dir)
     check_report_dir(out_dir)
@@ -332,6 +346,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         check_output_file(plots_dir / name, "paper report", _is_matplotlib_png)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plots = _plots(results, plots_dir)
+    results = _markdown_safe(results)  # the report's text from here on
     hw = sorted({hardware_label(r) for r in results.values()})
     lines = [
         "# Reproducing the paper's system claims",
