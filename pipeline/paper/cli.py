@@ -114,7 +114,7 @@ def _log_parent_metrics(tracker, results: Path) -> None:
     from mlflow.entities import Metric
 
     from pipeline.paper.claims import STAGES
-    from pipeline.paper.report import load_stage_result
+    from pipeline.paper.results import load_stage_result
     from pipeline.units import GIB_NAME
 
     now = int(time.time() * 1000)

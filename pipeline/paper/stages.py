@@ -464,7 +464,7 @@ STAGE_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
 
 def _is_stage_result(path: Path) -> bool:
     """A result file a stage wrote (what the report reads, checked the report's way)."""
-    from pipeline.paper.report import load_stage_result
+    from pipeline.paper.results import load_stage_result
 
     try:
         load_stage_result(path)

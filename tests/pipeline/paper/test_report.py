@@ -178,7 +178,7 @@ def test_a_result_file_is_checked_against_what_the_stage_writes(project, change,
 
 def test_a_cpu_run_with_variants_not_run_is_a_result(tmp_path):
     """What run_stage writes on CPUs (nulls for GPU figures, an FP8 variant not run) reads back."""
-    from pipeline.paper.report import load_stage_result
+    from pipeline.paper.results import load_stage_result
     from pipeline.paper.stages import _is_stage_result
 
     ran = {
