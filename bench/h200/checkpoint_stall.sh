@@ -9,11 +9,7 @@
 #   MODES=true FLOORS=0 ...   # the asynchronous run alone (host buffers allocated ahead since e.g. the first save)
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
-TOK=/tmp/tok8k
-if [ ! -f "$TOK/manifest.json" ]; then
-  run python3 -m pipeline.cli tokenize --no-mlflow --set tokenize.vocab_size=8192 --set tokenize.max_bytes=20000000 \
-    --set tokenize.workers=14 --set tokenize.output="$TOK"
-fi
+tokens_8k
 for mode in ${MODES:-true false}; do
   name=ckpt-async-$mode
   rm -rf /tmp/runs

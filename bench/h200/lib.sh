@@ -18,3 +18,11 @@ run() {
 if [ -z "${MOE_GIT_COMMIT:-}" ]; then
   echo "warning: MOE_GIT_COMMIT is not set; the JSON records will name the device copy's stale git metadata" >&2
 fi
+# The corpus of the `moe train` scripts: an 8,192-entry BPE on the Python standard library, in /tmp/tok8k.
+TOK=/tmp/tok8k
+tokens_8k() {
+  if [ ! -f "$TOK/manifest.json" ]; then
+    run python3 -m pipeline.cli tokenize --no-mlflow --set tokenize.vocab_size=8192 --set tokenize.max_bytes=20000000 \
+      --set tokenize.workers=14 --set tokenize.output="$TOK"
+  fi
+}

@@ -7,11 +7,7 @@
 # Each run's metrics.jsonl and job.json come back as <name>.jsonl / <name>.job.json.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
-TOK=/tmp/tok8k
-if [ ! -f "$TOK/manifest.json" ]; then
-  run python3 -m pipeline.cli tokenize --no-mlflow --set tokenize.vocab_size=8192 --set tokenize.max_bytes=20000000 \
-    --set tokenize.workers=14 --set tokenize.output="$TOK"
-fi
+tokens_8k
 train() {  # name, then --set overrides
   local name=$1; shift
   rm -rf "/tmp/runs/$name"

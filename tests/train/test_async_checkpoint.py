@@ -91,6 +91,21 @@ def test_a_kill_during_a_background_write_resumes_bitwise_from_the_last_complete
     assert {s: resumed.losses[s] for s in range(4, 10)} == {s: reference.losses[s] for s in range(4, 10)}
 
 
+def _record_logs(trainer: Trainer) -> dict[int, dict[str, float]]:
+    """Every log point's metrics, by step (the trainer's sinks replaced by a recorder)."""
+    logged: dict[int, dict[str, float]] = {}
+
+    class Recorder:
+        def log(self, step, metrics):
+            logged[step] = dict(metrics)
+
+        def close(self, summary):
+            pass
+
+    trainer.sinks = [Recorder()]
+    return logged
+
+
 def test_the_time_a_save_holds_the_loop_is_its_own_metric_and_not_training_time(tmp_path, corpus, monkeypatch):
     real = ck.dcp.save
 
@@ -101,16 +116,7 @@ def test_the_time_a_save_holds_the_loop_is_its_own_metric_and_not_training_time(
     monkeypatch.setattr(ck.dcp, "save", slow)
     cfg = tiny_config(corpus, tmp_path / "run", train={"max_steps": 4, "log_every": 2}, checkpoint={"every": 2, "asynchronous": False})
     trainer = Trainer(cfg)
-    logged: dict[int, dict[str, float]] = {}
-
-    class Sink:
-        def log(self, step, metrics):
-            logged[step] = dict(metrics)
-
-        def close(self, summary):
-            pass
-
-    trainer.sinks = [Sink()]
+    logged = _record_logs(trainer)
     trainer.fit()
     after_save = logged[4]
     assert after_save["checkpoint/blocked_s"] >= 1.5
@@ -130,16 +136,7 @@ def test_background_saves_overlap_the_steps_that_follow(tmp_path, corpus, monkey
     monkeypatch.setattr(ck.dcp, "save", slow)
     cfg = tiny_config(corpus, tmp_path / "run", train={"max_steps": 4, "log_every": 2}, checkpoint={"every": 2})
     trainer = Trainer(cfg)
-    logged: dict[int, dict[str, float]] = {}
-
-    class Sink:
-        def log(self, step, metrics):
-            logged[step] = dict(metrics)
-
-        def close(self, summary):
-            pass
-
-    trainer.sinks = [Sink()]
+    logged = _record_logs(trainer)
     summary = trainer.fit()
     assert writing.is_set()
     assert logged[4]["checkpoint/blocked_s"] < 1.0  # staged at step 2, written while steps 3-4 ran
