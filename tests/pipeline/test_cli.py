@@ -298,11 +298,12 @@ def test_params_job_and_submit_refuse_a_slurm_value_naming_the_key(workspace):
     assert not Path("runs").exists()
 
 
-@pytest.mark.parametrize("cmd", [["cancel"], ["status"], ["logs"]])
-def test_a_job_id_that_is_no_job_id_is_refused_before_slurm(workspace, cmd):
-    """Item 4: `moe cancel -- --me` handed --me to scancel (every job of the user)."""
-    for job_id in ("--me", "../../etc/passwd", "12 34", "123;id"):
-        assert_one_error_line(moe(*cmd, "--", job_id), 2, f"job id: {job_id!r} is not a Slurm job id")
+def test_a_job_id_that_is_no_job_id_is_refused_before_slurm(workspace):
+    """Item 4: `moe cancel -- --me` handed --me to scancel (every job of the user). One hostile
+    id per command through the CLI; the other shapes are check_job_id's unit tests
+    (tests/pipeline/test_slurm_checks.py)."""
+    for cmd, job_id in (("cancel", "--me"), ("status", "../../etc/passwd"), ("logs", "123;id")):
+        assert_one_error_line(moe(cmd, "--", job_id), 2, f"job id: {job_id!r} is not a Slurm job id")
 
 
 def test_params_refuses_an_init_from_the_worker_would_refuse(workspace):
