@@ -157,6 +157,23 @@ def read_json(path: str | os.PathLike, schema: Spec, max_bytes: int = DEFAULT_MA
     return schema.check(parse_json(read_text(path, max_bytes), str(path)), f"{path}: ")
 
 
+def parse_json_object(text: str, where: str) -> dict[str, Any]:
+    """JSON text whose top level is an object, before its schema is checked; FileFormatError
+    reads "<where>: the file is not JSON (...)" or "<where>: the top level is a list, not an object"."""
+    try:
+        value = parse_json(text, where)
+    except FileFormatError as exc:
+        raise FileFormatError(f"{where}: the file is not JSON" + str(exc).removeprefix(f"{where}: not valid JSON")) from None
+    if not isinstance(value, dict):
+        raise FileFormatError(f"{where}: the top level is a {type(value).__name__}, not an object")
+    return value
+
+
+def read_json_object(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, Any]:
+    """parse_json_object of a file read through read_text (whose own errors pass unchanged)."""
+    return parse_json_object(read_text(path, max_bytes), str(path))
+
+
 def read_jsonl(path: str | os.PathLike, row: Spec, max_bytes: int = DEFAULT_MAX_BYTES, max_rows: int = 10_000_000) -> list[Any]:
     """The rows of a JSON-lines file, each checked against ``row`` (blank lines skipped)."""
     return list(iter_jsonl(read_text(path, max_bytes), row, str(path), max_rows))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from moe.reader import AnyOf, Bool, FileFormatError, List, Map, Nullable, Num, Plain, Str, parse_json, read_text
+from moe.reader import AnyOf, Bool, FileFormatError, List, Map, Nullable, Num, Plain, Str, parse_json_object, read_text
 from pipeline.errors import PipelineError
 from pipeline.params import MlflowConfig
 from pipeline.tracking.client import mlflow_client, name_problem, tracking_uri, within_deadline
@@ -148,12 +148,9 @@ def load_result(path: Path) -> tuple[bytes, dict[str, Any]]:
     path = Path(path)
     try:
         text = read_text(path, RESULT_LIMIT)
-        payload = parse_json(text, str(path))
-    except FileFormatError as exc:  # not a regular file, too large, not UTF-8, not JSON
-        problem = str(exc).removeprefix(f"{path}: ")
-        raise bad("the file is not JSON" + problem.removeprefix("not valid JSON") if problem.startswith("not valid JSON") else problem) from None
-    if not isinstance(payload, dict):
-        raise bad(f"the top level is a {type(payload).__name__}, not an object")
+        payload = parse_json_object(text, str(path))
+    except FileFormatError as exc:  # not a regular file, too large, not UTF-8, not JSON, not an object
+        raise bad(str(exc).removeprefix(f"{path}: ")) from None
     try:
         payload = BENCH_RESULT_SCHEMA.check(payload)
     except FileFormatError as exc:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe.reader import Bool, FileFormatError, Int, List, Map, Nullable, Num, Plain, Spec, Str, parse_json, read_text
+from moe.reader import Bool, FileFormatError, Int, List, Map, Nullable, Num, Plain, Spec, Str, read_json_object
 from pipeline.errors import PipelineError
 from pipeline.paper.claims import STAGES
 from pipeline.units import LEGACY_GIB_NAMES
@@ -216,12 +216,9 @@ def load_stage_result(path: Path) -> dict[str, Any]:
     if path.stem not in STAGE_RESULT_SCHEMAS:
         raise bad(f"the file is not named after a stage ({', '.join(STAGES)})")
     try:
-        r = parse_json(read_text(path, _RESULT_LIMIT), str(path))
-    except FileFormatError as exc:  # not a regular file, too large, not UTF-8, not JSON
-        problem = str(exc).removeprefix(f"{path}: ")
-        raise bad("the file is not JSON" + problem.removeprefix("not valid JSON") if problem.startswith("not valid JSON") else problem) from None
-    if not isinstance(r, dict):
-        raise bad(f"the top level is a {type(r).__name__}, not an object")
+        r = read_json_object(path, _RESULT_LIMIT)
+    except FileFormatError as exc:  # not a regular file, too large, not UTF-8, not JSON, not an object
+        raise bad(str(exc).removeprefix(f"{path}: ")) from None
     try:
         return STAGE_RESULT_SCHEMAS[path.stem].check(r)
     except FileFormatError as exc:
