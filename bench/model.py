@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Fp8Rule.SINK_WGRAD_MIN_DIM for this run (not a config key: the A/B behind the rule's constant)",
     )
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
+    p.add_argument(
+        "--torch-loss",
+        dest="fused_loss",
+        action="store_false",
+        help="train.fused_loss=false: torch's fp32 log-softmax loss instead of the fused Triton kernel (for a side-by-side)",
+    )
     p.add_argument("--logit-z-loss", type=float, default=0.0, help="train.logit_z_loss_weight (the olmoe-1b-7b recipe's is 1e-5)")
     p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
     p.add_argument(
@@ -200,6 +206,8 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 "log_every": 1000,
                 "device": "cuda",
                 "loss_chunk_tokens": args.loss_chunk,
+                # (records from before train.fused_loss existed ran torch's loss)
+                "fused_loss": getattr(args, "fused_loss", False),
                 "recompute": args.recompute,
                 "logit_z_loss_weight": args.logit_z_loss,
             },
@@ -301,6 +309,7 @@ def result_row(
         "seq": args.seq,
         "accum": args.accum,
         "loss_chunk": args.loss_chunk,
+        "fused_loss": args.fused_loss,
         "tokens_per_step": tokens,
         "step_s": step,
         "tokens_per_s": tokens / step,
@@ -320,6 +329,7 @@ COLUMNS = [
     "recompute",
     "sdpa",
     "fused_norm_rope",
+    "fused_loss",
     "width",
     "layers",
     "experts",

@@ -116,6 +116,10 @@ class TrainConfig(Config):
     # Tokens per chunk of the fused lm_head + cross-entropy (moe.nn.chunked_ce), which never
     # materialises the whole batch's logits; 0: the unfused head and loss.
     loss_chunk_tokens: int = 0
+    # The unchunked loss from bf16 logits on the GPU in one Triton kernel that writes the
+    # gradient over the logits (moe.kernels.cross_entropy): 2 instead of 14 bytes per logit at
+    # the peak, and faster; false: torch's fp32 log-softmax. CPU runs always take torch's.
+    fused_loss: bool = True
     # Olmo-core's output-logit z-loss: this weight times mean(logsumexp(logits)^2) joins the
     # gradient (1e-5 in its OLMoE-1B-7B script; the logged loss stays the cross-entropy).
     logit_z_loss_weight: float = 0.0

@@ -1,6 +1,8 @@
 """The language-model loss, built in one place for every layout (one process, data parallel,
 the last pipeline stage): mean cross-entropy over the tokens, from the logits or (``chunk``)
 from the normed hidden states through the fused, chunked head that never holds all logits.
+``fused`` (``train.fused_loss``): bf16 logits on the GPU go through one Triton kernel that forms
+the gradient in forward (moe.kernels.cross_entropy); elsewhere the torch loss below.
 
 ``z_weight`` adds Olmo-core's output-logit z-loss, ``z_weight * mean(logsumexp(logits)^2)``
 (``train.logit_z_loss_weight``; 1e-5 in its OLMoE-1B-7B script), to the gradient. The value
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe.kernels.cross_entropy import fused_cross_entropy
+from moe.kernels.routing import use_triton
 from moe.nn.chunked_ce import chunked_linear_cross_entropy
 
 
@@ -48,12 +52,22 @@ class _CrossEntropyWithLogitZLoss(torch.autograd.Function):
 
 
 def lm_loss(
-    output: torch.Tensor, target: torch.Tensor, head_weight: torch.Tensor | None = None, chunk: int = 0, z_weight: float = 0.0
+    output: torch.Tensor,
+    target: torch.Tensor,
+    head_weight: torch.Tensor | None = None,
+    chunk: int = 0,
+    z_weight: float = 0.0,
+    fused: bool = False,
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """``output``: logits [B, T, V], or hidden states [B, T, D] when ``chunk`` > 0 (then
-    ``head_weight`` [V, D] is applied chunk by chunk). fp32 whatever the recipe."""
+    ``head_weight`` [V, D] is applied chunk by chunk). fp32 whatever the recipe.
+    ``overwrite_logits``: the fused kernel may write the gradient over the logits (the caller
+    never reads them again)."""
     if chunk:
         return chunked_linear_cross_entropy(output, head_weight, target, chunk, z_weight)
+    if fused and output.dtype in (torch.bfloat16, torch.float16) and use_triton(output):
+        return fused_cross_entropy(output.flatten(0, 1), target.reshape(-1), z_weight, inplace=overwrite_logits)
     logits = output.flatten(0, 1).float()
     if not z_weight:
         return F.cross_entropy(logits, target.reshape(-1))

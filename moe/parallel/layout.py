@@ -69,11 +69,14 @@ class Layout(Protocol):
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor: ...
 
 
-def _micro_loss(model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0, z_weight: float = 0.0) -> torch.Tensor:
+def _micro_loss(
+    model: nn.Module, batch: torch.Tensor, autocast: Autocast, chunk: int = 0, z_weight: float = 0.0, fused: bool = False
+) -> torch.Tensor:
     with autocast():
         if chunk:  # the model up to its final norm, then the fused, chunked head + loss
             return lm_loss(run_stack(model, batch[:, :-1], head=False), batch[:, 1:], model.lm_head.weight, chunk, z_weight)
-        return lm_loss(model(batch[:, :-1]), batch[:, 1:], z_weight=z_weight)
+        # the logits are a temporary here: the fused loss may write its gradient over them
+        return lm_loss(model(batch[:, :-1]), batch[:, 1:], z_weight=z_weight, fused=fused, overwrite_logits=True)
 
 
 def accumulate(
@@ -84,11 +87,12 @@ def accumulate(
     chunk: int = 0,
     before_last: Callable[[], None] | None = None,
     z_weight: float = 0.0,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch (gradients accumulate); the mean loss.
     ``chunk``: tokens per chunk of the fused head + loss (0: unfused); ``before_last`` runs
     before the last micro-batch (e.g. to arm overlapped gradient reduction); ``z_weight``:
-    the output-logit z-loss (in the gradient, not the returned loss)."""
+    the output-logit z-loss (in the gradient, not the returned loss); ``fused``: train.fused_loss."""
     n = len(micro)
     model.set_aux_loss_scale(1.0 / n)
     total = torch.zeros((), device=device)
@@ -97,7 +101,7 @@ def accumulate(
             batch = batch.pin_memory()
         if before_last is not None and i == n - 1:
             before_last()
-        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk, z_weight)
+        loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk, z_weight, fused)
         (loss / n).backward()
         total += loss.detach() / n
     return total
@@ -139,6 +143,7 @@ class ParallelLayout:
         self.opt: MasterWeightAdamW | None = None
         self.chunk = cfg.train.loss_chunk_tokens
         self.z_weight = cfg.train.logit_z_loss_weight
+        self.fused_loss = cfg.train.fused_loss
 
     def parallelize(self, model: Transformer) -> Transformer:
         par = self.cfg.parallel
@@ -154,6 +159,7 @@ class ParallelLayout:
                 self.virtual,
                 self.chunk,
                 self.z_weight,
+                self.fused_loss,
             )
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
@@ -179,7 +185,7 @@ class ParallelLayout:
             batch = torch.cat(micro).to(device, non_blocking=True)
             with autocast():
                 return self.runner.step(batch, device)
-        return accumulate(model, micro, autocast, device, self.chunk, self._before_last, self.z_weight)
+        return accumulate(model, micro, autocast, device, self.chunk, self._before_last, self.z_weight, self.fused_loss)
 
     def _before_last(self) -> None:
         if self.opt is not None:
@@ -243,7 +249,9 @@ class FsdpLayout:
         return MasterWeightAdamW(model, cfg, master_weights=False)
 
     def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
-        return accumulate(model, micro, autocast, self.env.device, z_weight=self.cfg.train.logit_z_loss_weight)
+        return accumulate(
+            model, micro, autocast, self.env.device, z_weight=self.cfg.train.logit_z_loss_weight, fused=self.cfg.train.fused_loss
+        )
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = [p.grad_holder for p in opt.params if p.grad is not None]

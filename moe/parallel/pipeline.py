@@ -74,12 +74,13 @@ class PipelineRunner:
         virtual: int,
         chunk: int = 0,
         z_weight: float = 0.0,
+        fused: bool = False,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches = n_microbatches
         # chunk > 0: the last stage outputs normed hidden states and the loss applies lm_head
-        self.chunk, self.z_weight = chunk, z_weight
+        self.chunk, self.z_weight, self.fused = chunk, z_weight, fused
         self.head_weight = views[-1].lm_head.weight if chunk and views[-1].lm_head is not None else None
         n_stages = mesh.pp * virtual
         self.indices = stage_indices(mesh, virtual)
@@ -93,7 +94,8 @@ class PipelineRunner:
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # with a chunk, "logits" are the last stage's normed hidden states
-        return lm_loss(logits, target, self.head_weight, self.chunk, self.z_weight) / self.n_microbatches
+        # the schedule may hand the last stage's outputs back: the fused loss writes a copy
+        return lm_loss(logits, target, self.head_weight, self.chunk, self.z_weight, fused=self.fused) / self.n_microbatches
 
     def step(self, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
         """batch: [n_microbatches * micro, seq + 1] tokens -> sum of the scaled micro losses

@@ -50,9 +50,15 @@ def analytic_layer_bytes(m: ModelConfig, mode: str, moe_layer: bool, act: int = 
 
 
 def analytic_head_bytes(m: ModelConfig) -> float:
-    """Bytes per token around the loss at the start of backward: fp32 log-softmax output, its
+    """Bytes per token around torch's loss at the start of backward: fp32 log-softmax output, its
     gradient and the fp32 logits' gradient, plus the bf16 logits' gradient and the final norm."""
     return 14 * m.vocab_size + _norm(m.d_model)
+
+
+def fused_head_bytes(m: ModelConfig) -> float:
+    """Bytes per token around the fused loss (moe.kernels.cross_entropy): the bf16 gradient it
+    wrote over the logits, and the final norm. Exact sizes: not scaled by the calibration."""
+    return 2 * m.vocab_size + _norm(m.d_model)
 
 
 def load_calibration(path: Path = CALIBRATION) -> dict[str, Any]:

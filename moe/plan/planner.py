@@ -25,7 +25,7 @@ from moe.config.training import ParallelConfig
 from moe.errors import PlanError
 from moe.hardware import GIB, GPUS, capability_problem, recipe_on
 from moe.plan.accounting import flops_per_token, param_counts
-from moe.plan.activations import analytic_head_bytes, analytic_layer_bytes, load_calibration
+from moe.plan.activations import analytic_head_bytes, analytic_layer_bytes, fused_head_bytes, load_calibration
 from moe.plan.fp8 import ExpertFp8, RankFp8, backward_bytes, saved_delta
 from moe.plan.ranks import RankState, layout_mesh, rank_states
 
@@ -112,7 +112,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved: ResolvedLayou
     largest = max(layers, key=lambda i: blocks.bf16(i, "none") + blocks.fp8(i), default=None)
     one_block, one_block_fp8 = (tokens * blocks.bf16(largest, "none"), tokens * blocks.fp8(largest)) if largest is not None else (0.0, 0.0)
     recompute = one_block + one_block_fp8 if mode != "none" and layers else 0.0
-    head = tokens * analytic_head_bytes(m) * calibration.get("head_factor", 1.0) if state.last else 0.0
+    head = tokens * _head_bytes(cfg, calibration) if state.last else 0.0
     backward = blocks.fp8_backward(tokens, layers)
     accumulating = resolved.grad_accum > 1 or resolved.pp > 1
     fp8 = state.fp8 or RankFp8(released=0, copies=0, experts=None)
@@ -147,6 +147,15 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved: ResolvedLayou
     if sum(end.values()) > sum(lines.values()):
         lines = end
     return {k: v / GIB for k, v in lines.items()}
+
+
+def _head_bytes(cfg: ExperimentConfig, calibration: dict[str, Any]) -> float:
+    """Bytes per token around the loss: the fused kernel's where it runs (bf16 logits on a GPU,
+    train.fused_loss), else torch's loss as calibrated."""
+    fused = cfg.train.fused_loss and not cfg.train.loss_chunk_tokens and cfg.precision.recipe != "fp32"
+    if fused:
+        return fused_head_bytes(cfg.model)
+    return analytic_head_bytes(cfg.model) * calibration.get("head_factor", 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ def olmoe(layers, micro=4, accum=1, recompute="none", parallel=None, dp=1):
         {
             "model": {"preset": "olmoe-1b-7b", "n_layers": layers, "max_seq_len": 4096},
             "data": {"seq_len": 4096},
-            "train": {"global_batch_size": micro * accum * dp, "micro_batch_size": micro, "recompute": recompute},
+            # measured with torch's loss (before train.fused_loss)
+            "train": {"global_batch_size": micro * accum * dp, "micro_batch_size": micro, "recompute": recompute, "fused_loss": False},
             "parallel": parallel or {},
             "precision": {"recipe": "bf16"},
             "schedule": {"warmup_steps": 1},

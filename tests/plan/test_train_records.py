@@ -25,6 +25,7 @@ def measured_peak_gib(metrics: Path) -> float:
 
 def replanned_peak_gib(job: Path) -> float:
     record = json.loads(job.read_text())
+    record["config"]["train"].setdefault("fused_loss", False)  # ran before train.fused_loss: torch's loss
     cfg = ExperimentConfig.load(record["config"])
     world = ResolvedLayout.from_dict(record["layout"]).world_size
     return make_plan(cfg, "h200", world, knobs=False).peak_gib

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The training step against the same call's measured bf16 matmul peak (issue 49 item 2), on one H200,
+# one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
+#   bench/h200/step_speed.sh levers   # the weight-gradient kernel's tile/pipelining sweep (bench.wgrad --configs all),
+#                                     # then OLMoE width, 8 layers, micro 4 x accum 4: fused loss against torch's, profiled
+#   bench/h200/step_speed.sh qwen     # Qwen3-30B-A3B-like experts (128 of 768, top-8, d=2048, 8 layers, seq 4096,
+#                                     # micro 4 x accum 4) through `moe train` on an 8,192-entry BPE, after bench.model's
+#                                     # matmul peak in the same call
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
+case "${1:-}" in
+  levers)
+    RUN_TIMEOUT=240 run python3 -m bench.wgrad --configs all
+    run python3 -m bench.model "${step[@]}"
+    run python3 -m bench.model "${step[@]}" --torch-loss
+    run python3 -m bench.model "${step[@]}" --profile 30 --no-save
+    ;;
+  qwen)
+    tokens_8k
+    run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
+    for loss in true false; do
+      name=qwen-like-fused-loss-$loss
+      rm -rf "/tmp/runs/$name"
+      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
+        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
+        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
+        --set train.fused_loss=$loss --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
+        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
+      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+      cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
+    done
+    ;;
+  *) echo "usage: $0 levers|qwen" >&2; exit 2 ;;
+esac
+exit $status
