@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The training step against the same call's measured bf16 matmul peak (issue 49 item 2), on one H200,
 # one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
-#   bench/h200/step_speed.sh levers   # the weight-gradient kernel's tile/pipelining sweep (bench.wgrad --configs all),
-#                                     # then OLMoE width, 8 layers, micro 4 x accum 4: fused loss against torch's, profiled
+#   bench/h200/step_speed.sh wgrad    # the weight-gradient kernel's tile sweep (bench.wgrad --configs all)
+#   bench/h200/step_speed.sh levers   # OLMoE width, 8 layers, micro 4 x accum 4: fused loss against torch's, profiled
 #   bench/h200/step_speed.sh qwen     # Qwen3-30B-A3B-like experts (128 of 768, top-8, d=2048, 8 layers, seq 4096,
 #                                     # micro 4 x accum 4) through `moe train` on an 8,192-entry BPE, after bench.model's
 #                                     # matmul peak in the same call
@@ -10,8 +10,8 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
 case "${1:-}" in
+  wgrad) RUN_TIMEOUT=240 run python3 -m bench.wgrad --configs all ;;
   levers)
-    RUN_TIMEOUT=240 run python3 -m bench.wgrad --configs all
     run python3 -m bench.model "${step[@]}"
     run python3 -m bench.model "${step[@]}" --torch-loss
     run python3 -m bench.model "${step[@]}" --profile 30 --no-save
@@ -31,6 +31,6 @@ case "${1:-}" in
       cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
     done
     ;;
-  *) echo "usage: $0 levers|qwen" >&2; exit 2 ;;
+  *) echo "usage: $0 wgrad|levers|qwen" >&2; exit 2 ;;
 esac
 exit $status

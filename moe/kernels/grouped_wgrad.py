@@ -68,13 +68,9 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        FLATTEN: tl.constexpr = False,
-        WARP_SPECIALIZE: tl.constexpr = False,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R, K]
-        row-major, out [G, M, K] contiguous. FLATTEN / WARP_SPECIALIZE: Triton's pipelining across
-        the persistent loop's tiles (the next tile's loads under this tile's epilogue), or a
-        producer warp group feeding the MMA ones (bench/wgrad.py's sweep)."""
+        row-major, out [G, M, K] contiguous."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -85,7 +81,7 @@ if HAVE_TRITON:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
         else:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
-        for tile in tl.range(pid, G * per_group, nprog, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        for tile in range(pid, G * per_group, nprog):
             g, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
             rows = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
@@ -208,8 +204,7 @@ def grouped_wgrad(
     ends = ends.to(torch.int32)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
-    blocks_per_sm, split, *pipelining = rest or (1, split_epilogue(block_n, out.dtype))
-    flatten, warp_specialize = pipelining or (False, False)
+    blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -228,8 +223,6 @@ def grouped_wgrad(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        FLATTEN=flatten,
-        WARP_SPECIALIZE=warp_specialize,
         num_warps=warps,
         num_stages=stages,
     )

@@ -27,11 +27,7 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
     else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
         fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
         operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}
-    block_m, block_n, block_k, warps, stages, *rest = config
-    pipelining = {}
-    if kernel == "bf16":  # (blocks per SM, split epilogue, flatten, warp-specialise) where named
-        flatten, warp_specialize = (rest[2:] + [False, False])[:2] if len(rest) >= 2 else (False, False)
-        pipelining = {"FLATTEN": flatten, "WARP_SPECIALIZE": warp_specialize}
+    block_m, block_n, block_k, warps, stages = config
     stats = compile_for_sm90(
         fn,
         operands | {"ends": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
@@ -42,7 +38,6 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
-            **pipelining,
         },
         num_warps=warps,
         num_stages=stages,
