@@ -6,6 +6,7 @@
 #   bench/h200/step_speed.sh qwen     # Qwen3-30B-A3B-like experts (128 of 768, top-8, d=2048, 8 layers, seq 4096,
 #                                     # micro 4 x accum 4) through `moe train` on an 8,192-entry BPE, after bench.model's
 #                                     # matmul peak in the same call
+#   bench/h200/step_speed.sh qwen-profile  # the same run, fused loss, with step 6 profiled (profile/<category>_ms)
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
@@ -16,21 +17,25 @@ case "${1:-}" in
     run python3 -m bench.model "${step[@]}" --torch-loss
     run python3 -m bench.model "${step[@]}" --profile 30 --no-save
     ;;
-  qwen)
+  qwen|qwen-profile)
     tokens_8k
     run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
-    for loss in true false; do
+    losses=(true false); extra=()
+    [ "${1}" = qwen-profile ] && { losses=(true); extra=(--set train.profile_step=6); }
+    for loss in "${losses[@]}"; do
       name=qwen-like-fused-loss-$loss
       rm -rf "/tmp/runs/$name"
       run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
         --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
         --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
         --set train.fused_loss=$loss --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
-      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
-      cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
+        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints" \
+        "${extra[@]}"
+      [ "${1}" = qwen-profile ] && name_out=$name-profiled || name_out=$name
+      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name_out.jsonl"
+      cp "/tmp/runs/$name/job.json" "$OUT/$name_out.job.json"
     done
     ;;
-  *) echo "usage: $0 wgrad|levers|qwen" >&2; exit 2 ;;
+  *) echo "usage: $0 wgrad|levers|qwen|qwen-profile" >&2; exit 2 ;;
 esac
 exit $status
