@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="train.fused_loss=false: torch's fp32 log-softmax loss instead of the fused Triton kernel (for a side-by-side)",
     )
+    p.add_argument("--deterministic", action="store_true", help="train.deterministic: bitwise-identical reruns at one layout")
+    p.add_argument(
+        "--layout-invariant",
+        action="store_true",
+        help="train.layout_invariant: the same bits at any data-parallel size (implies --deterministic on CUDA)",
+    )
     p.add_argument("--logit-z-loss", type=float, default=0.0, help="train.logit_z_loss_weight (the olmoe-1b-7b recipe's is 1e-5)")
     p.add_argument("--recompute", default="none", help="train.recompute (none, matmuls, selective, full)")
     p.add_argument(
@@ -208,6 +214,8 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 "loss_chunk_tokens": args.loss_chunk,
                 # (records from before train.fused_loss existed ran torch's loss)
                 "fused_loss": getattr(args, "fused_loss", False),
+                **({"deterministic": True} if getattr(args, "deterministic", False) else {}),
+                **({"layout_invariant": True} if getattr(args, "layout_invariant", False) else {}),
                 "recompute": args.recompute,
                 "logit_z_loss_weight": args.logit_z_loss,
             },
@@ -310,6 +318,8 @@ def result_row(
         "accum": args.accum,
         "loss_chunk": args.loss_chunk,
         "fused_loss": args.fused_loss,
+        "deterministic": args.deterministic,
+        "layout_invariant": args.layout_invariant,
         "tokens_per_step": tokens,
         "step_s": step,
         "tokens_per_s": tokens / step,

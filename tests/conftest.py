@@ -29,6 +29,7 @@ SLOW_MODULES_FIRST = (
     "tests/pipeline/eval/test_gold_bpb.py",
     "tests/parallel/test_grad_sync.py",
     "tests/parallel/test_layouts.py",
+    "tests/train/test_layout_invariant.py",  # one spawn of four ranks, about a minute
     "tests/containers/test_image.py",  # cluster; after the image the session builds in the background (below)
 )
 

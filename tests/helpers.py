@@ -184,16 +184,13 @@ def plant_bytes_entry(step_dir: Path, marker: Path) -> None:
     reseal(step_dir)
 
 
-def rewrite_checkpoint(step_dir: Path, change) -> None:
-    """Load every tensor of a checkpoint, apply ``change(tensors)`` and save it back in place
-    with valid checksums (a forger's or a bug's checkpoint: internally consistent)."""
-    import json
-    import shutil
-
+def read_checkpoint_tree(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint, whole (whatever layout wrote it), as the trainer's tree:
+    {"model": {name: t}, "optim": {name: {field: t}}}."""
     import torch
+    import torch.distributed.checkpoint as dcp
 
-    from moe.train.checkpoint import CheckpointManager, load_plain
-    from moe.train.safe_dcp import read_metadata
+    from moe.train.safe_dcp import SafeFileSystemReader, read_metadata
 
     md = read_metadata(step_dir / ".metadata")
     flat = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
@@ -205,11 +202,27 @@ def rewrite_checkpoint(step_dir: Path, change) -> None:
             tree.setdefault("optim", {}).setdefault(name, {})[field] = t
         else:
             tree.setdefault(section, {})[rest] = t
-    import torch.distributed.checkpoint as dcp
-
-    from moe.train.safe_dcp import SafeFileSystemReader
-
     dcp.load(tree, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    return tree
+
+
+def read_checkpoint(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint, whole, by its flat key (``model.<name>``, ``optim.<name>.<field>``)."""
+    tree = read_checkpoint_tree(step_dir)
+    flat = {f"model.{k}": t for k, t in tree.get("model", {}).items()}
+    flat.update({f"optim.{name}.{field}": t for name, fields in tree.get("optim", {}).items() for field, t in fields.items()})
+    return flat
+
+
+def rewrite_checkpoint(step_dir: Path, change) -> None:
+    """Load every tensor of a checkpoint, apply ``change(tensors)`` and save it back in place
+    with valid checksums (a forger's or a bug's checkpoint: internally consistent)."""
+    import json
+    import shutil
+
+    from moe.train.checkpoint import CheckpointManager, load_plain
+
+    tree = read_checkpoint_tree(step_dir)
     change(tree)
     meta = json.loads((step_dir / "meta.json").read_text())
     rng = load_plain(step_dir / "rng-rank00000.pt")

@@ -66,6 +66,8 @@ class ExperimentConfig(Config):
                 f"model.n_layers={m.n_layers} is not divisible by pp * pp_virtual_stages = {stages}",
             )
         self._check_fsdp()
+        if tr.layout_invariant:
+            self._check_layout_invariant()
         if self.precision.fp8_dense:
             # FSDP2 re-gathers weights into the same storage without a new version: the FP8
             # copies (keyed on the version) would go stale
@@ -89,6 +91,22 @@ class ExperimentConfig(Config):
             "schedule.warmup_steps",
             f"{self.schedule.warmup_steps} is longer than train.max_steps={tr.max_steps}",
         )
+
+    def _check_layout_invariant(self) -> None:
+        """What train.layout_invariant cannot make layout-independent, refused by name."""
+        par, moe, key = self.parallel, self.model.moe, "train.layout_invariant"
+        conflicts = [
+            # an expert's GEMMs run on the rows of several ranks' micro-batches at once
+            (par.ep > 1, f"not with parallel.ep={par.ep} (expert GEMMs mix the micro-batches of {par.ep} ranks; use ep=1)"),
+            (par.pp > 1, f"not with parallel.pp={par.pp} (pipeline parallelism; use pp=1)"),
+            (par.overlap_grad_reduce, "not with parallel.overlap_grad_reduce (integer sums are reduced after the backward)"),
+            (par.grad_reduce_dtype != "fp32", f"not with parallel.grad_reduce_dtype={par.grad_reduce_dtype} (gradients travel as int64)"),
+            (self.optim.expert_grad_accum != "fp32", "not with optim.expert_grad_accum=bf16 (a bf16 sum over a rank's micro-batches)"),
+            # its token counts are summed over the micro-batches the ranks run at once: the layout's
+            (moe.lb_loss_scope != "micro_batch", f"not with model.moe.lb_loss_scope={moe.lb_loss_scope} (use micro_batch)"),
+        ]
+        for conflict, message in conflicts:
+            require(not conflict, key, message)
 
     def _check_fsdp(self) -> None:
         """The FSDP baseline's shape: validate() and resolve() both refuse what it cannot run

@@ -113,6 +113,11 @@ class TrainConfig(Config):
     recompute: Literal["none", "matmuls", "selective", "full"] = "none"
     # Bitwise-identical reruns on CUDA at some cost in step time (moe.train.determinism).
     deterministic: bool = False
+    # The same bits at any data-parallel size (DDP, ZeRO-1, FSDP) and across resumes on another
+    # world size: gradients summed as int64 fixed point, losses and the norm in a fixed order,
+    # random streams seeded per global micro-batch (moe.parallel.exact_sync). Implies
+    # deterministic. Not with expert or pipeline parallelism.
+    layout_invariant: bool = False
     # Tokens per chunk of the fused lm_head + cross-entropy (moe.nn.chunked_ce), which never
     # materialises the whole batch's logits; 0: the unfused head and loss.
     loss_chunk_tokens: int = 0
@@ -141,6 +146,11 @@ class TrainConfig(Config):
     # profile/<category>_ms (moe.train.step_profile); the step stays out of the throughput.
     # 0: no profile.
     profile_step: int = 0
+
+    @property
+    def deterministic_kernels(self) -> bool:
+        """Whether the deterministic mode is on: asked for, or implied by layout_invariant."""
+        return self.deterministic or self.layout_invariant
 
     def _check(self, p: str) -> None:
         for name in ("global_batch_size", "micro_batch_size", "max_steps", "log_every"):  # first: eval_every is checked against max_steps

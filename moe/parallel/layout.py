@@ -5,17 +5,20 @@ builds the same model from the same seed) and then drives each training step:
 
     model = layout.parallelize(model)
     opt = layout.optimizer(model, optim_cfg, master_weights)
-    loss = layout.forward_backward(model, micro_batches, autocast)   # this step's mean loss
+    loss = layout.forward_backward(model, micro_batches, autocast)   # this step's loss(es)
     norm, scale = layout.sync_gradients(opt, clip)                   # reduce, global norm, clip factor
     opt.step(found_inf, scale); layout.after_step(opt)                # (ZeRO-1 weights may still be in flight:
     layout.settle()                                                  #  the next forward waits for them, or this)
 
 ``ParallelLayout`` covers pipeline (pp), data (dp) and expert (ep) parallelism with resident
 experts and optional ZeRO-1; ``FsdpLayout`` is the FSDP2 baseline the paper compares against.
+Under ``train.layout_invariant`` both sum gradients, losses and the norm exactly
+(moe.parallel.exact_sync), so any data-parallel size gives the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -29,12 +32,35 @@ from moe.model import Transformer, run_stack
 from moe.nn.loss import lm_loss
 from moe.optim import MasterWeightAdamW
 from moe.parallel.env import DistEnv
+from moe.parallel.exact_sync import (
+    FixedPointGradSync,
+    FsdpFixedPoint,
+    fixed_order_mean,
+    layout_invariant_norm,
+    micro_batches_per_step,
+    norm_terms,
+)
 from moe.parallel.expert_parallel import apply_expert_parallel
+from moe.parallel.fixed_point import FixedPointScales
 from moe.parallel.grad_sync import GradSync, OverlappedGradSync, clip_coefficient, global_grad_norm
 from moe.parallel.mesh import Mesh, build_mesh
 from moe.parallel.pipeline import PipelineRunner, prune_for_stages
 
 Autocast = Callable[[], AbstractContextManager]
+# Called with a micro-batch's global index (its place among the step's micro-batches over all
+# data-parallel ranks) before its forward: the random streams and telemetry of train.layout_invariant.
+BeforeMicro = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchPlaces:
+    """Where a rank's micro-batches sit among the step's (train.layout_invariant): every
+    micro-batch's loss is divided by the step's ``total`` on every layout and kept at its place."""
+
+    first: int  # global index of this rank's first micro-batch
+    total: int  # micro-batches in the step over all data-parallel ranks
+    before: BeforeMicro | None = None
+    after: Callable[[], None] | None = None  # after each backward (the fixed-point calibration)
 
 
 class Layout(Protocol):
@@ -42,6 +68,8 @@ class Layout(Protocol):
     mesh: Mesh
     dp_rank: int
     dp_size: int
+    # the gradients' fixed-point exponents (train.layout_invariant; checkpointed), else None
+    scales: FixedPointScales | None
 
     def parallelize(self, model: Transformer) -> Transformer: ...
 
@@ -53,7 +81,12 @@ class Layout(Protocol):
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW: ...
 
-    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor: ...
+    def forward_backward(
+        self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast, before_micro: BeforeMicro | None = None
+    ) -> torch.Tensor:
+        """This step's mean loss (train.layout_invariant: the [micro-batches] losses, this rank's at
+        their places); ``before_micro``: see BeforeMicro (layout_invariant only)."""
+        ...
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Reduce the gradients; (global norm, factor the optimizer step applies to every
@@ -88,22 +121,33 @@ def accumulate(
     before_last: Callable[[], None] | None = None,
     z_weight: float = 0.0,
     fused: bool = False,
+    places: MicroBatchPlaces | None = None,
 ) -> torch.Tensor:
     """Forward and backward of every micro-batch (gradients accumulate); the mean loss.
     ``chunk``: tokens per chunk of the fused head + loss (0: unfused); ``before_last`` runs
     before the last micro-batch (e.g. to arm overlapped gradient reduction); ``z_weight``:
-    the output-logit z-loss (in the gradient, not the returned loss); ``fused``: train.fused_loss."""
+    the output-logit z-loss (in the gradient, not the returned loss); ``fused``: train.fused_loss.
+    ``places`` (train.layout_invariant): each loss divided by the step's micro-batches over all
+    ranks, returned at its global place in a [places.total] vector instead of averaged here."""
     n = len(micro)
-    model.set_aux_loss_scale(1.0 / n)
-    total = torch.zeros((), device=device)
+    divisor = n if places is None else places.total
+    model.set_aux_loss_scale(1.0 / divisor)
+    total = torch.zeros((), device=device) if places is None else torch.zeros(places.total, device=device)
     for i, batch in enumerate(micro):
         if device.type == "cuda":
             batch = batch.pin_memory()
         if before_last is not None and i == n - 1:
             before_last()
+        if places is not None and places.before is not None:
+            places.before(places.first + i)
         loss = _micro_loss(model, batch.to(device, non_blocking=True), autocast, chunk, z_weight, fused)
-        (loss / n).backward()
-        total += loss.detach() / n
+        (loss / divisor).backward()
+        if places is None:
+            total += loss.detach() / n
+        else:
+            total[places.first + i] = loss.detach()
+            if places.after is not None:
+                places.after()
     return total
 
 
@@ -144,6 +188,10 @@ class ParallelLayout:
         self.chunk = cfg.train.loss_chunk_tokens
         self.z_weight = cfg.train.logit_z_loss_weight
         self.fused_loss = cfg.train.fused_loss
+        self.invariant = cfg.train.layout_invariant
+        self.micro_batches = micro_batches_per_step(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        self.scales: FixedPointScales | None = None
+        self.norm_terms = 0
 
     def parallelize(self, model: Transformer) -> Transformer:
         par = self.cfg.parallel
@@ -164,7 +212,10 @@ class ParallelLayout:
         overlap = self.cfg.parallel.overlap_grad_reduce and self.runner is None
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.cfg.parallel.grad_reduce_dtype]
         bucket_bytes = int(self.cfg.parallel.grad_bucket_mb * 2**20)
-        self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype, bucket_bytes)
+        if self.invariant:
+            self.sync = FixedPointGradSync(model, self.mesh, self.zero, bucket_bytes, self.micro_batches)
+        else:
+            self.sync = (OverlappedGradSync if overlap else GradSync)(model, self.mesh, self.zero, reduce_dtype, bucket_bytes)
         return model
 
     @property
@@ -175,17 +226,25 @@ class ParallelLayout:
         opt = MasterWeightAdamW(model, cfg, master_weights, owns=self.sync.owns)
         if isinstance(self.sync, OverlappedGradSync):
             self.sync.attach(opt, model)  # after the optimizer's own hooks: they fill the fp32 gradients
+        if isinstance(self.sync, FixedPointGradSync):
+            self.sync.attach(opt)  # after the optimizer's own hooks too
+            self.scales, self.norm_terms = self.sync.scales, norm_terms(opt)
         self.opt = opt
         return opt
 
-    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
+    def forward_backward(
+        self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast, before_micro: BeforeMicro | None = None
+    ) -> torch.Tensor:
         device = self.env.device
         if self.runner is not None:
             model.set_aux_loss_scale(1.0 / len(micro))
             batch = torch.cat(micro).to(device, non_blocking=True)
             with autocast():
                 return self.runner.step(batch, device)
-        return accumulate(model, micro, autocast, device, self.chunk, self._before_last, self.z_weight, self.fused_loss)
+        places = None
+        if self.invariant:
+            places = MicroBatchPlaces(self.dp_rank * len(micro), self.micro_batches, before_micro, self.sync.after_micro)
+        return accumulate(model, micro, autocast, device, self.chunk, self._before_last, self.z_weight, self.fused_loss, places)
 
     def _before_last(self) -> None:
         if self.opt is not None:
@@ -194,6 +253,10 @@ class ParallelLayout:
             self.sync.arm()
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.invariant:
+            self.sync.reduce(opt)
+            norm = layout_invariant_norm(self.sync.counted(opt), self.norm_terms, self.sync.overflow, self.env.device)
+            return norm, (clip_coefficient(norm, clip) if clip is not None else None)
         opt.fold_deferred()  # the pipeline schedule runs its micro-batches itself
         for p in opt.params:  # every rank must bring the same tensors to the collectives
             if p.grad is None:
@@ -213,6 +276,8 @@ class ParallelLayout:
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's global mean loss on every rank (pipeline: only last stages hold one)."""
+        if self.invariant:
+            return fixed_order_mean(local, self.mesh.dp_group)
         return world_mean(local, self.mesh.dp)
 
 
@@ -227,6 +292,14 @@ class FsdpLayout:
         self.resolved = resolved_for(cfg, env, resolved)  # resolve() holds FSDP's rules (pp=1, ep=1, no ZeRO-1, no chunked loss)
         self.mesh = build_mesh(1, self.resolved.dp, 1)
         self.dp_rank, self.dp_size = self.mesh.dp_rank, self.mesh.dp
+        self.invariant = cfg.train.layout_invariant
+        self.micro_batches = micro_batches_per_step(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        self.scales: FixedPointScales | None = None
+        self.sharded: list[nn.Module] = []  # the fully_shard-ed modules (world > 1)
+        # train.layout_invariant: integer sums on one process, or in FSDP's reduce-scatter
+        self.sync: FixedPointGradSync | None = None
+        self.fixed: FsdpFixedPoint | None = None
+        self.norm_terms = 0
 
     # FSDP2 shards the weights themselves (DTensors, which no recipe releases)
     broadcasts_expert_weights = False
@@ -242,21 +315,50 @@ class FsdpLayout:
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
+            self.sharded = [*model.layers.values(), model]
+        elif self.invariant:
+            self.sync = FixedPointGradSync(model, self.mesh, False, int(self.cfg.parallel.grad_bucket_mb * 2**20), self.micro_batches)
         return model
 
     def optimizer(self, model: nn.Module, cfg: OptimizerConfig, master_weights: bool) -> MasterWeightAdamW:
         self.resolved.check_master_weights(master_weights)
-        return MasterWeightAdamW(model, cfg, master_weights=False)
+        opt = MasterWeightAdamW(model, cfg, master_weights=False)
+        if self.invariant and self.sync is not None:
+            self.sync.attach(opt)
+            self.scales = self.sync.scales
+        elif self.invariant:
+            self.fixed = FsdpFixedPoint(self.sharded, opt, self.micro_batches, self.env.world_size)
+            self.scales = self.fixed.scales
+        self.norm_terms = norm_terms(opt)
+        return opt
 
-    def forward_backward(self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast) -> torch.Tensor:
-        return accumulate(
-            model, micro, autocast, self.env.device, z_weight=self.cfg.train.logit_z_loss_weight, fused=self.cfg.train.fused_loss
-        )
+    def forward_backward(
+        self, model: Transformer, micro: list[torch.Tensor], autocast: Autocast, before_micro: BeforeMicro | None = None
+    ) -> torch.Tensor:
+        places = None
+        if self.invariant:
+            after = self.sync.after_micro if self.sync is not None else self.fixed.after_micro
+            places = MicroBatchPlaces(self.dp_rank * len(micro), self.micro_batches, before_micro, after)
+        z_weight, fused = self.cfg.train.logit_z_loss_weight, self.cfg.train.fused_loss
+        return accumulate(model, micro, autocast, self.env.device, z_weight=z_weight, fused=fused, places=places)
 
     def sync_gradients(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.invariant:
+            return self._sync_fixed_point(opt, clip)
         params = [p.grad_holder for p in opt.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"), foreach=True)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm), None
+
+    def _sync_fixed_point(self, opt: MasterWeightAdamW, clip: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Integer sums to fp32 shard gradients, the norm over rows; clipped inside the AdamW step."""
+        if self.sync is not None:
+            self.sync.reduce(opt)
+            grads, overflow = self.sync.counted(opt), self.sync.overflow
+        else:
+            self.fixed.finish()
+            grads, overflow = [p.grad.to_local() for p in opt.params if p.grad is not None], self.fixed.overflow
+        norm = layout_invariant_norm(grads, self.norm_terms, overflow, self.env.device)
+        return norm, (clip_coefficient(norm, clip) if clip is not None else None)
 
     def after_step(self, opt: MasterWeightAdamW) -> None:
         return None
@@ -265,6 +367,8 @@ class FsdpLayout:
         return None
 
     def mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return fixed_order_mean(local, None)
         return world_mean(local, self.env.world_size)
 
 

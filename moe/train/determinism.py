@@ -87,12 +87,14 @@ def set_environment(environ: MutableMapping[str, str] | None = None) -> dict[str
     return out
 
 
-def configure(enabled: bool) -> Determinism:
+def configure(enabled: bool, layout_invariant: bool = False) -> Determinism:
     """Put this process in (or leave it out of) the deterministic mode; process-wide.
 
     Off does nothing (the process keeps whatever it had). On: call before the process group and
-    the first cuBLAS handle exist (the Trainer calls it first thing)."""
-    if not enabled:
+    the first cuBLAS handle exist (the Trainer calls it first thing). ``layout_invariant``
+    (train.layout_invariant, which implies the mode) is recorded with the settings, so a resume
+    under the other setting is warned about."""
+    if not enabled and not layout_invariant:
         return Determinism(False)
     preset = {k: os.environ.get(k) for k in ENVIRONMENT}
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
@@ -123,6 +125,8 @@ def configure(enabled: bool) -> Determinism:
             "router.counts": "fixed-order",
         }
     )
+    if layout_invariant:
+        settings["layout_invariant"] = "int64 gradient sums, per-micro-batch seeds"
     return Determinism(True, settings)
 
 

@@ -23,7 +23,7 @@ def train(
     """Build the trainer (after the deterministic mode's environment, when the config asks for
     it) and run it; (the trainer, its summary). ``resolved``: the layout the job carries (None:
     resolved against this world when the trainer builds its layout)."""
-    if cfg.train.deterministic:
+    if cfg.train.deterministic_kernels:
         set_environment()
     trainer = Trainer(cfg, sinks=list(sinks), callbacks=list(callbacks), resolved=resolved)
     return trainer, trainer.fit(stop=stop)

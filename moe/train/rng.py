@@ -20,6 +20,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_micro_batch(seed: int, step: int, index: int) -> None:
+    """Seed torch's generators (CPU and every GPU) for micro-batch ``index`` of optimizer step
+    ``step``: a function of the global position alone, so a micro-batch draws the same numbers
+    whichever rank runs it and after any resume (train.layout_invariant)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % (2**63 - 1)
+    torch.manual_seed(mixed)
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)

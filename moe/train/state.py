@@ -2,7 +2,9 @@
 
 Dense parameters are saved under their names as fp32 masters, AdamW moments beside them.
 Stacked expert weights ([E, ...]) are saved one expert per key (``<name>.expert_00017``), so a
-rank holding experts [e0, e1) under expert parallelism writes and reads exactly those keys.
+rank holding experts [e0, e1) under expert parallelism, or a row shard of them under FSDP, writes
+and reads exactly those keys, as plain views of what it holds (DCP loads them in place; a
+DTensor's ``[i]`` would be a gathered copy, and a load into it would be lost).
 Under ZeRO-1 only the owning rank of a parameter contributes its master and moments;
 replicated tensors are written once (DCP deduplicates equal keys).
 """
@@ -24,9 +26,23 @@ def split_experts(name: str, tensor: torch.Tensor, offset: int) -> dict[str, tor
     return {EXPERT_KEY.format(name=name, index=offset + i): tensor[i] for i in range(tensor.shape[0])}
 
 
+def local_experts(name: str, tensor: torch.Tensor, experts: dict[str, tuple[int, int]]) -> tuple[torch.Tensor, int]:
+    """The expert rows of a stacked weight (or its optimizer state) that this rank holds, and
+    the global index of the first: its expert-parallel slice, or its FSDP shard (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    offset = experts[name][0]
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.detach().to_local(), offset + start[0]
+    return tensor, offset
+
+
 def _entries(name: str, tensor: torch.Tensor, experts: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     if name in experts:
-        return split_experts(name, tensor, experts[name][0])
+        return split_experts(name, *local_experts(name, tensor, experts))
     return {name: tensor}
 
 
@@ -44,13 +60,10 @@ def save_entries(model: nn.Module, opt: MasterWeightAdamW) -> dict[str, Any]:
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for name, state in opt.named_state().items():
         if name in experts:
-            offset = experts[name][0]
-            for i in range(state["exp_avg"].shape[0]):
-                optim[EXPERT_KEY.format(name=name, index=offset + i)] = {
-                    "step": state["step"],
-                    "exp_avg": state["exp_avg"][i],
-                    "exp_avg_sq": state["exp_avg_sq"][i],
-                }
+            avg, offset = local_experts(name, state["exp_avg"], experts)
+            avg_sq, _ = local_experts(name, state["exp_avg_sq"], experts)
+            for i in range(avg.shape[0]):
+                optim[EXPERT_KEY.format(name=name, index=offset + i)] = {"step": state["step"], "exp_avg": avg[i], "exp_avg_sq": avg_sq[i]}
         else:
             optim[name] = state
     return {"model": weights, "optim": optim}

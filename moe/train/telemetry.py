@@ -8,7 +8,12 @@ parallelism each rank also counts the rows its experts received at the all-to-al
 log point reports the busiest rank over the mean (what makes the others wait). The time
 ranks actually wait at the all-to-all is not measured: it cannot be told apart from the
 transfer without a barrier (a host sync), so the row ratio stands in for it. With pipeline
-stages, every stage reduces its own layers and the logging rank gathers them."""
+stages, every stage reduces its own layers and the logging rank gathers them.
+
+With ``slots`` (train.layout_invariant: the step's micro-batches over all ranks) the balance
+and z-losses are kept per global micro-batch (``slot``, set before each forward), summed over
+the ranks where each slot has one contributor (exact) and over slots in index order: the same
+bits at any data-parallel size."""
 
 from __future__ import annotations
 
@@ -26,15 +31,17 @@ PER_EXPERT_PREFIX = "expert_load/"
 
 
 class MoETelemetry:
-    def __init__(self, model: nn.Module, device: torch.device, dp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dp_group: dist.ProcessGroup | None = None, slots: int | None = None) -> None:
         self.layers = [(name.split(".")[1], m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
         self.device, self.dp_group = device, dp_group
         n = len(self.layers)
         num_experts = self.layers[0][1].router.num_experts if self.layers else 0
         self.counts = torch.zeros(n, num_experts, dtype=torch.int64, device=device)
         self.rows = torch.zeros(n, dtype=torch.int64, device=device)
-        self.lb = torch.zeros(n, device=device)
-        self.z = torch.zeros(n, device=device)
+        self.slotted = slots is not None
+        self.slot = 0  # the global micro-batch the next forward belongs to (slotted)
+        self.lb = torch.zeros(n, slots or 1, device=device)
+        self.z = torch.zeros(n, slots or 1, device=device)
         self.forwards = torch.zeros(n, device=device)
         self.expert_parallel = any(getattr(m.dispatcher, "ep", 1) > 1 for _, m in self.layers)
         for i, (_, layer) in enumerate(self.layers):
@@ -48,8 +55,8 @@ class MoETelemetry:
             self.counts[i] += s.tokens_per_expert
             if s.rows_received is not None:
                 self.rows[i] += s.rows_received
-            self.lb[i] += s.lb_loss
-            self.z[i] += s.z_loss
+            self.lb[i, self.slot] += s.lb_loss
+            self.z[i, self.slot] += s.z_loss
             self.forwards[i] += 1
 
         return hook
@@ -57,17 +64,21 @@ class MoETelemetry:
     def _reduce_local(self, distributed: bool) -> dict[str, dict[str, Any]]:
         """This process's layers: figures computed on the device, one copy to the host."""
         counts = self.counts.clone()
-        lb = self.lb / self.forwards.clamp_min(1)
-        z = self.z / self.forwards.clamp_min(1)
         computed = self.rows.clone()  # rows the experts computed, against the slots routed
         rank_rows = None
+        if self.slotted:
+            lb, z = self._slotted_means(distributed)
+        else:
+            lb = self.lb[:, 0] / self.forwards.clamp_min(1)
+            z = self.z[:, 0] / self.forwards.clamp_min(1)
         if distributed and self.dp_group is not None:
             dist.all_reduce(counts, group=self.dp_group)
             dist.all_reduce(computed, group=self.dp_group)
             size = dist.get_world_size(self.dp_group)
-            dist.all_reduce(lb, group=self.dp_group)
-            dist.all_reduce(z, group=self.dp_group)
-            lb, z = lb / size, z / size
+            if not self.slotted:
+                dist.all_reduce(lb, group=self.dp_group)
+                dist.all_reduce(z, group=self.dp_group)
+                lb, z = lb / size, z / size
             if self.expert_parallel:
                 gathered = [torch.empty_like(self.rows) for _ in range(size)]
                 dist.all_gather(gathered, self.rows, group=self.dp_group)
@@ -93,6 +104,14 @@ class MoETelemetry:
         for t in (self.counts, self.rows, self.lb, self.z, self.forwards):
             t.zero_()
         return per_layer
+
+    def _slotted_means(self, distributed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer means over every forward of every rank, summed slot by slot in index order."""
+        lb, z, forwards = self.lb.clone(), self.z.clone(), self.forwards.clone()
+        if distributed and self.dp_group is not None:
+            for t in (lb, z, forwards):  # a slot has one rank's values, the others' zeros; counts are integers
+                dist.all_reduce(t, group=self.dp_group)
+        return lb.sum(dim=1) / forwards.clamp_min(1), z.sum(dim=1) / forwards.clamp_min(1)
 
     def reduce(self) -> dict[str, float]:
         """Host floats since the last reduce; then reset. Collective when distributed: every

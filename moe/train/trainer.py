@@ -26,6 +26,7 @@ from moe.errors import NonFiniteLossError, TokenDataError
 from moe.model import Transformer
 from moe.optim import build_scheduler
 from moe.parallel.env import DistEnv, init_distributed
+from moe.parallel.exact_sync import micro_batches_per_step
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
 from moe.plan.accounting import flops_per_token, param_counts
@@ -35,7 +36,7 @@ from moe.train import determinism
 from moe.train.callbacks import Callback, trainer_callbacks
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
 from moe.train.preemption import StopRequest
-from moe.train.rng import rng_state, seed_everything, set_rng_state
+from moe.train.rng import rng_state, seed_everything, seed_micro_batch, set_rng_state
 from moe.train.sinks import MetricsSink
 from moe.train.state import load_targets, save_entries
 from moe.train.telemetry import MoETelemetry
@@ -73,7 +74,7 @@ class Trainer:
         resolves ``cfg`` against this world)."""
         self.cfg = cfg
         # First: the mode's environment must be in place before CUDA and NCCL start.
-        self.determinism = determinism.configure(cfg.train.deterministic)
+        self.determinism = determinism.configure(cfg.train.deterministic_kernels, cfg.train.layout_invariant)
         self.env = env or init_distributed(cfg.train.device)
         self.device = self.env.device
         self.layout: Layout = build_layout(cfg, self.env, resolved)
@@ -110,7 +111,8 @@ class Trainer:
             dp_size=self.layout.dp_size,
         )
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last, asynchronous=cfg.checkpoint.asynchronous)
-        self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group)
+        slots = micro_batches_per_step(cfg.train.global_batch_size, cfg.train.micro_batch_size) if cfg.train.layout_invariant else None
+        self.telemetry = MoETelemetry(self.model, self.device, self.layout.mesh.dp_group, slots)
         self.callbacks: list[Callback] = trainer_callbacks(cfg, callbacks)
         self._extra: dict[str, float] = {}  # callback metrics of the current step (logged with it)
         self._callback_s = 0.0  # time callbacks took since the last log point (not training time)
@@ -166,6 +168,8 @@ class Trainer:
             "params_active": self.params_active,
             "determinism": self.determinism.to_meta(),
         }
+        if self.layout.scales is not None:  # train.layout_invariant: the next step's exponents
+            meta["grad_exponents"] = self.layout.scales.state_dict()
         save = self.ckpt.save_async if background else self.ckpt.save
         path = save(self.step, save_entries(self.model, self.opt), meta, rng_state(self.device))
         self.last_checkpoint = path
@@ -194,6 +198,11 @@ class Trainer:
         for group, lr in zip(self.opt.inner.param_groups, lrs, strict=True):
             group["lr"] = lr
         self.loader.load_state_dict(meta["loader"])
+        if self.layout.scales is not None:
+            try:  # none (a checkpoint of another mode): the next step calibrates them afresh
+                self.layout.scales.load_state_dict(meta.get("grad_exponents") or {})
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
         self._skipped.fill_(int(meta.get("skipped_steps", 0)))
         self.step = self.start_step = int(meta["step"])
         if rng is not None:
@@ -240,7 +249,8 @@ class Trainer:
     def train_step(self) -> None:
         micro = self.loader.next_batch()
         self.model.train()
-        local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device))
+        before = self._before_micro if self.cfg.train.layout_invariant else None
+        local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device), before)
         step_loss = self.layout.mean_loss(local)
         with span("grad_sync"):
             norm, grad_scale = self.layout.sync_gradients(self.opt, self.cfg.train.grad_clip)
@@ -256,6 +266,12 @@ class Trainer:
         self._first_bad.copy_(torch.where((self._first_bad < 0) & bad, self.step + 1, self._first_bad))
         self._grad_norm = norm.detach()
         self._pending.append((self.step + 1, step_loss))
+
+    def _before_micro(self, index: int) -> None:
+        """train.layout_invariant: a micro-batch's random numbers and telemetry slot come from
+        its global place (step, index), not from the rank that runs it."""
+        seed_micro_batch(self.cfg.train.seed, self.step, index)
+        self.telemetry.slot = index
 
     def fit(self, stop_at: int | None = None, stop: StopRequest | None = None) -> TrainSummary:
         """Train to ``train.max_steps``; stop early after ``stop_at`` steps, or when ``stop``
