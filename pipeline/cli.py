@@ -8,9 +8,7 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -39,8 +37,16 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="also show third-party INFO logs, Python warnings and libraries' progress bars")
+    ] = False,
 ) -> None:
     """The `moe` command line: pipeline stages, benchmarks and tools."""
+    if verbose:
+        from pipeline.verbosity import configure_logging, set_verbose
+
+        set_verbose()
+        configure_logging()
 
 
 def _model_line(m) -> str:
@@ -154,12 +160,11 @@ class _Stage:
 @handle_errors
 def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
     """Raw text -> token files (train/ and val/), tokenizer.json and manifest.json."""
+    cfg = _load(params, set_)  # a config error answers first, before the stage's imports
     from pipeline.stages.tokenize import run_tokenize
 
-    cfg = _load(params, set_)
-    with _Stage(_tracker(cfg, "tokenize", params, not no_mlflow)) as tracker, progress() as bar:
-        task = bar.add_task("tokenize", total=None)
-        manifest = run_tokenize(cfg.tokenize, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with _Stage(_tracker(cfg, "tokenize", params, not no_mlflow)) as tracker, progress("tokenize", "sources encoded") as update:
+        manifest = run_tokenize(cfg.tokenize, progress=update)
         if tracker:
             tracker.log_metrics({f"{s}_{k}": v for s, d in manifest["splits"].items() for k, v in d.items() if k != "files"})
             tracker.set_tags({"tokenizer.sha256": manifest["tokenizer"]["sha256"]})
@@ -181,9 +186,9 @@ def tokenize(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_ml
 @handle_errors
 def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
     """Train from params.yaml with the configured executor; writes checkpoints and metrics."""
+    cfg = _load(params, set_)  # a config error answers first, before the stage's imports
     from pipeline.stages.train import preflight, run_train
 
-    cfg = _load(params, set_)
     console.print(_model_line(cfg.model), highlight=False)
     checked = preflight(cfg)  # a refusal opens no MLflow run and marks no earlier one FAILED
     with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
@@ -214,9 +219,6 @@ def submit(
 ) -> None:
     """Submit the training job to Slurm (submitit); prints the job id. GPU jobs are planned
     first (`moe plan`) and refused when predicted not to fit (--ignore-plan overrides)."""
-    from pipeline.executors.slurm import SlurmExecutor
-    from pipeline.stages.train import finish_train, launch_train, make_job, preflight
-
     flags = {
         "slurm.nodes": nodes,
         "slurm.tasks_per_node": tasks_per_node,
@@ -225,7 +227,10 @@ def submit(
         "slurm.time_min": time_min,
     }
     overrides = [*(set_ or []), "executor.kind=slurm", *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    cfg = _load(params, overrides)
+    cfg = _load(params, overrides)  # a config error answers first, before the stage's imports
+    from pipeline.executors.slurm import SlurmExecutor
+    from pipeline.stages.train import finish_train, launch_train, make_job, preflight
+
     executor = SlurmExecutor(cfg.slurm, cfg.container)
     if cfg.slurm.gpus_per_node:
         _check_plan(cfg, gpu, cfg.slurm.nodes * cfg.slurm.tasks_per_node, show=dry_run, ignore=ignore_plan or dry_run)
@@ -289,10 +294,10 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
     """Parameters, per-GPU memory, FLOPs and step time of a config; does it fit, and what helps."""
+    cfg = _load(params, set_)  # a config error answers before torch loads
     from moe.plan.planner import make_plan
     from moe.plan.report import format_plan
 
-    cfg = _load(params, set_)
     if gpus is None:
         gpus = cfg.slurm.nodes * cfg.slurm.tasks_per_node if cfg.executor.kind == "slurm" else cfg.executor.nprocs
     result = make_plan(cfg, gpu, gpus, mfu)
@@ -316,11 +321,10 @@ def job(
     resolves the config against the world it starts in."""
     import dataclasses
 
-    from pipeline.stages.train import make_job
-
-    cfg = _load(params, set_)
+    cfg = _load(params, set_)  # a config error answers first, before the stage's imports
     from pipeline.outputs import write_output_file
     from pipeline.run_dirs import is_job_spec
+    from pipeline.stages.train import make_job
 
     spec = out or Path(cfg.slurm.folder) / "job.json"
     plain = dataclasses.replace(make_job(cfg), layout=None)
@@ -396,11 +400,11 @@ def convert(
     no_mlflow: NoTrackOpt = False,
 ) -> None:
     """DCP checkpoint -> Hugging Face OLMoE directory (or --from-hf DIR --out CKPT for the reverse)."""
-    from pipeline.stages.convert import convert_from_hf, convert_to_hf, load_tokens_tokenizer
-
     if from_hf is not None:
         if out is None:
             fail("--from-hf needs --out (the checkpoint directory to write)", 2)
+        from pipeline.stages.convert import convert_from_hf
+
         model_cfg = convert_from_hf(from_hf, out)
         console.print(f"wrote {out}/step_00000000; train from it with checkpoint.init_from={out} and this model section:")
         import yaml
@@ -408,7 +412,9 @@ def convert(
         written = {k: v for k, v in model_cfg.to_dict().items() if k not in ("preset", "preset_overrides")}
         print(yaml.safe_dump({"model": written}, sort_keys=False))
         return
-    cfg = _load(params, set_)
+    cfg = _load(params, set_)  # a config error answers before torch loads
+    from pipeline.stages.convert import convert_to_hf, load_tokens_tokenizer
+
     with _Stage(_tracker(cfg, "convert", params, not no_mlflow)) as tracker:
         prov = convert_to_hf(
             checkpoint or cfg.checkpoint.dir,
@@ -461,9 +467,9 @@ def evaluate(
     ] = None,
 ) -> None:
     """Validation loss/perplexity and the downstream tasks (evaluate.tasks), ours and transformers', a greedy sample."""
+    cfg = _load(params, set_)  # a config error answers before torch loads
     from pipeline.stages.evaluate import run_checkpoint_curve, run_evaluate
 
-    cfg = _load(params, set_)
     if checkpoint:
         with _Stage(_tracker(cfg, "evaluate-checkpoints", params, not no_mlflow)) as tracker:
             curve = run_checkpoint_curve(cfg, checkpoint, tracker)
@@ -490,9 +496,9 @@ def evaluate(
 @handle_errors
 def release(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
     """The converted model with the final evaluation on its card (release.output), after evaluate."""
+    cfg = _load(params, set_)  # a config error answers before torch loads
     from pipeline.stages.release import run_release
 
-    cfg = _load(params, set_)
     done = run_release(cfg, card_text)
     console.print(
         f"wrote {cfg.release.output}: the converted model of step {done['step']} with the evaluate stage's numbers on its card", highlight=False
@@ -506,10 +512,13 @@ def _pm(r: dict, key: str) -> str:
 
 
 def task_line(r: dict) -> str:
-    """One task of the evaluate stage's table: the primary accuracy beside chance, bpb, each with
-    its standard error; how many documents of the task's total (a sample: evaluate.limit); and
-    how many had their context cut (or were dropped) to fit the model."""
-    acc = f"{r['primary']} {_pm(r, r['primary'] + '_v2')} (chance {r['chance']:.3f}), " if "chance" in r else ""
+    """One task of the evaluate stage's table: the primary accuracy beside chance and majority,
+    bpb, each with its standard error; how many documents of the task's total (a sample:
+    evaluate.limit); and how many had their context cut (or were dropped) to fit the model."""
+    majority = f", majority {r['majority']:.3f}" if "majority" in r else ""  # the best one fixed answer scores
+    acc = f"{r['primary']} {_pm(r, r['primary'] + '_v2')} (chance {r['chance']:.3f}{majority}), " if "chance" in r else ""
+    if f"{r['primary']}_v2_macro" in r:  # MMLU: the mean over its subjects as well, as OLMES reports it
+        acc += f"{r['primary']} over its {int(r['subjects'])} subjects {_pm(r, r['primary'] + '_v2_macro')}, "
     line = f"{acc}bpb {_pm(r, 'bpb_v2')} over {int(r['docs'])} of {int(r['docs_total'])} documents"
     if r.get("truncated_docs"):
         line += f"; {int(r['truncated_docs'])} cut to fit (up to {int(r['truncated_tokens_max'])} tokens)"
@@ -575,10 +584,10 @@ def is_requests_file(path: Path) -> bool:
 def params(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
     """Validate params.yaml (+ overrides), check it as `moe train` would, print the flat values
     and where each came from (params.yaml, --set, the recipe, the model preset, the default)."""
+    cfg = _load(params, set_)  # a config error answers first, before the stage's imports (and torch)
     from pipeline.params import check_init_from, params_sources
     from pipeline.stages.train import check_train
 
-    cfg = _load(params, set_)
     check_train(cfg, resolve_data=(Path(cfg.tokenize.output) / "manifest.json").is_file())
     check_init_from(cfg.experiment())  # the worker's check, now: not after a job has started
     sources, _ = params_sources(params, set_ or [])
@@ -593,10 +602,15 @@ def repro(
     args: Annotated[list[str] | None, typer.Argument(help="extra `dvc repro` arguments (after --)")] = None,
 ) -> None:
     """`dvc repro` with one MLflow parent run for this invocation."""
+    from pipeline.console import INTERRUPTED
+    from pipeline.dvc_run import call
+
     key = uuid.uuid4().hex[:16]
-    cmd = [sys.executable, "-m", "dvc", "repro", *(["--force"] if force else []), *(args or [])]
-    console.print(f"pipeline key {key}: dvc {' '.join(cmd[3:])}")
-    code = subprocess.call(cmd, env={**os.environ, "MOE_PIPELINE_KEY": key})
+    dvc_args = ["repro", *(["--force"] if force else []), *(args or [])]
+    console.print(f"pipeline key {key}: dvc {' '.join(dvc_args)}")
+    code = call(dvc_args, env={**os.environ, "MOE_PIPELINE_KEY": key})
+    if code == INTERRUPTED:
+        raise typer.Exit(code)  # the stage (or DVC) said so
     if code != 0:
         fail(f"dvc repro failed with exit code {code}", code)
     from pipeline.params import load_params
@@ -617,10 +631,9 @@ app.add_typer(paper_app, name="paper")
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
-    from pipeline.redact import install_log_redaction
+    from pipeline.verbosity import configure_logging
 
-    install_log_redaction()
+    configure_logging()
     app()
 
 

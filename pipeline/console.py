@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +23,7 @@ except ImportError as _exc:  # `pip install .` without the extra: say which one
 from moe.errors import MoeError, one_line
 from pipeline.redact import redact
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # a line longer than the terminal is one line still: never cut in two
 
 
 def _flags_show_no_type() -> None:
@@ -126,16 +128,40 @@ def missing_module_message(name: str) -> str:
     return MISSING_MODULE_HINTS.get(top, f"the Python module {top} is not installed here (pip install it, or the extra that has it)")
 
 
-def progress():
-    """A progress bar on the terminal (none when output is not one)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+@contextlib.contextmanager
+def progress(what: str, unit: str) -> Iterator[Callable[[int, int | None], None]]:
+    """``update(done, total)`` for a stage's units: a bar on a terminal (gone once done), else a
+    line now and then with the rate and the time left (pipeline.progress)."""
+    if not console.is_terminal:
+        from pipeline.progress import ProgressLines
 
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    )
+        yield ProgressLines(what, unit, lambda line: console.print(line, highlight=False))
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(f"{what} ({unit})", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+INTERRUPTED = 130  # a command's exit code after Ctrl-C
+
+
+def run_child(cmd: list[str], **popen) -> int:
+    """A child command's exit code. Ctrl-C meanwhile reaches the child too (one terminal, one
+    process group), which stops and says so in its one line: this process waits for it, says
+    nothing more, and returns 130 (the child's code where Ctrl-C did not stop it)."""
+    import signal
+    import subprocess
+    import threading
+
+    interrupted: list[int] = []
+    in_main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum)) if in_main else None
+    try:
+        code = subprocess.call(cmd, **popen)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, old)
+    return INTERRUPTED if interrupted and code != 0 else code

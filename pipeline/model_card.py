@@ -52,6 +52,10 @@ METRIC_NAMES = {
     "len_norm": "accuracy (length-normalised)",
     "bpb": "bits per byte of the gold answer",
     "ce_loss": "cross-entropy of the gold answer (nats per token)",
+    # a task of subjects (MMLU): the mean over its subjects, as OLMES reports it
+    "acc_macro": "accuracy, mean over subjects",
+    "len_norm_macro": "accuracy (length-normalised), mean over subjects",
+    "bpb_macro": "bits per byte of the gold answer, mean over subjects",
 }
 
 

@@ -26,6 +26,15 @@ def _pyplot():
     return plt
 
 
+def task_styles(tasks: list[str]) -> dict[str, tuple[Any, str]]:
+    """A (colour, marker) for each task, no two alike up to 140 tasks: tab20's 20 colours, then
+    the next marker (the default cycle's 10 colours repeat from a suite's 11th task)."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab20"]
+    return {t: (colours(i % 20), "osD^v<>"[i // 20 % 7]) for i, t in enumerate(dict.fromkeys(tasks))}
+
+
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
     return [s for s, _ in pts], [v for _, v in pts]
@@ -138,7 +147,8 @@ def eval_curve_rows(rows: list[dict[str, Any]]) -> list[tuple[int, str, str, flo
 
 
 def eval_curve(rows: list[dict[str, Any]], out: Path = TRAIN_DIR, csv_path: Path = EVAL_CURVE_CSV) -> Path | None:
-    """The in-loop evaluation over training: validation loss, each task's primary metric and bpb."""
+    """The in-loop evaluation over training: validation loss, each task's primary accuracy and its
+    bpb, a panel for each that was logged (the default BPB suite logs no accuracy: no empty panel)."""
     points = eval_curve_rows(rows)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
@@ -150,69 +160,90 @@ def eval_curve(rows: list[dict[str, Any]], out: Path = TRAIN_DIR, csv_path: Path
         return None
     from pipeline.eval.tasks import TASKS
 
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for step, task, metric, value in points:
         series.setdefault((task, metric), []).append((step, value))
-    for (task, metric), pts in sorted(series.items()):
+    panels: dict[str, list[tuple[str, str, str]]] = {}  # panel -> (task, metric, label): only panels with a series
+    for task, metric in sorted(series):
         primary = TASKS[task].metric if task in TASKS else None
         if task == "val":
-            ax, label = axes[0], "validation"
+            panels.setdefault("val", []).append((task, metric, "validation"))
         elif metric == primary and metric in ("acc", "len_norm"):
-            ax, label = axes[1], f"{task} ({metric})"
+            panels.setdefault("acc", []).append((task, metric, f"{task} ({metric})"))
         elif metric == "bpb":
-            ax, label = axes[2], task
-        else:
-            continue
-        line = ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=label)[0]
-        err = dict(series.get((task, f"{metric}/stderr"), []))
-        if err and all(s in err for s, _ in pts):  # a band of one standard error
+            panels.setdefault("bpb", []).append((task, metric, task))
+    titles = {
+        "val": "validation loss",
+        "acc": "each task's primary accuracy (acc or len_norm), ± 1 s.e.",
+        "bpb": "bits per byte of the gold answer, ± 1 s.e.",
+    }
+    names = [p for p in titles if p in panels]
+    if not names:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.5), squeeze=False)
+    styles = task_styles([t for t, _ in series if t != "val"])
+    for ax, name in zip(axes[0], names, strict=True):
+        for task, metric, label in panels[name]:
+            pts = series[(task, metric)]
+            colour, marker = styles.get(task, ("tab:blue", "o"))
             xs, ys = [s for s, _ in pts], [v for _, v in pts]
-            low, high = [y - err[x] for x, y in zip(xs, ys, strict=True)], [y + err[x] for x, y in zip(xs, ys, strict=True)]
-            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15)
-    titles = ("validation loss", "primary accuracy per task (a tiny model stays near chance)", "bits per byte of the gold answer")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set(xlabel="step", title=title)
+            ax.plot(xs, ys, marker=marker, markersize=3, color=colour, label=label)
+            err = dict(series.get((task, f"{metric}/stderr"), []))
+            if err and all(x in err for x in xs):  # a band of one standard error
+                low, high = [y - err[x] for x, y in zip(xs, ys, strict=True)], [y + err[x] for x, y in zip(xs, ys, strict=True)]
+                ax.fill_between(xs, low, high, color=colour, alpha=0.15)
+        ax.set(xlabel="step", title=titles[name])
         ax.grid(alpha=0.3)
-    for ax in axes[1:]:
-        ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+        if name != "val":
+            ax.legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     path = _save(fig, out / "eval_curve.png")
     plt.close(fig)
     return path
 
 
+def _span(counts: list[int]) -> str:
+    """``100`` or ``80-100``: the documents behind a panel's bars."""
+    low, high = min(counts), max(counts)
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
 def downstream_figure(downstream: dict[str, dict[str, Any]], out: Path = EVAL_DIR) -> Path | None:
-    """Per task: the primary metric next to chance (ours; transformers' as a mark), and bpb."""
+    """Per task: our primary accuracy over the documents scored, with chance and majority beside
+    it; our bpb; and the conversion check, ours and transformers' bpb over the same documents
+    (transformers scores only evaluate.compare_docs of them, so its figure never sits beside a
+    bar of more documents). A panel only where a task has its figure (no empty panel)."""
     if not downstream:
         return None
     plt = _pyplot()
+    ranked = [n for n, r in downstream.items() if r["primary"] in ("acc", "len_norm")]
+    compared = [n for n, r in downstream.items() if "ours_on_hf_docs" in r and "bpb" in r.get("hf", {})]
     names = list(downstream)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.32 * len(names)))
-    ys = range(len(names))
-    ranked = [downstream[n] if downstream[n]["primary"] in ("acc", "len_norm") else None for n in names]
-    ax1.barh(
-        list(ys),
-        [r[f"{r['primary']}_v2"] if r else 0 for r in ranked],
-        xerr=[r.get(f"{r['primary']}_v2/stderr", 0.0) if r else 0 for r in ranked],  # one standard error
-        color="tab:blue",
-        label="ours",
-    )
-    ax1.scatter([r["chance"] if r else float("nan") for r in ranked], list(ys), color="black", marker="|", s=120, label="chance")
-    ax1.scatter(
-        [r["hf"].get(r["primary"], float("nan")) if r else float("nan") for r in ranked],
-        list(ys),
-        color="tab:orange",
-        marker="x",
-        label="transformers",
-    )
-    ax1.set_yticks(list(ys), [f"{n} ({downstream[n]['primary']})" for n in names], fontsize=7)
-    ax1.set(xlabel="accuracy", title="downstream accuracy (a tiny model scores at chance)")
-    ax1.legend(fontsize=7)
-    ax2.barh(list(ys), [downstream[n]["bpb_v2"] for n in names], xerr=[downstream[n].get("bpb_v2/stderr", 0.0) for n in names], color="tab:green")
-    ax2.set_yticks(list(ys), names, fontsize=7)
-    ax2.set(xlabel="bits per byte of the gold continuation (lower is better)", title="downstream bpb")
-    for ax in (ax1, ax2):
+    panels = [p for p, tasks in (("acc", ranked), ("bpb", names), ("hf", compared)) if tasks]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 1.8 + 0.32 * len(names)), squeeze=False, layout="constrained")
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "acc":
+            rows, ys = [downstream[n] for n in ranked], list(range(len(ranked)))
+            values = [r[f"{r['primary']}_v2"] for r in rows]
+            ax.barh(ys, values, xerr=[r.get(f"{r['primary']}_v2/stderr", 0.0) for r in rows], color="tab:blue", label="ours ± 1 s.e.")
+            ax.scatter([r.get("chance", float("nan")) for r in rows], ys, color="black", marker="|", s=140, label="chance (uniform guess)")
+            ax.scatter([r.get("majority", float("nan")) for r in rows], ys, color="tab:red", marker="d", s=30, label="majority (one fixed answer)")
+            ax.set_yticks(ys, [f"{n} ({downstream[n]['primary']})" for n in ranked], fontsize=7)
+            ax.set(xlabel="accuracy", title=f"primary accuracy over {_span([int(r['docs']) for r in rows])} documents per task")
+        elif panel == "bpb":
+            rows, ys = [downstream[n] for n in names], list(range(len(names)))
+            ax.barh(ys, [r["bpb_v2"] for r in rows], xerr=[r.get("bpb_v2/stderr", 0.0) for r in rows], color="tab:green", label="ours ± 1 s.e.")
+            ax.set_yticks(ys, names, fontsize=7)
+            what = "bits per byte of the gold continuation (lower is better)"
+            ax.set(xlabel=what, title=f"bpb over {_span([int(r['docs']) for r in rows])} documents per task")
+        else:
+            rows, ys = [downstream[n] for n in compared], list(range(len(compared)))
+            ax.barh(ys, [r["ours_on_hf_docs"]["bpb"] for r in rows], color="tab:green", alpha=0.5, label="ours")
+            ax.scatter([r["hf"]["bpb"] for r in rows], ys, color="tab:orange", marker="x", label="transformers")
+            ax.set_yticks(ys, compared, fontsize=7)
+            few = _span([int(r["ours_on_hf_docs"]["docs"]) for r in rows])
+            ax.set(xlabel="bits per byte of the gold continuation", title=f"conversion check: both models' bpb over the same {few} documents")
+        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the bars, never over them
         ax.invert_yaxis()
         ax.grid(alpha=0.3, axis="x")
     path = _save(fig, out / "downstream.png")
@@ -234,10 +265,9 @@ def checkpoint_curve_figure(points: list[dict[str, Any]], out: Path = CHECKPOINT
         fig.suptitle(f"converted from {points[0]['converted_from']} (not a training step)", fontsize=9)
         for ax in (ax1, ax2):
             ax.set_xticks([])
-    tasks = list(points[0]["tasks"])
-    colours = plt.get_cmap("tab20")  # 20 distinct colours, and markers as well past that
-    for i, task in enumerate(tasks):
-        ax2.plot(steps, [p["tasks"][task]["bpb"] for p in points], marker="osD^v<>"[i // 20 % 7], color=colours(i % 20), label=task)
+    styles = task_styles(list(points[0]["tasks"]))
+    for task, (colour, marker) in styles.items():
+        ax2.plot(steps, [p["tasks"][task]["bpb"] for p in points], marker=marker, color=colour, label=task)
     ax2.set(xlabel="step", ylabel="bpb", title="downstream bpb by checkpoint")
     ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the curves, not over them
     for ax in (ax1, ax2):

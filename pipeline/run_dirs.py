@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 
 from moe.reader import MIB, FileFormatError, Int, Map, Nullable, Plain, Str, parse_json, read_bytes, read_json
-from moe.train.checkpoint import STEP_DIR_NAME
 from moe.train.sinks import METRIC_ROW, METRICS_MAX_BYTES
 from pipeline.errors import PipelineError
 
@@ -172,6 +171,8 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def _foreign_in_checkpoint_dir(root: Path) -> str | None:
+    from moe.train.checkpoint import STEP_DIR_NAME  # (imports torch: not before a config is valid)
+
     for p in sorted(root.iterdir()):
         if STEP_DIR_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
             continue

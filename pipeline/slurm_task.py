@@ -32,11 +32,9 @@ class SlurmTrainTask:
 
         from moe.train.preemption import StopRequest
         from pipeline import worker
+        from pipeline.verbosity import configure_logging
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout, force=True)
-        from pipeline.redact import install_log_redaction
-
-        install_log_redaction()
+        configure_logging(logging.INFO, stream=sys.stdout, log_file_format=True)
         for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(var, None)  # never inherit the submitting shell's
         env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

@@ -19,7 +19,6 @@ from typing import Any
 from moe.config import ExperimentConfig
 from moe.errors import MoeError, error_line
 from moe.reader import Bool, FileFormatError, Int, Map, Nullable, Num, Str, read_json
-from moe.train.process import run_process, train
 from moe.train.sinks import ConsoleSink, JsonlSink, read_metric_rows
 from pipeline.executors.base import TrainJob
 from pipeline.run_lock import RunLock
@@ -61,6 +60,8 @@ def die_with_parent() -> None:
 
 def run(job: TrainJob, stop=None) -> dict:
     """Train; return the summary (rank 0 also writes it)."""
+    from moe.train.process import train
+
     cfg = ExperimentConfig.from_dict(job.config).validate()
     resolved = job.resolved  # resolved once where the job was built; the layout checks the world size
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
@@ -138,6 +139,8 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
             close_job_run(job, ok=True)
         return summary
 
+    from moe.train.process import run_process
+
     code, summary, message = run_process(body)
     if message is None:
         return code, summary
@@ -149,16 +152,28 @@ def run_and_report(job: TrainJob, stop=None, lock: bool = False) -> tuple[int, d
     return code, {}
 
 
+def interrupted_once() -> None:
+    """Ctrl-C reaches a local worker twice (from the terminal, and forwarded by the launcher):
+    the first stops the run, the second must not break its teardown into a second traceback."""
+    import signal
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of local processes and of plain-sbatch tasks (slurm/train.sbatch). Under Slurm,
     USR2 means: checkpoint at the next step, then requeue."""
 
     argv = sys.argv[1:] if argv is None else argv
+    interrupted_once()
     die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
-    from pipeline.redact import install_log_redaction
+    from pipeline.verbosity import configure_logging
 
-    install_log_redaction()
+    configure_logging(logging.INFO, stream=sys.stdout, log_file_format=True)
     stop = None
     slurm = bool(os.environ.get("SLURM_JOB_ID")) and not os.environ.get(PARENT_PID_ENV)
     if slurm:
@@ -172,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     except MoeError as exc:  # a job spec that is not one of ours: one line, its exit code
         print(error_line(str(exc)), file=sys.stderr, flush=True)
         return exc.exit_code
-    code, summary = run_and_report(job, stop, lock=slurm)
+    try:
+        code, summary = run_and_report(job, stop, lock=slurm)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so, in one line
+        return 130
     if code == 0 and summary.get("preempted"):
         from pipeline.requeue import requeue_or_stop
 

@@ -56,7 +56,7 @@ WORKSPACE = [
     "dvc plots show",
     "dvc exp run --temp -S ++optim.lr=0.002",
     "dvc exp run --temp -S +model.d_model=128",
-    "dvc exp show --drop '.*' --keep 'Experiment|Created|optim.lr|model.d_model|final_loss|^val_loss|suite.bpb_mean|suite.primary_mean'",
+    "dvc exp show --drop '.*' --keep 'Experiment|Created|optim.lr|model.d_model|final_loss|^val_loss|suite.bpb_mean|suite.len_norm_mean'",
     "moe evaluate",
     "moe release",
     "moe evaluate --checkpoint runs/train/checkpoints/step_00000100 --checkpoint runs/train/checkpoints/step_00000150",

@@ -19,6 +19,11 @@ Beside every mean, ``<key>/stderr``: how far it would move on another draw of as
 documents. Accuracies (0/1 per document) get the binomial sqrt(p(1 - p) / n); the continuous
 per-document values (bpb, ce_loss, soft) the sample standard error std / sqrt(n) (ddof 1).
 Either is 0 below two documents (nothing to estimate it from).
+
+Beside a ranked task's accuracy, two baselines: ``chance`` (a uniform guess) and ``majority``
+(always the most frequent gold position: a model that always answers BoolQ's "no" scores one
+minus it, whatever chance says). A task of subjects (MMLU) also gets its mean over subjects,
+each counted once (``macro_mean``), as OLMES reports MMLU; the document mean stays beside it.
 """
 
 from __future__ import annotations
@@ -119,3 +124,36 @@ def chance(requests: Sequence[Request]) -> float:
     for r in requests:
         counts[r.doc_id] = counts.get(r.doc_id, 0) + 1
     return sum(1.0 / n for n in counts.values()) / max(1, len(counts))
+
+
+def majority(requests: Sequence[Request]) -> float:
+    """Accuracy of always answering the most frequent gold position (BoolQ's " yes" or " no", a
+    letter, an ending's place), over the documents: the best any one fixed answer scores."""
+    labels: dict[int, int] = {r.doc_id: r.label for r in requests}
+    counts: dict[int, int] = {}
+    for label in labels.values():
+        counts[label] = counts.get(label, 0) + 1
+    return max(counts.values(), default=0) / max(1, len(labels))
+
+
+def subject_metrics(
+    requests: Sequence[Request], scores: Mapping[int, float], metric_type: str, subject_of: Mapping[int, str]
+) -> dict[str, dict[str, float]]:
+    """task_metrics of each subject's documents (``subject_of``: document -> subject); a subject
+    with no scored document is left out."""
+    by_subject: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_subject.setdefault(subject_of[r.doc_id], []).append(i)
+    out = {}
+    for subject, index in sorted(by_subject.items()):
+        m = task_metrics([requests[i] for i in index], {j: scores[i] for j, i in enumerate(index) if i in scores}, metric_type)
+        if m["docs"]:
+            out[subject] = m
+    return out
+
+
+def macro_mean(per_subject: Mapping[str, Mapping[str, float]], key: str) -> tuple[float, float]:
+    """(the unweighted mean over subjects of ``key``, its standard error): every subject counts
+    once however many documents it has, as OLMES averages MMLU's 57."""
+    values = [m[key] for m in per_subject.values()]
+    return sum(values) / max(1, len(values)), combined_stderr([m.get(f"{key}/stderr", 0.0) for m in per_subject.values()])

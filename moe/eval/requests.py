@@ -53,6 +53,9 @@ class TaskRequests:
     # their context would have been cut (evaluate.truncation=drop) or their continuation does not fit
     sample: tuple[int, ...] | None = None
     dropped: tuple[int, ...] = ()
+    # (document, subject) of a task reported as a mean over its subjects (MMLU, as OLMES does);
+    # empty: a mean over documents only
+    subjects: tuple[tuple[int, str], ...] = ()
 
 
 def truncation(requests: Sequence[Request], max_len: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """A suite of tokenised tasks scored on one model: per task, OLMo's metrics with their standard
-errors, the number of documents, chance level, how much context the model's window cut (or
-how many documents were dropped instead) and the time it took; sharded over data-parallel
-ranks when asked.
+errors, the number of documents, chance and majority levels, a task of subjects' (MMLU's) mean
+over its subjects, how much context the model's window cut (or how many documents were dropped
+instead) and the time it took; sharded over data-parallel ranks when asked.
 
 Torch only: the evaluate stage and the trainer's in-loop evaluation (moe.eval.callback) share
 it, with the requests built by pipeline.eval from the task data.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from moe.eval.metrics import RANKED, chance, task_metrics
+from moe.eval.metrics import RANKED, chance, macro_mean, majority, subject_metrics, task_metrics
 from moe.eval.requests import TaskRequests, truncation
 from moe.eval.scoring import Forward, score_requests
 
@@ -83,6 +83,9 @@ def evaluate_suite(
             extra = task_metrics(t.requests, scores, other)
             metrics.update({k: v for k, v in extra.items() if k.startswith(other)})
             metrics["chance"] = chance(t.requests)
+            metrics["majority"] = majority(t.requests)
+        if t.subjects:
+            metrics.update(subject_means(t, scores))
         metrics["docs_total"] = float(t.docs_total)
         metrics["requests"] = float(len(t.requests))
         metrics.update(truncation(t.requests, max_len))
@@ -98,15 +101,30 @@ def evaluate_suite(
     return results, all_scores
 
 
+def subject_means(t: TaskRequests, scores: dict[int, float]) -> dict[str, float]:
+    """A task of subjects' primary metric and bpb as means over its subjects (``<key>_macro``,
+    with its standard error) and how many subjects were scored, beside the document means."""
+    per_subject = subject_metrics(t.requests, scores, t.metric, dict(t.subjects))
+    out = {"subjects": float(len(per_subject))}
+    for key in dict.fromkeys((f"{t.metric}_v2", "bpb_v2")):
+        if not per_subject or not all(key in m for m in per_subject.values()):
+            continue  # (a ce_loss task has no bpb)
+        out[f"{key}_macro"], out[f"{key}_macro/stderr"] = macro_mean(per_subject, key)
+    return out
+
+
 def headline(metrics: dict[str, float], metric: str) -> dict[str, float]:
-    """The few numbers a curve or a table shows: the primary metric, accuracy, bpb; each with
-    its standard error beside it (``<name>/stderr``, where the metrics carry one)."""
+    """The few numbers a curve or a table shows: the primary metric, accuracy, bpb (and a task of
+    subjects' primary metric over its subjects); each with its standard error beside it
+    (``<name>/stderr``, where the metrics carry one)."""
     names = {}
     if metric in RANKED:
         names.update({metric: f"{metric}_v2", "acc": "acc_v2", "len_norm": "len_norm_v2"})
     names["bpb"] = "bpb_v2"
     if "ce_loss_v2" in metrics:
         names["ce_loss"] = "ce_loss_v2"
+    if f"{metric}_v2_macro" in metrics:  # a task of subjects: its mean over them too
+        names[f"{metric}_macro"] = f"{metric}_v2_macro"
     out = {}
     for short, key in names.items():
         out[short] = metrics[key]

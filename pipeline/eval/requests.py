@@ -5,8 +5,9 @@ encodings) and the model's context length.
 A limit takes a seeded random sample of each task's documents, stratified by the task's own
 source/subject field (Doc.group), not the first documents in file order: those are often one
 subject or one source (MMLU's rows run subject by subject), so a prefix measures a different
-task. Contexts the model's window would cut are counted, warned about, and either cut from
-the left (OLMo's evaluator does) or, with ``truncation="drop"``, left out.
+task. Every document is equally likely to be drawn, so a sample's plain mean estimates the
+task's without bias. Contexts the model's window would cut are counted, warned about, and
+either cut from the left (OLMo's evaluator does) or, with ``truncation="drop"``, left out.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import random
+from fractions import Fraction
 from pathlib import Path
 
 from moe.eval.requests import Request, TaskRequests, truncation
@@ -87,11 +90,37 @@ def _rng(seed: int, task: str) -> random.Random:
     return random.Random(int.from_bytes(hashlib.sha256(f"{seed}/{task}".encode()).digest()[:8], "big"))
 
 
+def stratum_takes(sizes: dict[str, int], limit: int) -> dict[str, tuple[int, Fraction]]:
+    """Each stratum's draw in a ``limit``-document sample of ``sum(sizes)``: (its proportional
+    share rounded down, the chance it gets one more), the chance being the share's fraction, so
+    its expected draw is exactly its share and every document's chance of being drawn is
+    limit / sum(sizes), whatever the strata's sizes (the plain mean of a sample is then an
+    unbiased estimate of the task's). Rounding to the largest remainders instead, as this
+    once did, gave a stratum whose fraction never comes out on top no document under any seed."""
+    total = sum(sizes.values())
+    return {g: (limit * n // total, Fraction(limit * n % total, total)) for g, n in sizes.items()}
+
+
+def _round_systematically(takes: dict[str, tuple[int, Fraction]], order: list[str], rng: random.Random) -> dict[str, int]:
+    """The strata's counts: each gets its one more with exactly its chance, and the counts sum to
+    the limit (systematic sampling of the fractions laid end to end in ``order``: one random
+    start, points a whole unit apart, so a fraction below 1 holds at most one)."""
+    denominator = math.lcm(*(p.denominator for _, p in takes.values()))
+    start, end, counts = rng.randrange(denominator), 0, {}
+    for g in order:
+        floor, p = takes[g]
+        begin, end = end, end + int(p * denominator)
+        # a point start + j * denominator (j = 0, 1, ...) falls in [begin, end)
+        counts[g] = floor + int(-((begin - start) // -denominator) * denominator + start < end)
+    return counts
+
+
 def sample_documents(docs: list[Doc], limit: int | None, seed: int, task: str) -> list[Doc]:
     """``limit`` documents drawn at random (all of them: None or more than there are), in file
-    order. Stratified by Doc.group: each group gets its proportional share, floored, and the
-    documents left over go to the largest remainders (ties drawn at random), so a sample keeps
-    the task's mix of subjects; within a group, a uniform draw without replacement."""
+    order. Stratified by Doc.group, so a sample keeps the task's mix of subjects: each group
+    gives its proportional share, rounded down or up at random (stratum_takes), and within a
+    group a uniform draw without replacement; every document has the same chance,
+    limit / len(docs), of being drawn."""
     if limit is None or limit >= len(docs):
         return docs
     rng = _rng(seed, task)
@@ -99,14 +128,11 @@ def sample_documents(docs: list[Doc], limit: int | None, seed: int, task: str) -
     for i, d in enumerate(docs):
         strata.setdefault(d.group or "", []).append(i)
     names = sorted(strata)
-    take = {g: limit * len(strata[g]) // len(docs) for g in names}
-    remainder = {g: limit * len(strata[g]) % len(docs) for g in names}  # integers: no float ties
-    ties = {g: rng.random() for g in names}
-    for g in sorted(names, key=lambda g: (-remainder[g], ties[g]))[: limit - sum(take.values())]:
-        take[g] += 1
+    rng.shuffle(names)  # the strata in a random order: which of them share a rounding is not fixed
+    counts = _round_systematically(stratum_takes({g: len(strata[g]) for g in names}, limit), names, rng)
     chosen: list[int] = []
-    for g in names:
-        chosen += rng.sample(strata[g], take[g])
+    for g in sorted(names):
+        chosen += rng.sample(strata[g], counts[g])
     return [docs[i] for i in sorted(chosen)]
 
 
@@ -124,14 +150,14 @@ def prepare_tasks(
 ) -> list[TaskRequests]:
     """Every named task (or suite) built and tokenised; ``limit``: a seeded, stratified sample of
     each (sample_documents). Documents whose context does not fit ``max_len`` get one warning
-    line per task, and are cut (``truncation_mode="cut"``) or left out (``"drop"``)."""
+    line (for all the tasks), and are cut (``truncation_mode="cut"``) or left out (``"drop"``)."""
     if truncation_mode not in ("cut", "drop"):
         raise PipelineError(f"{truncation_key}: must be cut or drop, got {truncation_mode!r}")
     tasks = resolve_tasks(names, key)
     if not tasks:
         return []
     root: Path = data_root(data_dir)
-    out = []
+    out, cuts = [], []
     for task in tasks:
         docs = task.build(root)
         if not docs:
@@ -152,31 +178,38 @@ def prepare_tasks(
             log.warning(line + "left out (a continuation cannot be cut)", task.name, len(unfit), len(kept), max_len, longest)
             requests = [r for r in requests if r.doc_id not in set(unfit)]
         sample = tuple(d.doc_id for d in kept) if len(kept) < len(docs) else None
-        task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample, tuple(unfit))
+        subjects = tuple((d.doc_id, d.group) for d in kept if d.group is not None) if task.subject_mean else ()
+        task_requests = TaskRequests(task.name, task.metric, tuple(requests), len(docs), sample, tuple(unfit), subjects)
         cut = truncation(requests, max_len)
         if cut["truncated_docs"]:
-            task_requests = _report_cut(task_requests, cut, len(kept), max_len, truncation_mode, truncation_key)
+            cuts.append((task.name, cut, len(kept)))
+            task_requests = _drop_cut(task_requests, len(kept), max_len, truncation_mode, truncation_key)
         out.append(task_requests)
+    if cuts:
+        log.warning("%s", cut_line(cuts, max_len, truncation_mode, truncation_key))
     return out
 
 
-def _report_cut(t: TaskRequests, cut: dict[str, float], docs: int, max_len: int, mode: str, key: str) -> TaskRequests:
-    """The warning line for a task whose contexts do not fit; with ``mode="drop"``, the task
-    without those documents (refused when none would be left)."""
+def cut_line(cuts: list[tuple[str, dict[str, float], int]], max_len: int, mode: str, key: str) -> str:
+    """The one warning line for the tasks whose contexts do not fit ((name, truncation(), documents)
+    each): the figures of one task, or each task's count of several."""
     what = "those documents are left out" if mode == "drop" else "their context is cut from the left"
     hint = f"{key}=cut cuts them instead" if mode == "drop" else f"{key}=drop leaves them out"
-    log.warning(
-        "task %s: %d of %d documents (%d requests) do not fit model.max_seq_len=%d by up to %d tokens (%d in all): %s; %s",
-        t.name,
-        cut["truncated_docs"],
-        docs,
-        cut["truncated_requests"],
-        max_len,
-        cut["truncated_tokens_max"],
-        cut["truncated_tokens_total"],
-        what,
-        hint,
-    )
+    if len(cuts) == 1:
+        name, cut, docs = cuts[0]
+        over = f"by up to {cut['truncated_tokens_max']:.0f} tokens ({cut['truncated_tokens_total']:.0f} in all)"
+        return (
+            f"task {name}: {cut['truncated_docs']:.0f} of {docs} documents ({cut['truncated_requests']:.0f} requests) do not fit "
+            f"model.max_seq_len={max_len} {over}: {what}; {hint}"
+        )
+    each = ", ".join(f"{name} {cut['truncated_docs']:.0f} of {docs}" for name, cut, docs in cuts)
+    longest = max(cut["truncated_tokens_max"] for _, cut, _ in cuts)
+    return f"{len(cuts)} tasks have documents that do not fit model.max_seq_len={max_len} by up to {longest:.0f} tokens ({each}): {what}; {hint}"
+
+
+def _drop_cut(t: TaskRequests, docs: int, max_len: int, mode: str, key: str) -> TaskRequests:
+    """With ``mode="drop"``, the task without the documents that do not fit (refused when none
+    would be left)."""
     if mode != "drop":
         return t
     dropped = sorted({r.doc_id for r in t.requests if r.cut(max_len)})

@@ -56,6 +56,9 @@ class Task:
     metric: str  # the primary metric: acc | len_norm | bpb | ce_loss
     build: Callable[[Path], list[Doc]]
     about: str
+    # reported as a mean over its subjects (Doc.group) beside the mean over documents: MMLU,
+    # which OLMES averages subject by subject
+    subject_mean: bool = False
 
 
 # ------------------------------------------------------------------ what task data may hold
@@ -439,6 +442,7 @@ def _registry() -> dict[str, Task]:
             spec["metric"],
             _checked(name, _mmlu(spec)),
             f"MMLU {spec['category']}, {spec['split']} split, {spec['prompts']}" + (", letter answers" if spec["mc_labels"] else ""),
+            subject_mean=True,
         )
     for name, spec in TABLE["olmes"].items():
         tasks[name] = Task(name, spec["metric"], _checked(name, _olmes(spec)), f"OLMES requests {spec['requests']}")

@@ -5,16 +5,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.executors.base import Executor, JobResult, TrainJob
-from pipeline.executors.local import LocalExecutor
 
 if TYPE_CHECKING:
+    from pipeline.executors.local import LocalExecutor
     from pipeline.params import PipelineConfig
 
 __all__ = ["Executor", "JobResult", "LocalExecutor", "TrainJob", "build_executor", "world_size"]
 
 
+def __getattr__(name: str):
+    # The local executor starts ranks with torch's launcher: imported when used, so that the
+    # config commands (`moe params`, `moe submit --dry-run`) answer without loading torch.
+    if name == "LocalExecutor":
+        from pipeline.executors.local import LocalExecutor
+
+        return LocalExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_executor(cfg: PipelineConfig) -> Executor:
     if cfg.executor.kind == "local":
+        from pipeline.executors.local import LocalExecutor
+
         return LocalExecutor()
     if cfg.executor.kind == "slurm":
         from pipeline.executors.slurm import SlurmExecutor

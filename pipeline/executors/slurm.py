@@ -52,6 +52,28 @@ def require_slurm(*commands: str) -> None:
             f"Slurm is not available on this machine: `{missing[0]}` is not on PATH. "
             "Run this on a Slurm login node; `moe submit --dry-run` prints the job script anywhere"
         )
+    down = controller_down()
+    if down:
+        raise PipelineError(f"Slurm's controller does not answer here ({down}); `moe submit --dry-run` prints the job script anywhere")
+
+
+PING_TIMEOUT_S = 10
+
+
+def controller_down() -> str | None:
+    """What `scontrol ping` says when the controller is down (None: it answered, or there is
+    no scontrol to ask). Asked first because scontrol, scancel and sbatch retry a controller
+    that is down for tens of seconds before they fail; the ping answers at once."""
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=PING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"scontrol ping: no answer in {PING_TIMEOUT_S} s"
+    if r.returncode == 0:
+        return None
+    said = next((line.strip() for line in (r.stdout + r.stderr).splitlines() if line.strip() and not line.startswith("*")), "")
+    return f"scontrol ping: {said or f'exit code {r.returncode}'}"
 
 
 def check_job_id(job_id: str) -> str:

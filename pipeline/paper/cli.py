@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pipeline.console import handle_errors
+from pipeline.console import handle_errors, run_child
 
 PIPELINE_DIR = Path("bench/paper")
 paper_app = typer.Typer(no_args_is_help=True, help="Reproduce the paper's system claims (bench/paper/dvc.yaml).")
@@ -149,8 +147,9 @@ def repro_cmd(
         if set_:
             typer.echo("error: --set applies with --no-dvc; with DVC edit bench/paper/params.yaml or use `dvc exp run -S`", err=True)
             raise typer.Exit(2)
-        dvc = shutil.which("dvc") or str(Path(sys.executable).with_name("dvc"))
-        raise typer.Exit(subprocess.call([dvc, "repro", str(PIPELINE_DIR / "dvc.yaml")]))
+        from pipeline.dvc_run import call
+
+        raise typer.Exit(call(["repro", str(PIPELINE_DIR / "dvc.yaml")]))
     from pipeline.paper.claims import STAGES
 
     root = str(Path.cwd().resolve())
@@ -158,6 +157,6 @@ def repro_cmd(
     args = [a for s in (set_ or []) for a in ("--set", s)] + (["--no-mlflow"] if no_mlflow else [])
     steps = [["tokenize", *[a for s in (set_ or []) for a in ("--set", s)]]] + [["stage", s, *args] for s in STAGES] + [["report", *args]]
     for step in steps:
-        code = subprocess.call([sys.executable, "-m", "pipeline.paper", *step], cwd=PIPELINE_DIR, env=env)
+        code = run_child([sys.executable, "-m", "pipeline.paper", *step], cwd=PIPELINE_DIR, env=env)
         if code:
             raise typer.Exit(code)

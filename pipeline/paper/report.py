@@ -1,7 +1,8 @@
 """The report stage: ``REPORT.md`` and PNG plots from the stages' result files.
 
 For every claim: the paper's number and hardware, ours with our hardware and the scaled
-configuration (the scaling rule's notes beside the figure), and the ratio of the two."""
+configuration (the scaling rule's notes beside the figure), and the ratio of the two where they
+are comparable (not_comparable says when they are not)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pipeline.outputs import check_output_file, write_output_file
 from pipeline.paper.claims import CLAIMS, STAGES
 from pipeline.paper.hardware import Hardware
 from pipeline.paper.results import load_stage_result
+from pipeline.paper.scaling import PAPER_MODEL
 from pipeline.tracking.provenance import git_info
 from pipeline.units import gib
 
@@ -52,6 +54,27 @@ def hardware_label(result: dict[str, Any]) -> str:
     if fields and (memory is None or type(memory) in (int, float)):
         return Hardware.from_record(hw).describe()
     return hw["describe"]
+
+
+# A ratio to the paper's figure means something only on the paper's class of hardware (GPUs) and
+# a model of about its width: the scaling rule may halve the width twice and drop layers, which
+# changes the numbers by a measured, stated amount, not by orders of magnitude.
+MIN_WIDTH_FRACTION = 1 / 4
+
+
+def not_comparable(result: dict[str, Any]) -> str | None:
+    """Why a stage's figures cannot be set against the paper's as a ratio (None: they can)."""
+    from moe.config.presets import model_preset
+
+    paper_width = model_preset(PAPER_MODEL)["d_model"]
+    width = (result.get("scaling", {}).get("model") or {}).get("d_model")
+    claim = CLAIMS[result["stage"]] if result.get("stage") in CLAIMS else None
+    theirs = f"the paper's {claim.paper_hardware if claim else 'GPUs'} and d={paper_width}"
+    if result["hardware"].get("kind") != "gpu":
+        return f"{hardware_label(result)} and a d={width or '?'} model against {theirs}"
+    if not isinstance(width, int) or width < paper_width * MIN_WIDTH_FRACTION:
+        return f"a d={width or '?'} model against {theirs}"
+    return None
 
 
 def ours_and_ratio(stage: str, derived: dict[str, Any]) -> tuple[str, str]:
@@ -357,7 +380,8 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
         "run's steps, timed between two device synchronisations (the first half is warm-up). Memory is the CUDA peak",
         "(on CPUs the process RSS, not comparable); 'peak above rest' is the peak minus the memory held between steps",
         "(activations, gradients and transients, not activations alone). Where our hardware cannot hold the paper's shape, the scaling rule",
-        "(`pipeline/paper/scaling.py`) shrank it and the 'configuration' column says how.",
+        "(`pipeline/paper/scaling.py`) shrank it and the 'configuration' column says how. A ratio to the paper is given only",
+        f"for runs on GPUs with a model at least {MIN_WIDTH_FRACTION:.0%} of the paper's width; otherwise the column says why not.",
         "",
         "| claim | paper (hardware) | ours | ratio to the paper | our hardware and configuration |",
         "| --- | --- | --- | --- | --- |",
@@ -369,6 +393,8 @@ def write_report(results_dir: str | Path, out_dir: str | Path = ".") -> Path:
             continue
         r = results[stage]
         ours, ratio = ours_and_ratio(stage, r.get("derived", {}))
+        if (why := not_comparable(r)) and ratio != "n/a":
+            ratio = f"not comparable: {why}"
         regime = regime_label(r["variants"])
         lines.append(
             f"| {claim.title} | {claim.paper} ({claim.paper_hardware}) | {ours} | {ratio} | "

@@ -31,10 +31,11 @@ from moe.train.sinks import read_metric_rows
 from moe.train.weights import load_model
 from pipeline.errors import PipelineError
 from pipeline.eval.requests import prepare_tasks
-from pipeline.eval.tasks import TASKS
+from pipeline.eval.tasks import TABLE, TASKS
 from pipeline.outputs import check_output_file, json_keys_within, sha256_file, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import checkpoint_curve_figure, downstream_figure, validation_figure
+from pipeline.progress import Every, seconds
 from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tokenizer import load_tokenizer
@@ -135,13 +136,17 @@ DETAIL_FORMAT = "moe-eval/1"
 _METRIC_NAME = Str(64, r"[a-z][a-z0-9_]*(/stderr)?")
 _HEX64 = Str(64, r"[0-9a-f]{64}")
 # One task's figures (compare_downstream): every metric a finite number, its standard error
-# beside it; the documents scored, dropped and cut; chance in [0, 1].
+# beside it; the documents scored, dropped and cut; chance and majority in [0, 1]; ours and
+# transformers' headlines over the documents both scored.
 _TASK = Map(
     required={"primary": Str(32, r"[a-z_]+"), "docs": Num(0, 1e9)},
     optional={
         "chance": Num(0, 1),
+        "majority": Num(0, 1),
+        "subjects": Num(0, 1e6),
         "about": Str(512),
         "hf": Map(other=Num(), keys=_METRIC_NAME, max_keys=64),
+        "ours_on_hf_docs": Map(other=Num(), keys=_METRIC_NAME, max_keys=64),
         "sample_seed": Nullable(Int(0)),
         "doc_ids": List(Int(0), max_len=10**7),
         "docs_total": Num(0, 1e9),
@@ -273,6 +278,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     hf_dir = Path(hf_dir or cfg.convert.output)
     out, sample_path = output_paths(cfg)
     tok_info = check_inputs(cfg, checkpoint, out, sample_path)
+    print(f"evaluating {checkpoint} and its conversion {hf_dir}: validation loss, then evaluate.tasks ({' '.join(cfg.evaluate.tasks)})", flush=True)
 
     ours = load_model(checkpoint, device)
     tasks = eval_tasks(cfg, tok_info, ours.cfg.max_seq_len)  # every check before a model runs
@@ -351,9 +357,10 @@ def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.devic
     rescore every document."""
     max_len = ours.cfg.max_seq_len
     common = {"max_len": max_len, "device": device, "batch_tokens": cfg.evaluate.batch_tokens, "pad_id": pad}
-    mine, scores = evaluate_suite(lambda x: ours(x), tasks, **common, progress=_progress("ours"))
+    due = Every()  # one line per task would be 2 x evaluate.tasks lines: one per 10 s says as much
+    mine, scores = evaluate_suite(lambda x: ours(x), tasks, **common, progress=_progress("ours", due))
     subsets = [first_documents(t, cfg.evaluate.compare_docs) for t in tasks]
-    theirs, _ = evaluate_suite(lambda x: hf(x).logits, [sub for sub, _ in subsets], **common, progress=_progress("transformers"))
+    theirs, _ = evaluate_suite(lambda x: hf(x).logits, [sub for sub, _ in subsets], **common, progress=_progress("transformers", due))
     out: dict[str, dict[str, Any]] = {}
     for t, (sub, index) in zip(tasks, subsets, strict=True):
         m, h = mine[t.name], theirs[t.name]
@@ -365,7 +372,8 @@ def compare_downstream(ours, hf, tasks, cfg: PipelineConfig, device: torch.devic
                 f"{h['docs']:.0f} documents differ by {rel:.2e} (> evaluate.max_rel_diff={cfg.evaluate.max_rel_diff}): the conversion is wrong"
             )
         hf_line = {**headline(h, t.metric), "docs": h["docs"]}
-        out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": hf_line, "hf_rel_diff": rel}
+        ours_line = {t.metric: same[f"{t.metric}_v2"], "bpb": same["bpb_v2"], "docs": same["docs"]}  # what the figure sets beside hf
+        out[t.name] = {**m, "primary": t.metric, "about": TASKS[t.name].about, "hf": hf_line, "ours_on_hf_docs": ours_line, "hf_rel_diff": rel}
         if t.sample is not None:  # evaluate.limit's sample: which documents, so a reader can rescore them
             out[t.name].update(sample_seed=cfg.evaluate.seed, doc_ids=list(t.sample))
         if t.dropped:
@@ -386,29 +394,60 @@ def first_documents(task: TaskRequests, docs: int | None) -> tuple[TaskRequests,
     return dataclasses.replace(task, requests=tuple(task.requests[i] for i in index)), index
 
 
-def _progress(model: str):
+def _progress(model: str, due: Every):
     def say(line: str) -> None:
-        print(f"  [{model}] {line}", flush=True)
+        if due():
+            print(f"  [{model}] {line}", flush=True)
 
     return say
 
 
 def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Means over the tasks of the primary metric (where it is an accuracy), of chance, and of
-    bpb; the means' standard errors from the tasks' (independent samples: sqrt(sum se^2) / k)."""
-    ranked = [r for r in downstream.values() if r["primary"] in RANKED]
+    """Means over the tasks, each of one kind of figure (a mean of plain and length-normalised
+    accuracies is neither): ``acc_mean`` over the tasks whose primary metric is plain accuracy,
+    ``len_norm_mean`` over those ranked by length-normalised accuracy, each with its tasks'
+    chance and majority means beside it; ``bpb_mean`` over every task; and MMLU over its subjects
+    (``mmlu_macro``), as OLMES reports it. Standard errors from the tasks' (independent samples:
+    sqrt(sum se^2) / k)."""
     out = {
         "tasks": float(len(downstream)),
         "docs": float(sum(r["docs"] for r in downstream.values())),
         "seconds": float(sum(r["seconds"] for r in downstream.values())),
     }
-    if ranked:
-        out["primary_mean"] = sum(r[f"{r['primary']}_v2"] for r in ranked) / len(ranked)
-        out["primary_mean/stderr"] = combined_stderr([r[f"{r['primary']}_v2/stderr"] for r in ranked])
-        out["chance_mean"] = sum(r["chance"] for r in ranked) / len(ranked)
+    for kind in RANKED:
+        rows = [r for r in downstream.values() if r["primary"] == kind]
+        if rows:
+            out[f"{kind}_tasks"] = float(len(rows))
+            out[f"{kind}_mean"] = sum(r[f"{kind}_v2"] for r in rows) / len(rows)
+            out[f"{kind}_mean/stderr"] = combined_stderr([r[f"{kind}_v2/stderr"] for r in rows])
+            for base in ("chance", "majority"):
+                if all(base in r for r in rows):
+                    out[f"{kind}_{base}_mean"] = sum(r[base] for r in rows) / len(rows)
     if downstream:
         out["bpb_mean"] = sum(r["bpb_v2"] for r in downstream.values()) / len(downstream)
         out["bpb_mean/stderr"] = combined_stderr([r["bpb_v2/stderr"] for r in downstream.values()])
+    out.update(mmlu_means(downstream))
+    return out
+
+
+def mmlu_means(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per MMLU formulation in the suite (its category tasks, e.g. mmlu_<category>_mc_5shot ->
+    ``mmlu_mc_5shot``): the primary metric as OLMES averages MMLU, over the subjects (each task's
+    mean over its subjects weighted by how many it has: the mean over all of them), its standard
+    error, the subjects, and the mean over the documents beside it (how OLMo's in-loop logs it)."""
+    formulations: dict[str, list[dict[str, Any]]] = {}
+    for name, r in downstream.items():
+        spec = TABLE["mmlu"].get(name)
+        if spec and r.get("subjects") and f"{r['primary']}_v2_macro" in r:
+            formulations.setdefault(name.replace(f"_{spec['category']}", "", 1), []).append(r)
+    out = {}
+    for label, rows in sorted(formulations.items()):
+        key = f"{rows[0]['primary']}_v2"
+        k = sum(r["subjects"] for r in rows)
+        out[f"{label}_macro"] = sum(r["subjects"] * r[f"{key}_macro"] for r in rows) / k
+        out[f"{label}_macro/stderr"] = math.sqrt(sum((r["subjects"] * r[f"{key}_macro/stderr"]) ** 2 for r in rows)) / k
+        out[f"{label}_subjects"] = float(k)
+        out[f"{label}_docs_mean"] = sum(r["docs"] * r[key] for r in rows) / sum(r["docs"] for r in rows)
     return out
 
 
@@ -457,11 +496,14 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
     if len(by_step) < len(checkpoints):
         raise PipelineError("--checkpoint: two of the checkpoints are at the same step; name each step once")
     checkpoints = [by_step[s] for s in sorted(by_step)]  # MLflow's history in step order
+    steps, names = ", ".join(str(s) for s in sorted(by_step)), " ".join(cfg.evaluate.tasks)
+    print(f"evaluating {len(checkpoints)} checkpoints (steps {steps}): validation loss and evaluate.tasks ({names})", flush=True)
     first = read_meta(checkpoints[0])["config"]["model"]["max_seq_len"]
     tasks = eval_tasks(cfg, tok_info, first)
     pad = tok_info.pad_id if tok_info.pad_id is not None else tok_info.eos_id
     points = []
-    for c in checkpoints:
+    due, began = Every(), time.monotonic()
+    for i, c in enumerate(checkpoints):
         model = load_model(c, device)
         seq_len = min(cfg.data.seq_len, model.cfg.max_seq_len)
         val = TokenDataset([str(Path(cfg.tokenize.output) / "val")], seq_len, tokenizer_hash=tok_info.sha256)
@@ -469,10 +511,16 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
         index = np.arange(n)
         batches = [val.batch(index[i : i + cfg.evaluate.batch_size]).to(device) for i in range(0, n, cfg.evaluate.batch_size)]
         loss, _, _ = mean_loss(model, batches)
-        results, _ = evaluate_suite(
-            lambda x, m=model: m(x), tasks, max_len=model.cfg.max_seq_len, device=device, batch_tokens=cfg.evaluate.batch_tokens, pad_id=pad
-        )
         step = int(read_meta(c)["step"])
+        results, _ = evaluate_suite(
+            lambda x, m=model: m(x),
+            tasks,
+            max_len=model.cfg.max_seq_len,
+            device=device,
+            batch_tokens=cfg.evaluate.batch_tokens,
+            pad_id=pad,
+            progress=_progress(f"step {step}", due),
+        )
         point = {
             "step": step,
             "checkpoint": str(resolve_checkpoint(c)),
@@ -482,6 +530,10 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
         if read_meta(c).get("source"):
             point["converted_from"] = read_meta(c)["source"]  # step 0 of no training run
         points.append(point)
+        each = (time.monotonic() - began) / (i + 1)
+        left = len(checkpoints) - i - 1
+        done = f"  checkpoint {i + 1} of {len(checkpoints)} (step {step}) evaluated"
+        print(f"{done}: {seconds(each)} each, about {seconds(each * left)} left", flush=True)
         if tracker:
             tracker.log_metrics({"val_loss": loss, **{f"task/{n}/{k}": v for n, r in point["tasks"].items() for k, v in r.items()}}, step=step)
     payload = {"format": "moe-eval-checkpoints/1", "points": points}

@@ -27,12 +27,11 @@ from pipeline.outputs import csv_header, json_keys_within, write_output_file
 from pipeline.params import PipelineConfig
 from pipeline.plots import TRAIN_DIR, eval_curve, train_figures
 from pipeline.redact import has_password, redact
-from pipeline.resume import prepare_checkpoints
 from pipeline.run_dirs import check_run_dirs
 from pipeline.run_lock import RunLock, command_line
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tracking.job import SECRET_URI_ENV
-from pipeline.worker import read_summary
+from pipeline.verbosity import muted
 
 METRICS_FILE = Path("metrics/train.json")
 LOSS_PLOT = Path("plots/train_loss.csv")
@@ -142,6 +141,8 @@ def prepare_run(job: TrainJob, act: bool = True, markers: tuple[str, ...] = ()) 
     ``act=False`` checks and decides only (a Slurm job changes the directory once sbatch has
     accepted it). ``markers``: files the caller's own runs add to the run directory (the paper
     pipeline's)."""
+    from pipeline.resume import prepare_checkpoints  # (torch's checkpoint reader: not before a config is valid)
+
     check_run_dirs(job.run_dir, job.checkpoint_dir, also=markers)
     start = prepare_checkpoints(job.config, act)  # DVC keeps the run dir (persist); resume only the same config
     if act and start in ("fresh", "restart") and job.metrics_path.is_file() and not job.metrics_path.is_symlink():
@@ -167,7 +168,8 @@ def preflight(cfg: PipelineConfig) -> Checked:
     Slurm present for the Slurm executor, the config against the data and the world."""
     if cfg.executor.kind == "slurm":
         require_slurm("sbatch", "srun", "scontrol", "scancel")
-    return check_train(cfg)
+    with muted("pipeline.eval", when=cfg.executor.kind == "local"):  # the local worker warns again, on this console
+        return check_train(cfg)
 
 
 @dataclass
@@ -232,6 +234,8 @@ def container_tags(cfg: PipelineConfig) -> dict[str, str]:
 
 def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, Any]:
     """Read a finished job's summary and metrics; write the DVC metrics and plots."""
+    from pipeline.worker import read_summary
+
     if not job.summary_path.is_file():
         raise PipelineError(f"training job ended without a summary ({job.summary_path}); logs: {Path(job.run_dir) / 'logs'}")
     summary = read_summary(job.summary_path)

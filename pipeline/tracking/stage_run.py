@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -321,7 +322,9 @@ def log_dataset(client, run_id: str, name: str, path: str | Path, digest: str, c
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
-    source = resolve_dataset_source(str(Path(path).resolve()))
+    with warnings.catch_warnings():  # MLflow registers its local-artifact source twice, then warns that a path is ambiguous
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        source = resolve_dataset_source(str(Path(path).resolve()))
     dataset = MetaDataset(source=source, name=name, digest=digest[:36])
     client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 

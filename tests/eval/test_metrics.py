@@ -80,3 +80,42 @@ def test_the_requests_file_keeps_the_sample_and_the_dropped_documents(tmp_path):
     path.write_bytes(dump_task_requests([task, TaskRequests("u", "acc", tuple(reqs), 3)], {"limit": 3}))
     (a, b), meta = load_task_requests(path)
     assert a == task and b.sample is None and b.dropped == () and meta["limit"] == 3
+
+
+# ---------------------------------------------------------------- issue 51: baselines and subject means
+
+
+def test_majority_is_the_share_of_the_most_frequent_gold_answer():
+    """BoolQ-like: 66 of 100 documents answer " yes" (label 0): a model that always says " no"
+    scores 0.34, under chance (0.5) but not under the majority baseline's complement."""
+    from moe.eval.metrics import chance, majority
+
+    reqs = [Request(d, c, (1,), (2,), 0 if d < 66 else 1, 3, 3, 2, 2) for d in range(100) for c in range(2)]
+    assert majority(reqs) == pytest.approx(0.66) and chance(reqs) == pytest.approx(0.5)
+    always_no = {i: (0.0 if r.cont_id == 1 else -1.0) for i, r in enumerate(reqs)}
+    assert task_metrics(reqs, always_no, "acc")["acc_v2"] == pytest.approx(1 - majority(reqs))
+    assert majority([]) == 0.0
+
+
+def test_a_task_of_subjects_is_averaged_over_its_subjects_with_the_document_mean_beside():
+    """Subject a: 8 documents, all right; subject b: 2 documents, all wrong. Over documents 0.8,
+    over subjects (as OLMES averages MMLU) 0.5; the macro's standard error combines the subjects'."""
+    from moe.eval.metrics import macro_mean, subject_metrics
+    from moe.eval.suite import headline, subject_means
+
+    reqs, scores = [], {}
+    for d in range(10):
+        for c in range(2):
+            reqs.append(Request(d, c, (1,), (2,), 0, 3, 3, 2, 2))
+            scores[len(reqs) - 1] = (-1.0 if c == 0 else -2.0) * (1 if d < 8 else -1)
+    subject_of = {d: "a" if d < 8 else "b" for d in range(10)}
+    per = subject_metrics(reqs, scores, "acc", subject_of)
+    assert {s: m["acc_v2"] for s, m in per.items()} == {"a": 1.0, "b": 0.0} and per["a"]["docs"] == 8
+    assert task_metrics(reqs, scores, "acc")["acc_v2"] == pytest.approx(0.8)
+    assert macro_mean(per, "acc_v2") == (0.5, combined_stderr([per["a"]["acc_v2/stderr"], per["b"]["acc_v2/stderr"]]))
+    task = TaskRequests("mmlu_stem_mc_5shot", "acc", tuple(reqs), 10, subjects=tuple(subject_of.items()))
+    got = subject_means(task, scores)
+    assert got["subjects"] == 2 and got["acc_v2_macro"] == 0.5 and "bpb_v2_macro" in got and "bpb_v2_macro/stderr" in got
+    m = {**task_metrics(reqs, scores, "acc"), **task_metrics(reqs, scores, "len_norm"), **got}
+    assert headline(m, "acc")["acc_macro"] == 0.5 and headline(m, "acc")["acc"] == pytest.approx(0.8)
+    assert "acc_macro" not in headline(task_metrics(reqs, scores, "len_norm") | task_metrics(reqs, scores, "acc"), "acc")

@@ -20,6 +20,7 @@ from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import copy_checkout, sh
+from tests.pipeline.test_verbosity import noise
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +114,9 @@ def test_repro_end_to_end_then_noop(project):
     dest, env = project
     first = venv(project, "moe", "repro")
     assert ran_stages(first.stdout) == ["tokenize", "train", "convert", "evaluate", "release"], first.stdout
+    # a quiet console (issue 51): our lines only, the stages' progress among them
+    assert noise(first.stdout + first.stderr) == [], first.stdout + first.stderr
+    assert "moe.train step 10 " in first.stdout and "  [ours] arc_easy: " in first.stdout, first.stdout
     check_stage_runs(dest)  # (was tests/pipeline/tracking/test_stage_run.py, with its own pipeline run)
     ev = json.loads((dest / "metrics/eval_detail.json").read_text())
     assert ev["hf_rel_diff"] < 1e-4 and ev["generation_matches_hf"] == 1.0

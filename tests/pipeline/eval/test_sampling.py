@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.eval.requests import bos_id, prepare_tasks, sample_documents
+from pipeline.eval.requests import bos_id, cut_line, prepare_tasks, sample_documents
 from pipeline.eval.tasks import TASKS, Doc, mmlu_subjects
 from tests.workspace import REPO
 
@@ -46,12 +46,56 @@ def test_the_sample_is_seeded_in_file_order_and_keeps_the_mix_of_groups():
     assert sample_documents(docs, None, 0, "task") is docs and sample_documents(docs, 5000, 0, "task") is docs
 
 
-def test_leftover_documents_go_to_the_largest_remainders_and_every_group_can_be_small():
+def test_each_group_gives_its_share_rounded_down_or_up_and_every_group_can_be_small():
     docs = _docs([("a", 7), ("b", 2), ("c", 1)])
-    counts = collections.Counter(d.group for d in sample_documents(docs, 5, 3, "t"))
-    assert counts["a"] == 4 and counts["b"] == 1 and sum(counts.values()) == 5  # 3.5, 1.0, 0.5 -> 3+1+0, then a's .5 (ties: drawn)
+    for seed in range(20):
+        counts = collections.Counter(d.group for d in sample_documents(docs, 5, seed, "t"))
+        assert counts["a"] in (3, 4) and counts["b"] == 1 and counts["c"] in (0, 1) and sum(counts.values()) == 5  # 3.5, 1.0, 0.5
     ungrouped = [Doc(i, ("c",), (" x",), 0) for i in range(40)]
     assert len(sample_documents(ungrouped, 10, 0, "t")) == 10  # no group field: a simple random sample
+
+
+# Issue 51: strata whose share's fraction never came out on top under largest-remainder rounding
+# (a lone document beside 50, a task of many small subjects) were never drawn, and a sample's mean
+# was biased the same way under every seed.
+CASES = [[("a", 50), ("b", 1)], [("a", 7), ("b", 2), ("c", 1)], [("a", 3), ("b", 3), ("c", 3), ("d", 2), ("e", 1)]]
+
+
+@pytest.mark.parametrize("groups", CASES)
+def test_every_document_has_the_same_chance_of_being_drawn_by_design(groups):
+    """Exact, from the design: a group of n documents gives floor + (1 with chance p) of them,
+    uniformly, so each of its documents is drawn with chance (floor + p) / n = limit / N."""
+    from fractions import Fraction
+
+    from pipeline.eval.requests import stratum_takes
+
+    sizes = dict(groups)
+    total = sum(sizes.values())
+    for limit in range(1, total):
+        takes = stratum_takes(sizes, limit)
+        assert sum(floor + p for floor, p in takes.values()) == limit  # the counts' expectations sum to the limit
+        assert all(0 <= p < 1 and (floor + p) / sizes[g] == Fraction(limit, total) for g, (floor, p) in takes.items())
+
+
+@pytest.mark.parametrize("groups", CASES)
+def test_every_document_is_drawn_as_often_as_any_other_over_many_seeds_and_the_mean_is_unbiased(groups):
+    """Empirical, over 3,000 seeds of the real sampler: each document's inclusion frequency is
+    limit / N within 4.5 binomial standard errors (none is unreachable), and the mean over seeds
+    of a sample's mean of per-document values is the task's mean."""
+    docs = _docs(groups)
+    total, limit, seeds = len(docs), 4, 3000
+    values = [((7 * d.doc_id) % 11) / 10 + (d.group == "b") for d in docs]  # a value that differs by group
+    drawn, means = collections.Counter(), []
+    for seed in range(seeds):
+        got = [d.doc_id for d in sample_documents(docs, limit, seed, "t")]
+        assert len(got) == limit
+        drawn.update(got)
+        means.append(sum(values[i] for i in got) / limit)
+    pi = limit / total
+    sd = (pi * (1 - pi) / seeds) ** 0.5
+    assert all(abs(drawn[d.doc_id] / seeds - pi) < 4.5 * sd for d in docs), {d: drawn[d] / seeds for d in range(total)}
+    spread = (sum((m - sum(means) / seeds) ** 2 for m in means) / (seeds - 1) / seeds) ** 0.5
+    assert abs(sum(means) / seeds - sum(values) / total) < 4.5 * spread
 
 
 def test_the_sample_does_not_depend_on_python_s_hash_seed():
@@ -158,3 +202,13 @@ def test_bad_sampling_and_truncation_keys_are_one_error_naming_the_key(section, 
 
     with pytest.raises(ConfigError, match=message):
         PipelineConfig.load(json.loads(json.dumps({section: values})))
+
+
+def test_several_tasks_cut_are_one_warning_line():
+    cut = {"truncated_docs": 2.0, "truncated_requests": 4.0, "truncated_tokens_max": 187.0, "truncated_tokens_total": 410.0}
+    sciq = {**cut, "truncated_docs": 1.0, "truncated_tokens_max": 255.0}
+    line = cut_line([("boolq", cut, 100), ("sciq", sciq, 100)], 1024, "cut", "evaluate.truncation")
+    assert line == (
+        "2 tasks have documents that do not fit model.max_seq_len=1024 by up to 255 tokens (boolq 2 of 100, sciq 1 of 100): "
+        "their context is cut from the left; evaluate.truncation=drop leaves them out"
+    )

@@ -19,10 +19,13 @@ TASK = {
     "bpb_v1": 7.9,
     "about": "ARC-Easy, grade-school science",
     "hf": {"acc": 0.25, "acc/stderr": 0.15},
+    "majority": 0.5,
+    "ours_on_hf_docs": {"acc": 0.25, "bpb": 7.9, "docs": 8.0},
     "sample_seed": 0,
     "doc_ids": [8, 44],
 }
-DETAIL = {"format": DETAIL_FORMAT, "step": 8, "tasks": {"arc_easy": TASK}, "suite": {"primary_mean": 0.25}, "val_loss": 5.2}
+SUITE = {"acc_mean": 0.25, "acc_majority_mean": 0.5, "mmlu_mc_5shot_macro": 0.3}
+DETAIL = {"format": DETAIL_FORMAT, "step": 8, "tasks": {"arc_easy": TASK}, "suite": SUITE, "val_loss": 5.2}
 
 
 def _with(change):
@@ -36,6 +39,8 @@ def _with(change):
     [
         (_with(lambda d: d["tasks"]["arc_easy"].update(docs=-1)), r"tasks.arc_easy.docs: expected a finite number in \[0"),
         (_with(lambda d: d["tasks"]["arc_easy"].update(chance=7)), r"tasks.arc_easy.chance: expected a finite number in \[0, 1\]"),
+        (_with(lambda d: d["tasks"]["arc_easy"].update(majority=1.5)), r"tasks.arc_easy.majority: expected a finite number in \[0, 1\]"),
+        (_with(lambda d: d["tasks"]["arc_easy"].update(ours_on_hf_docs={"bpb": "x"})), "tasks.arc_easy.ours_on_hf_docs.bpb: expected a finite"),
         (_with(lambda d: d["tasks"]["arc_easy"].update(acc_v1="high")), "tasks.arc_easy.acc_v1: expected a finite number"),
         (_with(lambda d: d["tasks"]["arc_easy"].update(hf=[1])), "tasks.arc_easy.hf: expected a mapping"),
         (_with(lambda d: d["tasks"].update({f"t{i}": TASK for i in range(MAX_DETAIL_TASKS + 1)})), "tasks: expected at most"),

@@ -54,11 +54,16 @@ def test_downstream_tasks_in_eval_json_with_transformers_beside(in_trained):
     # issue 40: a standard error beside every metric, the sampled documents, the truncation counts
     n, p = arc["docs"], arc["acc_v2"]
     assert arc["acc_v2/stderr"] == __import__("pytest").approx((p * (1 - p) / n) ** 0.5)
-    assert arc["bpb_v2/stderr"] > 0 and "bpb_mean/stderr" in summary["suite"] and "primary_mean/stderr" in summary["suite"]
+    assert arc["bpb_v2/stderr"] > 0 and "bpb_mean/stderr" in summary["suite"] and "acc_mean/stderr" in summary["suite"]
     assert "task/arc_easy/acc_v2/stderr" in flat and "task/arc_easy/hf_bpb/stderr" in flat and "suite/bpb_mean/stderr" in flat
     assert arc["sample_seed"] == 0 and len(arc["doc_ids"]) == 8 and arc["doc_ids"] == sorted(arc["doc_ids"])
     assert arc["doc_ids"] != list(range(8))  # a random sample, not the first documents
     mmlu = written["tasks"]["mmlu_stem_mc_5shot"]
+    # issue 51: a majority baseline beside chance; MMLU over its subjects; one kind of accuracy per suite mean
+    assert 0.25 <= arc["majority"] <= 1 and "primary_mean" not in summary["suite"] and "len_norm_mean" in summary["suite"]
+    assert mmlu["subjects"] >= 1 and "len_norm_v2_macro" in mmlu and "mmlu_mc_5shot_macro" in written["suite"]
+    same = arc["ours_on_hf_docs"]  # ours over transformers' documents: what the figure sets beside it
+    assert same["docs"] == arc["hf"]["docs"] and same["bpb"] == __import__("pytest").approx(arc["hf"]["bpb"], rel=1e-4)
     assert mmlu["truncated_docs"] >= 1 and mmlu["truncated_tokens_max"] >= 1 and mmlu["dropped_docs"] == 0  # 5-shot vs 32 positions
     assert arc["truncated_requests"] <= arc["requests"]
 
