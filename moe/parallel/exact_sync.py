@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
+from moe.kernels.fixed_point import use_triton
 from moe.optim import MasterParam, MasterWeightAdamW
-from moe.parallel.fixed_point import FixedPointScales, add_quantized_, dequantize, exact_norm, quantize, square_sum_count
+from moe.parallel.fixed_point import FixedPointScales, dequantize, exact_norm, quantize, square_sum_count
 from moe.parallel.grad_sync import GradSync, _flat
 from moe.parallel.mesh import Mesh
 
@@ -65,18 +66,19 @@ class FixedPointGradSync(GradSync):
         def hook(_: torch.Tensor) -> None:
             if p.grad is None:
                 return
-            self.scales.observe(i, p.grad)
             if self.scales.calibrated:
                 self._add(i, p)
+            else:
+                self.scales.observe(i, p.grad)
 
         return hook
 
     @torch.no_grad()
     def _add(self, i: int, p: MasterParam) -> None:
-        g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-        if i in self.sums and self.scratch is None:  # one conversion buffer for every parameter
+        g = p.grad
+        if i in self.sums and self.scratch is None and not use_triton(g):  # the torch path's conversion buffer
             self.scratch = torch.empty(max(q.param.numel() for q in self.params), dtype=torch.int64, device=g.device)
-        self.sums[i] = add_quantized_(self.sums.get(i), g, self.scales.scales[i], self.scratch)
+        self.sums[i] = self.scales.observe_and_add(i, self.sums.get(i), g, self.scratch)
         p.grad_holder.grad = None
 
     @torch.no_grad()

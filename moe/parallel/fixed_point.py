@@ -25,6 +25,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from moe.kernels import fixed_point as kernels
+
 # Bits the sum of all micro-batches' integers may use (one below int64's 63 for the sign's room).
 SUM_BITS = 62
 # Factor (as bits) the largest micro-batch gradient of a tensor may grow by from one step to the next.
@@ -75,6 +77,8 @@ def add_quantized_(total: torch.Tensor | None, g: torch.Tensor, scale: torch.Ten
 def dequantize(q: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """int64 multiples of 2^-e back to fp32: one correctly rounded conversion (IEEE's, the same
     at any element position), then an exact scaling."""
+    if kernels.use_triton(q):
+        return kernels.dequantize(q, inverse)
     return q.to(torch.float32).mul_(inverse)
 
 
@@ -90,8 +94,10 @@ def square_sums(x: torch.Tensor) -> torch.Tensor:
     kernel visits them (an exponent per segment; squares exact in float64 and rounded to integers
     below 2^52 / segment, whose float64 sum is exact in any order)."""
     seg = segment_length(math.prod(x.shape[1:]))
-    segments = x.detach().reshape(-1, seg)
     half = (52 - ceil_log2(seg)) // 2  # y = x * 2^(half - k): y^2 < 2^(2 half) <= 2^52 / seg
+    if kernels.use_triton(x):
+        return kernels.square_sums(x, seg, half)
+    segments = x.detach().reshape(-1, seg)
     per = max(1, NORM_CHUNK // seg)
     parts = [_square_sums(segments[i : i + per], half) for i in range(0, segments.shape[0], per)]
     return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.float64)
@@ -162,6 +168,14 @@ class FixedPointScales:
         """Fold |g|'s max into tensor i's (NaN stays NaN: the step is then non-finite)."""
         lo, hi = torch.aminmax(g.detach().float())
         torch.maximum(self.max_abs[i], torch.maximum(-lo, hi), out=self.max_abs[i])
+
+    def observe_and_add(self, i: int, total: torch.Tensor | None, g: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """observe(i, g), then add_quantized_ with tensor i's scale (one kernel on CUDA; the torch
+        path overwrites ``g``, an fp32 gradient about to be dropped, and converts through ``scratch``)."""
+        if kernels.use_triton(g):
+            return kernels.observe_quantize_add(total, g, self.scales, self.max_abs, i)
+        self.observe(i, g)
+        return add_quantized_(total, g if g.dtype == torch.float32 else g.float(), self.scales[i], scratch)
 
     def calibrate(self, indices: list[int] | None, group: dist.ProcessGroup | None, src: int) -> None:
         """Exponents of ``indices`` (all: None) from the maxima observed on rank ``src`` of
