@@ -38,18 +38,24 @@ if HAVE_TRITON:
         return tl.where(up, r + 1.0, r)
 
     @triton.jit
-    def _observe_quantize_add(total, g, scales, max_bits, i, n, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-        """One block: max |g| into max_bits[i] (as int32 bits), total (+)= rint(g * scales[i])."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        a = tl.where(a == a, a, float("inf"))  # NaN: an infinite maximum (the step is non-finite)
-        tl.atomic_max(max_bits + i, tl.max(a, 0).to(tl.int32, bitcast=True))
-        q = _rint(x * tl.load(scales + i)).to(tl.int64)
-        if ACCUMULATE:
-            q += tl.load(total + offs, mask=mask, other=0)
-        tl.store(total + offs, q, mask=mask)
+    def _observe_quantize_add(total, g, scales, max_bits, i, n, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """ITERS blocks: total (+)= rint(g * scales[i]); their max |g| into max_bits[i] (int32 bits)
+        with one atomic (many programs on one address contend)."""
+        base = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+        scale = tl.load(scales + i)
+        top = tl.zeros((), tl.float32)
+        for it in tl.static_range(ITERS):
+            offs = base + it * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            a = tl.where(a == a, a, float("inf"))  # NaN: an infinite maximum (the step is non-finite)
+            top = tl.maximum(top, tl.max(a, 0))
+            q = _rint(x * scale).to(tl.int64)
+            if ACCUMULATE:
+                q += tl.load(total + offs, mask=mask, other=0)
+            tl.store(total + offs, q, mask=mask)
+        tl.atomic_max(max_bits + i, top.to(tl.int32, bitcast=True))
 
     @triton.jit
     def _square_sums(x, out, SEG: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -79,6 +85,8 @@ if HAVE_TRITON:
 
 
 _BLOCK = 4096
+# observe_quantize_add's launch: elements per block, blocks per program, warps (bench/fixed_point.py)
+QUANTIZE_LAUNCH = {"BLOCK": 4096, "ITERS": 1, "num_warps": 4}
 
 
 def observe_quantize_add(total: torch.Tensor | None, g: torch.Tensor, scales: torch.Tensor, max_abs: torch.Tensor, i: int) -> torch.Tensor:
@@ -90,8 +98,9 @@ def observe_quantize_add(total: torch.Tensor | None, g: torch.Tensor, scales: to
         total = torch.empty(g.shape, dtype=torch.int64, device=g.device)
     n = flat.numel()
     if n:
-        grid = (triton.cdiv(n, _BLOCK),)
-        _observe_quantize_add[grid](total, flat, scales, max_abs.view(torch.int32), i, n, ACCUMULATE=accumulate, BLOCK=_BLOCK)
+        launch = QUANTIZE_LAUNCH
+        grid = (triton.cdiv(n, launch["BLOCK"] * launch["ITERS"]),)
+        _observe_quantize_add[grid](total, flat, scales, max_abs.view(torch.int32), i, n, ACCUMULATE=accumulate, **launch)
     return total
 
 

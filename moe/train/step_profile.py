@@ -24,7 +24,18 @@ PREFIX = "profile/"
 
 # Substrings of a kernel's own name (lower case). The expert weight-gradient GEMM that adds into
 # the accumulator (moe/kernels/grouped_wgrad.py) counts as expert GEMM time, the add included.
-_KERNEL_RULES = (("grouped_wgrad", "expert_gemm"), ("quant", "fp8_quantize"), ("flash", "attention"), ("fmha", "attention"), ("sdpa", "attention"))
+# train.layout_invariant's fixed-point kernels (moe/kernels/fixed_point.py) are gradient accumulation
+# and the norm, not FP8 quantisation.
+_KERNEL_RULES = (
+    ("grouped_wgrad", "expert_gemm"),
+    ("observe_quantize_add", "grad_accumulation"),
+    ("_dequantize", "grad_accumulation"),
+    ("_square_sums", "optimizer"),
+    ("quant", "fp8_quantize"),
+    ("flash", "attention"),
+    ("fmha", "attention"),
+    ("sdpa", "attention"),
+)
 # Substrings of an enclosing op's name (lower case), innermost op first.
 _OP_RULES = (
     ("scaled_dot_product", "attention"),

@@ -4,7 +4,7 @@ and the resumes from dp=4's step 10, bitwise, with the default mode at dp=4 agai
 control. What tests/train/test_layout_invariant.py holds on CPU, with the CUDA kernels (the
 Triton fixed-point sums, cuBLAS in its deterministic mode) in the loop.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python tests/train/layout_invariant_gpu_check.py [out.json]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 [FLAVOURS=ddp,zero1,fsdp] python tests/train/layout_invariant_gpu_check.py [out.json]
 
 Prints one line per flavour and comparison and writes them as JSON; exits 1 when any differs."""
 
@@ -23,6 +23,8 @@ from tests.helpers import make_corpus, tiny_config
 
 def on_cuda(data_dir, ckpt_dir, **sections):
     sections["train"] = {**sections.get("train", {}), "device": "cuda"}
+    if sections.get("parallel", {}).get("data_parallel") == "fsdp":  # FSDP keeps fp32 shards (bf16: refused)
+        sections["precision"] = {"recipe": "amp_bf16"}
     return tiny_config(data_dir, ckpt_dir, **sections)
 
 
@@ -51,7 +53,8 @@ def main() -> int:
     out_path = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": cpu.STEPS}
     failed = False
-    for flavour in cpu.FLAVOURS:
+    wanted = os.environ.get("FLAVOURS", ",".join(cpu.FLAVOURS)).split(",")
+    for flavour in wanted:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             (root / "tokens").mkdir()

@@ -114,3 +114,11 @@ def test_the_weight_gradient_gemm_that_accumulates_counts_as_expert_gemm_time():
 
     assert _from_kernel("_grouped_wgrad_kernel", "other") == "expert_gemm"
     assert _from_kernel("_quant_rows_kernel", "other") == "fp8_quantize"
+
+
+def test_the_fixed_point_kernels_are_accumulation_and_norm_not_fp8():
+    from moe.train.step_profile import _from_kernel
+
+    assert _from_kernel("_observe_quantize_add", "other") == "grad_accumulation"
+    assert _from_kernel("_dequantize", "other") == "grad_accumulation"
+    assert _from_kernel("_square_sums", "other") == "optimizer"
