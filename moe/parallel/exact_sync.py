@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
+from moe.kernels import fixed_point as kernels
 from moe.kernels.fixed_point import use_triton
 from moe.optim import MasterParam, MasterWeightAdamW
 from moe.parallel.fixed_point import FixedPointScales, dequantize, exact_norm, quantize, square_sum_count
@@ -54,6 +55,8 @@ class FixedPointGradSync(GradSync):
         self.scratch: torch.Tensor | None = None  # while a step accumulates
         self.index: dict[str, int] = {}
         self.overflow: torch.Tensor | None = None
+        self.side: torch.cuda.Stream | None = None  # CUDA: where the fixed-point adds run (_add_beside)
+        self.pending = False  # adds launched there since the compute stream last waited
 
     def attach(self, opt: MasterWeightAdamW) -> None:
         self.params = opt.params
@@ -76,10 +79,31 @@ class FixedPointGradSync(GradSync):
     @torch.no_grad()
     def _add(self, i: int, p: MasterParam) -> None:
         g = p.grad
-        if i in self.sums and self.scratch is None and not use_triton(g):  # the torch path's conversion buffer
-            self.scratch = torch.empty(max(q.param.numel() for q in self.params), dtype=torch.int64, device=g.device)
-        self.sums[i] = self.scales.observe_and_add(i, self.sums.get(i), g, self.scratch)
+        if g.is_cuda and use_triton(g):
+            self._add_beside(i, g)
+        else:
+            if i in self.sums and self.scratch is None:  # the torch path's conversion buffer
+                self.scratch = torch.empty(max(q.param.numel() for q in self.params), dtype=torch.int64, device=g.device)
+            self.sums[i] = self.scales.observe_and_add(i, self.sums.get(i), g, self.scratch)
         p.grad_holder.grad = None
+
+    def _add_beside(self, i: int, g: torch.Tensor) -> None:
+        """The fixed-point add on a side stream, beside the rest of the backward: it only moves
+        memory while the GEMMs compute, and integer adds and maxima give the same bits in any
+        order. The sum is allocated on the compute stream (its home), the gradient is kept from
+        reuse until the side stream has read it, and ``reduce`` waits for the side stream."""
+        if self.side is None:
+            self.side = torch.cuda.Stream(device=g.device)
+        total = self.sums.get(i)
+        fresh = total is None
+        if fresh:
+            total = torch.empty(g.shape, dtype=torch.int64, device=g.device)
+        self.side.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(self.side):
+            kernels.observe_quantize_add(total, g, self.scales.scales, self.scales.max_abs, i, accumulate=not fresh)
+        g.record_stream(self.side)
+        self.sums[i] = total
+        self.pending = True
 
     @torch.no_grad()
     def after_micro(self) -> None:
@@ -122,8 +146,15 @@ class FixedPointGradSync(GradSync):
         for p in self.local:
             self._set_grad(p, self._take(p))
 
+    def wait_for_adds(self) -> None:
+        """The compute stream waits for the side stream's adds (their sums and maxima are read next)."""
+        if self.pending:
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
+            self.pending = False
+
     @torch.no_grad()
     def reduce(self, opt: MasterWeightAdamW) -> None:
+        self.wait_for_adds()
         self.scratch = None
         super().reduce(opt)
         self.overflow = self.scales.end_step(self.mesh.dp_group)
@@ -187,7 +218,7 @@ class FsdpFixedPoint:
         index = {id(p.param): i for i, p in enumerate(opt.params)}
         self.comms: list[FixedPointReduceScatter] = []
         for module in modules:
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(module):
                 params = [(index[id(fp.sharded_param)], fp.sharded_param, fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
                 comm = FixedPointReduceScatter(self.scales, params, world, device)
                 group._reduce_scatter_comm = comm  # what FSDPModule.set_custom_reduce_scatter sets
@@ -202,6 +233,19 @@ class FsdpFixedPoint:
         for comm in self.comms:
             comm.finish()
         self.overflow = self.scales.end_step(None)
+
+
+def _param_groups(module: nn.Module) -> list:
+    """A fully_shard-ed module's FSDP parameter groups (torch 2.13 keeps a list; 2.11 one or None)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    for group in groups:
+        if not hasattr(group, "_reduce_scatter_comm"):
+            raise RuntimeError(f"train.layout_invariant with FSDP needs FSDP's custom reduce-scatter (torch {torch.__version__} has none)")
+    return groups
 
 
 def layout_invariant_norm(grads: list[torch.Tensor], count: int, overflow: torch.Tensor, device: torch.device) -> torch.Tensor:
