@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp8-sink-wgrad-min-dim",
         type=int,
         default=None,
-        help="Fp8Rule.SINK_WGRAD_MIN_DIM for this run (not a config key: the A/B behind the rule's constant)",
+        help="precision.fp8_sink_wgrad_min_dim (default: the library's; the A/B behind Fp8Rule.sink_wgrad_min_dim)",
     )
     p.add_argument("--loss-chunk", type=int, default=0, help="train.loss_chunk_tokens: fused, chunked head + loss (0: unfused)")
     p.add_argument(
@@ -154,10 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The measured matmul ceiling, then the training steps on random token ids (under --sdpa's
     backend): the result row, step times, losses and the optional peak breakdown."""
-    if args.fp8_sink_wgrad_min_dim is not None:
-        from moe.nn.fp8_policy import Fp8Rule
-
-        Fp8Rule.SINK_WGRAD_MIN_DIM = args.fp8_sink_wgrad_min_dim
     peak_measured = matmul_peak_tflops()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
@@ -226,6 +222,8 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
             "precision": {
                 "recipe": args.recipe,
                 **({"fp8_min_dim": args.fp8_min_dim} if args.fp8_min_dim is not None else {}),
+                # (records from before the key existed have no such argument)
+                **({"fp8_sink_wgrad_min_dim": v} if (v := getattr(args, "fp8_sink_wgrad_min_dim", None)) is not None else {}),
                 **({"fp8_dense": True} if args.fp8_dense else {}),
             },
         }

@@ -38,22 +38,32 @@ def gpu_by_device_name(device_name: str) -> GpuSpec | None:
 
 @dataclasses.dataclass(frozen=True)
 class RecipeFacts:
-    """What a precision recipe stores and needs, known without a device."""
+    """What a precision recipe stores, computes and needs, known without a device (the one table
+    of recipe facts: moe.precision builds its recipes from it)."""
 
     param_dtype: str  # "float32" | "bfloat16": how the model's weights are stored
     min_capability: tuple[int, int] | None = None  # its kernels' compute capability (None: any)
+    autocast_dtype: str | None = None  # the autocast around forward and backward (None: none)
+    expert_gemm: str = "grouped_mm"  # the experts' GEMM: grouped_mm (bf16), fp8_rowwise or mxfp8
 
     @property
     def master_weights(self) -> bool:
         return self.param_dtype != "float32"
 
+    @property
+    def fp8(self) -> bool:
+        """Whether its expert GEMMs run in FP8 (or MXFP8)."""
+        return self.expert_gemm != "grouped_mm"
+
 
 RECIPES = {
     "fp32": RecipeFacts("float32"),
-    "bf16": RecipeFacts("bfloat16"),
-    "amp_bf16": RecipeFacts("float32"),
-    "fp8_rowwise": RecipeFacts("bfloat16", (9, 0)),  # torch._scaled_grouped_mm rowwise: sm90+
-    "mxfp8": RecipeFacts("bfloat16", (10, 0)),  # an MX kernel launched on sm90 once broke the CUDA context
+    "bf16": RecipeFacts("bfloat16", autocast_dtype="bfloat16"),
+    "amp_bf16": RecipeFacts("float32", autocast_dtype="bfloat16"),
+    # torch._scaled_grouped_mm rowwise: sm90+
+    "fp8_rowwise": RecipeFacts("bfloat16", (9, 0), autocast_dtype="bfloat16", expert_gemm="fp8_rowwise"),
+    # an MX kernel launched on sm90 once broke the CUDA context
+    "mxfp8": RecipeFacts("bfloat16", (10, 0), autocast_dtype="bfloat16", expert_gemm="mxfp8"),
 }
 
 

@@ -6,12 +6,13 @@ layers (and the embedding, final norm or head) it does not own and keep checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from moe.config import ModelConfig
+from moe.layers.gemm import ExpertGemm, GroupedMM
 from moe.layers.moe_layer import MoELayer
 from moe.nn.attention import Attention
 from moe.nn.mlp import SwiGLU
@@ -19,12 +20,12 @@ from moe.nn.norm import RMSNorm
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, expert_gemm: Callable[[], ExpertGemm] = GroupedMM) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp: nn.Module = MoELayer(cfg.d_model, cfg.moe) if cfg.is_moe_layer(index) else SwiGLU(cfg.d_model, cfg.dense_hidden)
+        self.mlp: nn.Module = MoELayer(cfg.d_model, cfg.moe, expert_gemm) if cfg.is_moe_layer(index) else SwiGLU(cfg.d_model, cfg.dense_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -45,11 +46,13 @@ def run_stack(m: nn.Module, x: torch.Tensor, head: bool = True) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, expert_gemm: Callable[[], ExpertGemm] | None = None) -> None:
+        """``expert_gemm`` builds every MoE layer's expert GEMM, chosen once, here: the precision
+        recipe's (``PrecisionRecipe.expert_gemm``); None: torch's grouped GEMM (bf16)."""
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, expert_gemm or GroupedMM) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

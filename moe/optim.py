@@ -4,8 +4,12 @@ When the model's parameters are bf16, each gets an fp32 master copy; gradients a
 accumulated into the master's fp32 ``.grad`` by a post-accumulate hook (so gradient
 accumulation over micro-batches happens in fp32), and after the step the masters are copied
 back into the bf16 parameters. With fp32 parameters the master *is* the parameter.
-``expert_grad_accum="bf16"`` keeps the expert weights' gradient in bf16 until the step's last
-micro-batch (``last_micro_batch``) or the gradient sync (``fold_deferred``), whichever comes first.
+The expert weights meet the optimizer through one declared call, :meth:`MasterWeightAdamW.bind_expert`
+(made by the precision recipe, moe.precision.PrecisionRecipe.attach_optimizer, which hands the
+sink it returns to the expert GEMM): ``expert_grad_accum="bf16"`` keeps their gradient in bf16
+until the step's last micro-batch (``last_micro_batch``) or the gradient sync
+(``fold_deferred``), whichever comes first; ``expert_wgrad="gemm"`` gives each a gradient sink
+that its weight-gradient GEMM adds into.
 
 The state is keyed by parameter name, so checkpoints do not depend on the parallel layout.
 """
@@ -21,8 +25,6 @@ import torch
 from torch import nn
 
 from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
-from moe.layers.experts import expert_param_layout
-from moe.layers.gemm import gradient_sinks
 from moe.spans import span
 
 
@@ -35,6 +37,10 @@ class MasterParam:
     master: torch.Tensor | None
     # the tensor whose .grad holds this parameter's fp32 gradient
     grad_holder: torch.Tensor
+    # a stacked expert weight (bind_expert); deferred: its bf16 gradient waits for the step's
+    # last micro-batch (expert_grad_accum bf16)
+    expert: bool = False
+    deferred: bool = False
 
     @property
     def owned(self) -> bool:
@@ -63,6 +69,7 @@ class MasterWeightAdamW:
         owns: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         self.params: list[MasterParam] = []
+        self.cfg = cfg
         # parameters whose bf16 gradient waits for the last micro-batch (expert_grad_accum bf16)
         self.deferred: list[MasterParam] = []
         # parameters whose own low-precision values were dropped (release_weight): never written
@@ -70,8 +77,6 @@ class MasterWeightAdamW:
         self._fold_now = False
         if cfg.expert_grad_accum == "bf16" and not master_weights:
             raise ConfigError("optim.expert_grad_accum: bf16 needs bf16 weights with fp32 masters (precision.recipe bf16 or an fp8 recipe)")
-        expert_names = set(expert_param_layout(model))
-        deferred_names = expert_names if cfg.expert_grad_accum == "bf16" else set()
         seen: set[int] = set()
         for name, param in model.named_parameters():
             if not param.requires_grad or id(param) in seen:
@@ -87,13 +92,8 @@ class MasterWeightAdamW:
                 master = None
                 holder = torch.zeros(1, dtype=torch.float32, device=param.device).expand(param.shape).requires_grad_(True)
             entry = MasterParam(name, param, master, holder)
-            if holder is not param and name in expert_names and cfg.expert_wgrad == "gemm":
-                gradient_sinks[param] = _Sink(self, entry, deferred=name in deferred_names)
-            if holder is not param and name in deferred_names:
-                param.register_post_accumulate_grad_hook(self._fold_if_last(entry))
-                self.deferred.append(entry)
-            elif holder is not param:
-                param.register_post_accumulate_grad_hook(_accumulate_into(holder))
+            if holder is not param:
+                param.register_post_accumulate_grad_hook(self._accumulate_hook(entry))
             self.params.append(entry)
         owned_params = [p for p in self.params if p.owned]
         decay = [p.master for p in owned_params if not _no_decay(p.name, p.master, cfg.decay_embeddings)]
@@ -136,9 +136,33 @@ class MasterWeightAdamW:
                 _fold(p)
         self._fold_now = False
 
-    def _fold_if_last(self, p: MasterParam) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            if self._fold_now:  # otherwise autograd adds the next micro-batch's gradient in bf16
+    def bind_expert(self, param: nn.Parameter) -> _Sink | None:
+        """Declare ``param`` a stacked expert weight (once, before training): with
+        ``expert_grad_accum: bf16`` its gradient waits in bf16 for the step's last micro-batch;
+        returns the gradient sink its weight-gradient GEMM adds into (``expert_wgrad: gemm``,
+        a parameter with a separate fp32 gradient holder), else None (autograd and this
+        optimizer's hook take the gradient). A parameter the optimizer does not step: None."""
+        entry = next((p for p in self.params if p.param is param), None)
+        if entry is None or entry.grad_holder is param:
+            return None
+        if entry.expert:
+            raise ValueError(f"bind_expert: {entry.name} is bound already")
+        entry.expert = True
+        if self.cfg.expert_grad_accum == "bf16":
+            entry.deferred = True
+            self.deferred.append(entry)
+        return _Sink(self, entry) if self.cfg.expert_wgrad == "gemm" else None
+
+    def _accumulate_hook(self, p: MasterParam) -> Callable[[torch.Tensor], None]:
+        """Each micro-batch's low-precision gradient into the fp32 holder, or, for a deferred
+        expert weight, at the step's last micro-batch only (before it autograd adds the next
+        micro-batch's gradient in bf16)."""
+        add = _accumulate_into(p.grad_holder)
+
+        def hook(param: torch.Tensor) -> None:
+            if not p.deferred:
+                add(param)
+            elif self._fold_now:
                 _fold(p)
 
         return hook
@@ -213,22 +237,23 @@ class MasterWeightAdamW:
 
 
 class _Sink:
-    """The gradient sink of an expert weight (moe.layers.gemm.gradient_sinks): its GEMM adds the
+    """The gradient sink of an expert weight (:meth:`MasterWeightAdamW.bind_expert`; the
+    declared interface: moe.layers.gemm.GradientSink): its GEMM adds the
     micro-batch's gradient straight into the fp32 holder, or, with bf16 expert accumulation, into
     the parameter's bf16 gradient until the step's last micro-batch. The GEMM then returns no
     gradient for the weight, and the parameter's post-accumulate hooks still run (a gradient sync
     counts the parameter as ready; the optimizer's own hooks find no bf16 gradient to add): by
     autograd where it runs them for a None gradient, else here."""
 
-    def __init__(self, opt: MasterWeightAdamW, entry: MasterParam, deferred: bool) -> None:
-        self.opt, self.entry, self.deferred = opt, entry, deferred
+    def __init__(self, opt: MasterWeightAdamW, entry: MasterParam) -> None:
+        self.opt, self.entry = opt, entry
 
     def accumulate(self, write: Callable[[torch.Tensor, bool], None]) -> None:
         p = self.entry
-        if self.deferred and not self.opt._fold_now:
+        if p.deferred and not self.opt._fold_now:
             into, dtype = p.param, p.param.dtype
         else:
-            if self.deferred and p.param.grad is not None:
+            if p.deferred and p.param.grad is not None:
                 _fold(p)  # the bf16 sum of the earlier micro-batches first
             into, dtype = p.grad_holder, torch.float32
         if into.grad is None:

@@ -1,8 +1,11 @@
 """Precision recipes (a seam: FP8 / MXFP8 recipes plug in here).
 
 A recipe says how weights are stored, whether the optimizer keeps fp32 master copies, which
-autocast context wraps forward and backward, and (FP8) which expert GEMM the MoE layers use.
-Router logits and the loss are computed in fp32 by the model and trainer whatever the recipe.
+autocast context wraps forward and backward, and which expert GEMM the MoE layers are built with
+(``PrecisionRecipe.expert_gemm``, given to the model at build: moe.model.Transformer). Its facts
+come from one table, moe.hardware.RECIPES. The optimizer and the expert weights meet once, in
+:meth:`PrecisionRecipe.attach_optimizer`. Router logits and the loss are computed in fp32 by the
+model and trainer whatever the recipe.
 
 fp8_rowwise and mxfp8 are bf16 plus FP8 expert GEMMs (moe.layers.gemm_fp8 says which tensors
 and which scaling, and why): weights are bf16 parameters with fp32 masters (in training the
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from moe.config import ConfigError
-from moe.hardware import RECIPES as HARDWARE_RECIPES
+from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import capability_problem
 
 
@@ -36,7 +39,8 @@ class PrecisionRecipe:
     name: str
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
-    # Builds the expert GEMM that replaces every MoE layer's (None: keep the model's own).
+    # Builds each MoE layer's expert GEMM (moe.model.Transformer's expert_gemm; None: the
+    # model's default, torch's grouped GEMM). resolve_recipe sets it for every recipe.
     expert_gemm: Callable[[], object] | None = None
     # Turns a dense projection (nn.Linear) into its FP8 version in place (None: bf16).
     dense_fp8: Callable[[nn.Module], object] | None = None
@@ -48,17 +52,19 @@ class PrecisionRecipe:
         """The optimizer steps fp32 copies when the model's own weights are lower precision."""
         return self.param_dtype != torch.float32
 
+    @property
+    def fp8(self) -> bool:
+        """Whether its expert GEMMs run in FP8 or MXFP8 (moe.hardware.RecipeFacts.fp8)."""
+        return RECIPE_FACTS[self.name].fp8
+
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Cast the model's floating-point parameters (buffers such as RoPE tables stay fp32)."""
+        """Cast the model's floating-point parameters (buffers such as RoPE tables stay fp32).
+        The expert GEMMs were chosen when the model was built (``Transformer(cfg,
+        expert_gemm=recipe.expert_gemm)``): a model built with another recipe's is refused."""
+        self._check_expert_gemms(model)
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != self.param_dtype:
                 param.data = param.data.to(self.param_dtype)
-        if self.expert_gemm is not None:
-            from moe.layers.experts import GroupedExperts
-
-            for module in model.modules():
-                if isinstance(module, GroupedExperts):
-                    module.gemm = self.expert_gemm()
         if self.dense_fp8 is not None:
             from moe.nn.fp8_linear import dense_linears
 
@@ -66,27 +72,42 @@ class PrecisionRecipe:
                 self.dense_fp8(module)
         return model
 
-    def attach_optimizer(self, model: nn.Module, opt, *, broadcasts_expert_weights: bool) -> int:
-        """FP8 expert GEMMs: the expert weights' bf16 copies are dropped and their FP8 copies made
-        from the optimizer's fp32 masters (moe.layers.gemm_fp8.WeightCache), so the FP8 pair
-        replaces the bf16 weight instead of adding to it. Not where ZeRO-1 shards the expert
-        weights' optimizer over more than one rank (an owner broadcasts the bf16 parameter itself
-        to its group); ZeRO-1 over one rank shards nothing. Returns how many expert weights were
-        released."""
+    def _check_expert_gemms(self, model: nn.Module) -> None:
         from moe.layers.experts import GroupedExperts
 
-        if broadcasts_expert_weights or not self.master_weights or self.expert_gemm is None:
-            return 0
+        want = type(self.expert_gemm()) if self.expert_gemm is not None else None
+        for name, module in model.named_modules():
+            if want is not None and isinstance(module, GroupedExperts) and type(module.gemm) is not want:
+                raise ValueError(
+                    f"{name}.gemm is {type(module.gemm).__name__}, but precision.recipe {self.name} builds {want.__name__}: "
+                    "build the model with Transformer(cfg, expert_gemm=recipe.expert_gemm)"
+                )
+
+    def attach_optimizer(self, model: nn.Module, opt, *, broadcasts_expert_weights: bool) -> int:
+        """Where the expert weights and the optimizer meet, once: every expert weight is declared
+        to the optimizer (``opt.bind_expert``: bf16 gradient accumulation, and the gradient sink
+        its weight-gradient GEMM adds into) and bound to its expert GEMM (ExpertGemm.bind) with
+        that sink and, where the GEMM ``reads_masters`` (FP8), the fp32 master: the weight's
+        bf16 values are dropped (``opt.release_weight``) and its FP8 copies made from the master
+        (moe.layers.gemm_fp8.WeightCache), so the FP8 pair replaces the bf16 weight instead of
+        adding to it. No release where ZeRO-1 shards the expert weights' optimizer over more than
+        one rank (an owner broadcasts the bf16 parameter itself to its group); ZeRO-1 over one
+        rank shards nothing. Returns how many expert weights were released."""
+        from moe.layers.experts import GroupedExperts
+
+        self._check_expert_gemms(model)
+        release = not broadcasts_expert_weights and self.master_weights
         released = 0
         for module in model.modules():
-            cache = getattr(getattr(module, "gemm", None), "cache", None)
-            if not isinstance(module, GroupedExperts) or not hasattr(cache, "read_from"):
+            if not isinstance(module, GroupedExperts):
                 continue
             for param in (module.gate_up, module.down):
-                if param.dtype != torch.bfloat16 or type(param) is not nn.Parameter or not param.requires_grad:
-                    continue  # (a DTensor or an fp32 weight keeps its values)
-                cache.read_from(param, opt.release_weight(param))
-                released += 1
+                master = None
+                # (a DTensor or an fp32 weight keeps its values)
+                if release and module.gemm.reads_masters and param.dtype == torch.bfloat16 and type(param) is nn.Parameter and param.requires_grad:
+                    master = opt.release_weight(param)
+                    released += 1
+                module.gemm.bind(param, sink=opt.bind_expert(param), master=master)
         return released
 
     @contextlib.contextmanager
@@ -98,30 +119,33 @@ class PrecisionRecipe:
             yield
 
 
+# Every recipe, from the one table of recipe facts (moe.hardware.RECIPES).
 RECIPES = {
-    "fp32": PrecisionRecipe("fp32", torch.float32, None),
-    "bf16": PrecisionRecipe("bf16", torch.bfloat16, torch.bfloat16),
-    "amp_bf16": PrecisionRecipe("amp_bf16", torch.float32, torch.bfloat16),
-    "fp8_rowwise": PrecisionRecipe("fp8_rowwise", torch.bfloat16, torch.bfloat16),
-    "mxfp8": PrecisionRecipe("mxfp8", torch.bfloat16, torch.bfloat16),
+    name: PrecisionRecipe(name, getattr(torch, f.param_dtype), getattr(torch, f.autocast_dtype) if f.autocast_dtype else None)
+    for name, f in RECIPE_FACTS.items()
 }
-# The compute capability each FP8 recipe's kernels need (moe.hardware: one table of such facts).
-MIN_CAPABILITY = {name: f.min_capability for name, f in HARDWARE_RECIPES.items() if f.min_capability}
 
 
-def _expert_gemm_factory(name: str, emulate: bool, min_dim: int | None) -> Callable[[], object]:
+def _expert_gemm_factory(name: str, emulate: bool, rule_fields: dict[str, int]) -> Callable[[], object]:
+    """What builds each MoE layer's expert GEMM under recipe ``name`` (RecipeFacts.expert_gemm);
+    ``rule_fields``: the FP8 rule's fields the config sets (the rest keep Fp8Rule's defaults)."""
+    kind = RECIPE_FACTS[name].expert_gemm
+    if kind == "grouped_mm":
+        from moe.layers.gemm import GroupedMM
+
+        return GroupedMM
     from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, MxFp8GroupedGemm
 
-    if name == "mxfp8":
+    if kind == "mxfp8":
         return MxFp8GroupedGemm
-    rule = Fp8Rule() if min_dim is None else Fp8Rule(min_dim)
+    rule = Fp8Rule(**rule_fields)
     return lambda: Fp8GroupedGemm(rule, emulate=emulate)
 
 
 def check_fp8_device(name: str, device: torch.device, emulate: bool = False) -> None:
     """Refuse an FP8 recipe where its kernels cannot run, before any kernel is launched
     (reads the device's properties only)."""
-    need = MIN_CAPABILITY.get(name)
+    need = RECIPE_FACTS[name].min_capability if name in RECIPE_FACTS else None
     if need is None or emulate:
         return
     if device.type != "cuda":
@@ -140,21 +164,24 @@ def resolve_recipe(
     *,
     emulate: bool = False,
     fp8_min_dim: int | None = None,
+    fp8_sink_wgrad_min_dim: int | None = None,
     fp8_dense: bool = False,
     fp8_dense_min_dim: int | None = None,
 ) -> PrecisionRecipe:
     """``auto`` is bf16 on CUDA and fp32 on CPU. FP8 recipes are checked against the device.
-    ``fp8_dense`` (fp8_rowwise only): the dense projections in FP8 too, by the same rule with
-    ``fp8_dense_min_dim`` (default 4096)."""
+    ``fp8_min_dim``, ``fp8_sink_wgrad_min_dim``: the expert GEMMs' Fp8Rule fields (None: its
+    defaults). ``fp8_dense`` (fp8_rowwise only): the dense projections in FP8 too, by the same
+    rule with ``fp8_dense_min_dim`` (default 4096)."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
     try:
         recipe = RECIPES[name]
     except KeyError:
         raise ConfigError(f"precision.recipe: unknown recipe {name!r}; known: auto, {', '.join(RECIPES)}") from None
-    if name in MIN_CAPABILITY:
+    if RECIPE_FACTS[name].fp8:
         check_fp8_device(name, device, emulate)
-        recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate, fp8_min_dim))
+    rule_fields = {k: v for k, v in (("min_dim", fp8_min_dim), ("sink_wgrad_min_dim", fp8_sink_wgrad_min_dim)) if v is not None}
+    recipe = dataclasses.replace(recipe, expert_gemm=_expert_gemm_factory(name, emulate, rule_fields))
     if fp8_dense:
         if name != "fp8_rowwise":
             raise ConfigError(f"precision.fp8_dense: FP8 dense projections come with recipe fp8_rowwise, not {name}")
@@ -166,7 +193,13 @@ def recipe_for(precision, device: torch.device) -> PrecisionRecipe:
     """:func:`resolve_recipe` from a ``precision`` config section (moe.config.PrecisionConfig)."""
     p = precision
     return resolve_recipe(
-        p.recipe, device, emulate=p.emulate, fp8_min_dim=p.fp8_min_dim, fp8_dense=p.fp8_dense, fp8_dense_min_dim=p.fp8_dense_min_dim
+        p.recipe,
+        device,
+        emulate=p.emulate,
+        fp8_min_dim=p.fp8_min_dim,
+        fp8_sink_wgrad_min_dim=p.fp8_sink_wgrad_min_dim,
+        fp8_dense=p.fp8_dense,
+        fp8_dense_min_dim=p.fp8_dense_min_dim,
     )
 
 

@@ -8,6 +8,7 @@ Every stage reads params.yaml (``--params``) with ``--set key=value`` overrides.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import uuid
@@ -74,24 +75,27 @@ def _log_tokens(tracker, tokens_dir: str, split: str, context: str) -> None:
 
 def card_writer(cfg, out: str | Path):
     """The converted directory's README.md, from the checkpoint and its run's in-loop evaluation."""
-    from pipeline.model_card import eval_at_step
+    from pipeline.model_card import eval_at_step, val_loss_at_step
 
     def card(model_cfg, meta) -> str:
         step = int(meta["step"])
-        tasks = eval_at_step(Path(cfg.executor.run_dir) / "metrics.jsonl", step)
-        return card_text(cfg, out, model_cfg, meta, in_loop_evaluation(cfg, meta, step, tasks))
+        rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
+        evaluation = in_loop_evaluation(cfg, meta, step, eval_at_step(rows, step), val_loss_at_step(rows, step))
+        return card_text(cfg, out, model_cfg, meta, evaluation)
 
     return card
 
 
-def in_loop_evaluation(cfg, meta, step: int, tasks: dict):
+def in_loop_evaluation(cfg, meta, step: int, tasks: dict, val_loss: float | None = None):
     from pipeline.eval.tasks import task_source
     from pipeline.model_card import CardEvaluation
 
-    if not tasks:
+    validation = {} if val_loss is None else {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
+    if not tasks and not validation:
         return None
     limit = (meta.get("config", {}).get("train") or {}).get("eval_limit")
-    return CardEvaluation(step, False, tasks, sources={t: task_source(t, cfg.evaluate.data_dir) for t in tasks}, docs_upto=limit)
+    sources = {t: task_source(t, cfg.evaluate.data_dir) for t in tasks}
+    return CardEvaluation(step, False, tasks, sources=sources, docs_upto=limit, validation=validation)
 
 
 def card_text(cfg, out: str | Path, model_cfg, meta, evaluation) -> str:
@@ -110,8 +114,19 @@ def card_text(cfg, out: str | Path, model_cfg, meta, evaluation) -> str:
             origin_meta = {}
         origin = str(origin_meta.get("source") or init)
         base = base or hub_id(origin_meta.get("source_model"))
+    from pipeline.model_card import default_name
+    from pipeline.repository import code_repository
+
+    del out  # the card names the model (release.name), not the directory it is written to
     return model_card(
-        model_cfg, meta, name=Path(out).name, corpus=list(cfg.tokenize.inputs), evaluation=evaluation, base_model=base, continued_from=origin
+        model_cfg,
+        meta,
+        name=cfg.release.name or default_name(meta),
+        corpus=list(cfg.tokenize.inputs),
+        evaluation=evaluation,
+        base_model=base,
+        continued_from=origin,
+        repository=code_repository(cfg.release.repository),
     )
 
 
@@ -126,19 +141,21 @@ def _load(params: Path, overrides: list[str] | None):
     return cfg
 
 
-def _tracker(cfg, stage: str, params: Path, enabled: bool):
+def _tracker(cfg, stage: str, params: Path, enabled: bool, continue_run: str | None = None):
+    """The stage's MLflow run; ``continue_run``: the run of the training this one resumes."""
     if not (enabled and cfg.mlflow.enabled):
         return None
     from pipeline.tracking.stage_run import Tracker
 
-    tracker = Tracker(cfg.mlflow, stage, params)  # never fails on an unreachable server: spools
+    tracker = Tracker(cfg.mlflow, stage, params, continue_run=continue_run)  # never fails on an unreachable server: spools
     tracker.log_stage_start(cfg.flatten())
     return tracker
 
 
 class _Stage:
     """Context for one stage's MLflow run: FINISHED on success, FAILED on any error; deleted
-    (the parent left as it was) when the scheduler refused the job, which then never ran."""
+    (the parent left as it was) when the command was refused: the scheduler refused the job,
+    or bad input (exit code 2) stopped the stage before it logged a figure."""
 
     def __init__(self, tracker):
         self.tracker = tracker
@@ -149,7 +166,7 @@ class _Stage:
     def __exit__(self, exc_type, exc, tb):
         from pipeline.errors import SubmissionRefused
 
-        if self.tracker and exc_type is not None and issubclass(exc_type, SubmissionRefused):
+        if self.tracker and exc_type is not None and (issubclass(exc_type, SubmissionRefused) or self.tracker.refused(exc)):
             self.tracker.abandon()
         elif self.tracker:
             self.tracker.end(ok=exc_type is None)
@@ -191,7 +208,10 @@ def train(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflo
 
     console.print(_model_line(cfg.model), highlight=False)
     checked = preflight(cfg)  # a refusal opens no MLflow run and marks no earlier one FAILED
-    with _Stage(_tracker(cfg, "train", params, not no_mlflow)) as tracker:
+    from pipeline.resume import continued_run_id
+
+    resumed = continued_run_id(checked[0].to_dict(), cfg.executor.run_dir)  # resuming: the same MLflow run goes on
+    with _Stage(_tracker(cfg, "train", params, not no_mlflow, resumed)) as tracker:
         if tracker and not cfg.data.paths:
             _log_tokens(tracker, cfg.tokenize.output, "train", "training")
         metrics = run_train(cfg, tracker, checked)
@@ -242,11 +262,13 @@ def submit(
     # opens no MLflow run); then launch_train prepares the run directory (checkpoints resumed,
     # extended or refused; stale ones removed only once sbatch has accepted the job).
     checked = preflight(cfg)
-    tracker = _tracker(cfg, "train", params, not no_mlflow)
+    from pipeline.resume import continued_run_id
+
+    tracker = _tracker(cfg, "train", params, not no_mlflow, continued_run_id(checked[0].to_dict(), cfg.executor.run_dir))
     try:
         job = make_job(cfg, tracker, checked=checked)
         job.mlflow_finalize = not wait
-        job_id = launch_train(cfg, job, tracker, wait=False).job_id  # a resuming job appends to metrics.jsonl
+        job_id = launch_train(cfg, job, tracker, wait=False, in_loop=checked.in_loop).job_id  # a resuming job appends to metrics.jsonl
     except BaseException:
         if tracker:
             tracker.abandon()  # the job never ran: no FAILED run, the pipeline's parent as it was
@@ -322,12 +344,19 @@ def job(
     import dataclasses
 
     cfg = _load(params, set_)  # a config error answers first, before the stage's imports
-    from pipeline.outputs import write_output_file
+    from pipeline.outputs import check_output_file, write_output_file
     from pipeline.run_dirs import is_job_spec
-    from pipeline.stages.train import make_job
+    from pipeline.stages.train import check_train, make_job
 
     spec = out or Path(cfg.slurm.folder) / "job.json"
-    plain = dataclasses.replace(make_job(cfg), layout=None)
+    checked = check_train(cfg)
+    plain = dataclasses.replace(make_job(cfg, checked=checked), layout=None)
+    check_output_file(spec, "--out", is_job_spec)  # before anything is written
+    if checked.in_loop is not None:  # the in-loop tasks tokenised beside the spec, where its ranks read them
+        from pipeline.eval.inloop import REQUESTS_FILE, eval_inputs, write_in_loop_requests
+
+        requests = write_in_loop_requests(spec.with_name(REQUESTS_FILE), checked.in_loop)
+        plain.eval_inputs = eval_inputs(requests, cfg.tokenize.output)
     write_output_file(spec, json.dumps(dataclasses.asdict(plain), indent=2), "--out", is_job_spec)  # never a user's file
     print(spec)
 
@@ -494,8 +523,10 @@ def evaluate(
 
 @app.command()
 @handle_errors
-def release(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """The converted model with the final evaluation on its card (release.output), after evaluate."""
+def release(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """The converted model with the final evaluation on its card (release.output), after evaluate.
+    It logs no MLflow run (evaluate's holds the numbers); --no-mlflow is taken as by every stage."""
+    del no_mlflow
     cfg = _load(params, set_)  # a config error answers before torch loads
     from pipeline.stages.release import run_release
 
@@ -548,7 +579,7 @@ def tasks(
         for label, task in sorted(TASKS.items()):
             print(f"{label:40s} {task.metric:9s} {task.about}")
         return
-    from moe.eval.requests import dump_task_requests
+    from moe.eval.requests import dump_task_requests, is_requests_file
     from pipeline.eval.requests import prepare_tasks
     from pipeline.outputs import write_output_file
     from pipeline.tokenizer import load_tokenizer
@@ -563,20 +594,10 @@ def tasks(
     chosen = prepare_tasks(name or ["core"], info, limit=limit, data_dir=data_dir, key="--task", max_len=max_len, seed=seed)
     pad = info.pad_id if info.pad_id is not None else info.eos_id
     meta = {"tokenizer_sha256": info.sha256, "vocab_size": info.vocab_size, "pad_id": pad, "max_len": max_len, "limit": limit, "seed": seed}
+    meta |= {"task_names": name or ["core"], "truncation": "cut"}  # what train.eval_* must say to use it (python -m moe.train)
     write_output_file(export, dump_task_requests(chosen, meta), "--export", recognise=is_requests_file)
     docs = sum(len({r.doc_id for r in t.requests}) for t in chosen)
     console.print(f"wrote {export}: {len(chosen)} tasks, {docs} documents, {sum(len(t.requests) for t in chosen)} requests")
-
-
-def is_requests_file(path: Path) -> bool:
-    from moe.errors import ConfigError
-    from moe.eval.requests import load_task_requests
-
-    try:
-        load_task_requests(path)
-    except ConfigError:
-        return False
-    return True
 
 
 @app.command()
@@ -605,6 +626,8 @@ def repro(
     from pipeline.console import INTERRUPTED
     from pipeline.dvc_run import call
 
+    if not Path("dvc.yaml").is_file():  # not DVC's "not inside of a DVC repository": where, and what to do
+        fail(f"dvc.yaml: not found in {Path.cwd()}: run moe repro in the project's directory (where dvc.yaml is)", 2)
     key = uuid.uuid4().hex[:16]
     dvc_args = ["repro", *(["--force"] if force else []), *(args or [])]
     console.print(f"pipeline key {key}: dvc {' '.join(dvc_args)}")

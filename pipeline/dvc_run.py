@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from pathlib import Path
 
 # DVC's loggers of the lines above (logging.getLogger().getChild(__name__) in dvc's modules).
 LOCK_FILE_LOGGER = "dvc.dvcfile"
@@ -37,12 +38,13 @@ class DropBookkeeping(logging.Filter):
         return not (bookkeeping(record) or stage_interrupted(record))
 
 
-def call(args: list[str], env: dict[str, str] | None = None) -> int:
-    """`dvc ARGS` through this module; its exit code (130: Ctrl-C, which DVC or its stage has
-    answered in its one line)."""
+def call(args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> int:
+    """`dvc ARGS` through this module, in ``cwd`` (the DVC project: the paper pipeline is one of
+    its own, bench/paper); its exit code (130: Ctrl-C, which DVC or its stage has answered in
+    its one line)."""
     from pipeline.console import run_child
 
-    return run_child([sys.executable, "-m", "pipeline.dvc_run", *args], env=env)
+    return run_child([sys.executable, "-m", "pipeline.dvc_run", *args], env=env, cwd=cwd)
 
 
 def main(argv: list[str]) -> int:

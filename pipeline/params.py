@@ -19,7 +19,8 @@ import yaml
 from moe.config import ConfigError, ExperimentConfig, apply_overrides
 from moe.config.base import Config, require
 from moe.config.sources import recipe_mismatch, recipe_overrides, value_sources
-from pipeline.hub import hub_id
+from pipeline.hub import hub_id, hub_name
+from pipeline.repository import web_address
 
 # A byte-level BPE with more entries than this is not a real tokenizer; far larger values
 # make the tokenizers library abort the process (Rust panic) instead of raising.
@@ -318,9 +319,27 @@ class EvaluateConfig(Config):
 class ReleaseConfig(Config):
     # The converted model with the final evaluation on its model card (`moe release`, after evaluate).
     output: str = "runs/release"
+    # The model's name on its card (title, model-index, the usage lines): a Hub repository name,
+    # ``name`` or ``owner/name``; null: derived from the run, olmoe-<model preset>-step<step>.
+    name: str | None = None
+    # The code's repository the card cites (an https address); null: this checkout's git remote
+    # origin where it is one (pipeline/repository.py), else none is named.
+    repository: str | None = None
 
     def _check(self, p: str) -> None:
         require(bool(self.output.strip()), f"{p}.output", "must name a directory")
+        if self.repository is not None:
+            require(
+                web_address(self.repository) is not None,
+                f"{p}.repository",
+                f"must be a plain https address (https://host/path, no user or query part), got {self.repository!r}",
+            )
+        if self.name is not None:
+            require(
+                hub_name(self.name) is not None,
+                f"{p}.name",
+                f"must be a Hugging Face Hub model name, name or owner/name (letters, digits, - _ . and at most 96 of them each), got {self.name!r}",
+            )
 
 
 @dataclasses.dataclass
@@ -462,7 +481,8 @@ def parse_params_text(text: str, source: str) -> Any:
 def read_params_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: params file not found")
+        where = path if path.is_absolute() else Path.cwd() / path
+        raise ConfigError(f"{path}: params file not found (looked for {where}): run this command in the project's directory, or pass --params PATH")
     if path.stat().st_size > MAX_PARAMS_BYTES:
         raise ConfigError(f"{path}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES} bytes")
     try:

@@ -26,3 +26,13 @@ def project_root(start: Path | None = None) -> Path:
         if (d / ".dvc").is_dir():
             return d
     return here
+
+
+def main_project_root(start: Path | None = None) -> Path:
+    """The outer project of a DVC project nested in it (bench/paper, whose runs belong to the
+    main project's MLflow store); ``project_root`` where there is none."""
+    root = project_root(start)
+    if "MOE_PROJECT_ROOT" in os.environ or root.parent == root:
+        return root
+    outer = project_root(root.parent)
+    return outer if (outer / ".dvc").is_dir() else root

@@ -129,6 +129,29 @@ def prepare_checkpoints(config: dict[str, Any], act: bool = True) -> str:
     )
 
 
+def continued_run_id(config: dict[str, Any], run_dir: str | Path) -> str | None:
+    """The MLflow run of the training that this one continues (resume or extend: the
+    checkpoints are this config's), as the run directory's job.json recorded it; None when the
+    run starts afresh, or no run was recorded. Decided as prepare_checkpoints decides, without a
+    word or a change: its continuation's metrics join the same curve."""
+    from pipeline.executors.base import TrainJob
+    from pipeline.tracking.spool import OFFLINE_PREFIX
+
+    root = Path(config["checkpoint"]["dir"])
+    try:
+        latest = latest_checkpoint(root)
+        if latest is None or config["checkpoint"].get("resume") == "never":
+            return None
+        meta = read_meta(latest)
+        diffs = differing_keys(meta.get("config", {}), config)
+        if diffs and not (set(diffs) == {"train.max_steps"} and config["train"]["max_steps"] > int(meta["step"])):
+            return None
+        run_id = TrainJob.read(Path(run_dir) / "job.json").mlflow_run_id
+    except (CheckpointError, PipelineError, FileFormatError, KeyError, TypeError, ValueError):
+        return None  # prepare_checkpoints names what is wrong; a new run is made meanwhile
+    return run_id if run_id and not run_id.startswith(OFFLINE_PREFIX) else None
+
+
 def extension_note(saved: dict[str, Any], config: dict[str, Any], step: int) -> str:
     """The line that states how an extended run's learning rate goes on."""
     from moe.config import ScheduleConfig

@@ -15,12 +15,14 @@ import fnmatch
 import re
 from pathlib import Path
 
+from moe.eval.requests import is_requests_file
 from moe.reader import MIB, FileFormatError, Int, Map, Nullable, Plain, Str, parse_json, read_bytes, read_json
 from moe.train.sinks import METRIC_ROW, METRICS_MAX_BYTES
 from pipeline.errors import PipelineError
 
 # The run directory: the job spec, its summary, metrics, logs, the lock, the tracking spool,
-# the expert-load heatmap and the output ledger it is entered in (pipeline.outputs).
+# the expert-load heatmap, the in-loop tasks tokenised (pipeline.eval.inloop) and the output
+# ledger those two are entered in (pipeline.outputs).
 RUN_RECORD = "job.json"  # written by every executor before the job starts: what makes a folder a run's
 RUN_DIR_NAMES = (
     RUN_RECORD,
@@ -31,12 +33,13 @@ RUN_DIR_NAMES = (
     "mlflow-fallback.jsonl",
     "mlflow-fallback.jsonl.synced",
     "expert_load.png",
+    "eval_requests.json.gz",
     ".moe-outputs.json",
 )
 # The temporaries those are written through (pipeline.outputs.write_atomic and the metrics
 # sink: ``.<name>.tmp-*``), and the fixed one of versions before (read as metrics below).
 RUN_DIR_TEMPORARIES = (
-    *(f".{name}.tmp-*" for name in (RUN_RECORD, "summary.json", "metrics.jsonl", "expert_load.png", ".moe-outputs.json")),
+    *(f".{name}.tmp-*" for name in (RUN_RECORD, "summary.json", "metrics.jsonl", "expert_load.png", "eval_requests.json.gz", ".moe-outputs.json")),
     "metrics.jsonl.tmp",
 )
 NEEDS_NO_RECORD = (".lock",)  # the lock is taken before the record is written
@@ -154,6 +157,7 @@ _CONTENT = {
     "metrics.jsonl.tmp": _is_metrics,
     "logs": _is_log_dir,
     ".lock": _is_lock,
+    "eval_requests.json.gz": is_requests_file,
 }
 
 

@@ -66,8 +66,6 @@ def run(job: TrainJob, stop=None) -> dict:
     resolved = job.resolved  # resolved once where the job was built; the layout checks the world size
     sinks: list = [ConsoleSink(), JsonlSink(job.metrics_path)]
     if job.mlflow_run_id:
-        from pathlib import Path
-
         from pipeline.tracking.job import MlflowSink, job_uri
         from pipeline.tracking.provenance import inventory_tags
 
@@ -76,10 +74,11 @@ def run(job: TrainJob, stop=None) -> dict:
         if int(os.environ.get("RANK", "0")) == 0:
             sink.set_tags(inventory_tags())  # what this job actually ran in (its image)
     callbacks = []
-    if cfg.train.eval_every and job.eval_inputs:
-        from pipeline.eval.inloop import build_eval_callback
+    if cfg.train.eval_every and job.eval_inputs:  # the tasks tokenised at launch (pipeline.eval.inloop), read here
+        from moe.train.callbacks.in_loop_eval import in_loop_eval_callback
 
-        callbacks.append(build_eval_callback(cfg, job.eval_inputs))
+        val = job.eval_inputs.get("val")
+        callbacks.append(in_loop_eval_callback(cfg, job.eval_inputs.get("requests"), val if val and Path(val).is_dir() else None))
     trainer, fitted = train(cfg, sinks, callbacks, stop, resolved=resolved)
     summary = dataclasses.asdict(fitted)
     if summary["steps"] == summary["start_step"] and not summary["preempted"]:

@@ -54,9 +54,11 @@ GPU = {
 WORKSPACE = [
     "dvc metrics show",
     "dvc plots show",
+    "git add dvc.lock metrics plots",
+    'git commit -m "make repro"',
     "dvc exp run --temp -S ++optim.lr=0.002",
     "dvc exp run --temp -S +model.d_model=128",
-    "dvc exp show --drop '.*' --keep 'Experiment|Created|optim.lr|model.d_model|final_loss|^val_loss|suite.bpb_mean|suite.len_norm_mean'",
+    "dvc exp show --drop '.*' --keep '^(Experiment|resolved\\.optim\\.lr|resolved\\.model\\.d_model|final_loss|val_loss|bpb_mean)$'",
     "moe evaluate",
     "moe release",
     "moe evaluate --checkpoint runs/train/checkpoints/step_00000100 --checkpoint runs/train/checkpoints/step_00000150",
@@ -86,6 +88,7 @@ ELSEWHERE = {
     "make lock-check": "scripts/check_lock.py, run by tests/test_locks.py",
     "dvc exp run --queue -S ++optim.lr=0.001": ("DVC's queue: tests/pipeline/test_dvc_e2e.py::test_queued_experiment_logs_to_the_project_store"),
     "dvc exp run --run-all": "as above",
+    "dvc queue stop": "as above",
 }
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -4,7 +4,7 @@ no import circle, and no import from a lower floor to a higher one.
 Every ``import`` statement counts, a lazy one inside a function too: it is a dependency all
 the same. Packages: ``moe`` < ``pipeline``; ``bench`` stands beside ``pipeline`` (neither
 imports the other). Inside ``moe`` the floors are, from the ground: config/data/kernels/errors/
-hardware, nn/interop, layers, model/precision/optim, parallel, plan, train/eval. Inside
+hardware, nn/interop/eval, layers, model/precision/optim, parallel, plan, train. Inside
 ``pipeline``: the rest (helpers, executors, tracking, eval, the worker), stages, the paper's
 pipeline, and the command lines on top (nothing below imports ``pipeline/cli.py``).
 """
@@ -18,12 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe", "pipeline", "bench")
 MOE_FLOORS = [
     {"moe", "moe.config", "moe.data", "moe.kernels", "moe.errors", "moe.hardware"},
-    {"moe.nn", "moe.interop"},
+    {"moe.nn", "moe.interop", "moe.eval"},  # eval scores through a forward callable: it knows no model, no trainer
     {"moe.layers"},
     {"moe.model", "moe.precision", "moe.optim"},
     {"moe.parallel"},
     {"moe.plan"},  # the memory plan applies the real layouts to a meta model
-    {"moe.train", "moe.eval"},
+    {"moe.train"},  # the loop and its side jobs (moe.train.callbacks, the in-loop evaluation among them)
 ]
 # The pipeline's floors, from the ground (a module is on the highest floor one of its prefixes names).
 PIPELINE_FLOORS = [
@@ -183,6 +183,15 @@ def test_the_walk_sees_known_arrows():
     assert "moe.model" in graph["moe.train.trainer"]
     assert any(t.startswith("moe.") for t in graph["pipeline.stages.train"])
     assert "pipeline.stages.train" in graph["pipeline.cli"]
+
+
+def test_eval_stands_below_train():
+    """moe/eval is a library the trainer's in-loop callback uses, never the other way round: its
+    floor is below moe/train's, so test_no_import_runs_back_up refuses an arrow up to the trainer."""
+    assert _floor("moe.eval.suite") < _floor("moe.train.callbacks.in_loop_eval")
+    graph = import_graph()
+    assert "moe.eval.suite" in graph["moe.train.callbacks.in_loop_eval"]
+    assert not [t for m, ts in graph.items() if m.startswith("moe.eval") for t in ts if t.startswith("moe.train")]
 
 
 def test_pipeline_floors_place_the_command_lines_on_top():

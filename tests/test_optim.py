@@ -6,6 +6,7 @@ from torch import nn
 
 from moe.config import OptimizerConfig, ScheduleConfig
 from moe.optim import MasterWeightAdamW, lr_lambda
+from moe.precision import resolve_recipe
 
 
 def test_bf16_params_get_fp32_masters_and_fp32_gradient_accumulation():
@@ -121,6 +122,8 @@ def test_bf16_expert_accumulation_defers_the_fp32_add_to_the_last_micro_batch():
     the fp32 holder once; dense gradients still go to fp32 every micro-batch."""
     model = _tiny_bf16_model()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_grad_accum="bf16"), master_weights=True)
+    assert not opt.deferred  # the expert weights are declared to it by the recipe, once
+    resolve_recipe("bf16", torch.device("cpu")).attach_optimizer(model, opt, broadcasts_expert_weights=False)
     experts = {p.name: p for p in opt.deferred}
     assert experts and all(".experts." in name for name in experts)
     dense = next(p for p in opt.params if p.name not in experts and p.param.ndim == 2)

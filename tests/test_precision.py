@@ -52,19 +52,19 @@ def test_mxfp8_is_refused_on_hopper_before_any_kernel(monkeypatch):
         resolve_recipe("fp8_rowwise", torch.device("cuda", 0))
 
 
-def test_fp8_recipes_install_their_expert_gemm_from_outside_the_model():
+def test_the_recipe_chooses_the_expert_gemm_once_at_model_build():
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
-    for name, kind in [("fp8_rowwise", Fp8GroupedGemm), ("mxfp8", MxFp8GroupedGemm), ("bf16", GroupedMM)]:
+    for name, kind in [("fp8_rowwise", Fp8GroupedGemm), ("mxfp8", MxFp8GroupedGemm), ("bf16", GroupedMM), ("fp32", GroupedMM)]:
         recipe = resolve_recipe(name, CPU, emulate=True, fp8_min_dim=0)
-        model = recipe.prepare(Transformer(cfg))
+        model = recipe.prepare(Transformer(cfg, expert_gemm=recipe.expert_gemm))
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-        assert experts and all(isinstance(m.gemm, kind) for m in experts)
-        assert recipe.master_weights and all(p.dtype == torch.bfloat16 for p in model.parameters())
-    gemm = next(m for m in model.modules() if isinstance(m, GroupedExperts)).gemm
-    assert not isinstance(gemm, Fp8GroupedGemm)
-    model = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0).prepare(Transformer(cfg))
-    gemm = next(m for m in model.modules() if isinstance(m, GroupedExperts)).gemm
-    assert gemm.emulate and gemm.rule.min_dim == 0
+        assert experts and all(type(m.gemm) is kind for m in experts)
+        assert all(p.dtype == recipe.param_dtype for p in model.parameters())
+    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0, fp8_sink_wgrad_min_dim=2048)
+    gemm = next(m for m in Transformer(cfg, expert_gemm=recipe.expert_gemm).modules() if isinstance(m, GroupedExperts)).gemm
+    assert gemm.emulate and gemm.rule.min_dim == 0 and gemm.rule.sink_wgrad_min_dim == 2048
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts.gemm is GroupedMM, but precision.recipe fp8_rowwise builds Fp8GroupedGemm"):
+        recipe.prepare(Transformer(cfg))  # built without the recipe's GEMM: refused, not swapped
 
 
 def _train_losses(release: bool, min_dim: int, steps: int = 3) -> tuple[list[float], Transformer]:
@@ -74,7 +74,7 @@ def _train_losses(release: bool, min_dim: int, steps: int = 3) -> tuple[list[flo
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
     torch.manual_seed(0)
     recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=min_dim)
-    model = recipe.prepare(Transformer(cfg))
+    model = recipe.prepare(Transformer(cfg, expert_gemm=recipe.expert_gemm))
     opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2), recipe.master_weights)
     if release:
         assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=False) == 2 * cfg.n_layers
@@ -111,12 +111,12 @@ def test_zero1_keeps_the_bf16_expert_weights():
     from moe.optim import MasterWeightAdamW
 
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
-    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0)
-    model = recipe.prepare(Transformer(cfg))
-    opt = MasterWeightAdamW(model, OptimizerConfig(), recipe.master_weights)
-    assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=True) == 0
-    assert resolve_recipe("bf16", CPU).attach_optimizer(model, opt, broadcasts_expert_weights=False) == 0
-    assert not opt.released
+    for name, broadcasts in (("fp8_rowwise", True), ("bf16", False)):
+        recipe = resolve_recipe(name, CPU, emulate=True, fp8_min_dim=0)
+        model = recipe.prepare(Transformer(cfg, expert_gemm=recipe.expert_gemm))
+        opt = MasterWeightAdamW(model, OptimizerConfig(), recipe.master_weights)
+        assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=broadcasts) == 0
+        assert not opt.released
 
 
 def test_zero1_over_one_rank_shards_nothing_and_fp8_releases_the_expert_weights(tmp_path):
@@ -129,7 +129,7 @@ def test_zero1_over_one_rank_shards_nothing_and_fp8_releases_the_expert_weights(
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}, "parallel": {"shard_optimizer": True}})
     layout = build_layout(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=CPU))
     recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0)
-    model = layout.parallelize(recipe.prepare(Transformer(cfg.model)))
+    model = layout.parallelize(recipe.prepare(Transformer(cfg.model, expert_gemm=recipe.expert_gemm)))
     opt = layout.optimizer(model, cfg.optim, recipe.master_weights)
     assert not layout.broadcasts_expert_weights
     assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=layout.broadcasts_expert_weights) == 2 * cfg.model.n_layers

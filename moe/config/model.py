@@ -39,8 +39,10 @@ class MoEConfig(Config):
     bias_update_rate: float = 0.0
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None
-    # The expert GEMM implementation (a seam: FP8/MXFP8 variants plug in here). A Triton fused
-    # expert MLP was measured slower than torch's grouped GEMM and removed (bench/NOTES.md, issue 38).
+    # The bf16 expert GEMM, the only one (kept as a key so that every stored config still loads):
+    # which GEMM the experts run is chosen once, by precision.recipe when the model is built
+    # (moe.precision.PrecisionRecipe.expert_gemm: grouped_mm, or an FP8 recipe's own). A Triton
+    # fused expert MLP was measured slower than torch's grouped GEMM and removed (bench/NOTES.md, issue 38).
     gemm: Literal["grouped_mm"] = "grouped_mm"
 
     def _check(self, p: str) -> None:

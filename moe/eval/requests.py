@@ -90,6 +90,7 @@ def dump_task_requests(tasks: list[TaskRequests], meta: dict) -> bytes:
                 "docs_total": t.docs_total,
                 "sample": None if t.sample is None else list(t.sample),
                 "dropped": list(t.dropped),
+                **({"subjects": [list(pair) for pair in t.subjects]} if t.subjects else {}),
                 "requests": [[getattr(r, f) for f in _FIELDS] for r in t.requests],
             }
             for t in tasks
@@ -126,6 +127,18 @@ def _check_field(name: str, value: Any, where: str, path: str) -> Any:
     return _TOKENS.check(value, where, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SubjectPair(Spec):
+    """A (document, subject) pair of a task reported as a mean over its subjects."""
+
+    def check(self, value: Any, where: str = "", path: str = "") -> Any:
+        if not isinstance(value, list) or len(value) != 2:
+            raise self.fail(where, path, "a [document, subject] pair", value)
+        return [_ID.check(value[0], where, f"{path}[0]"), Str(256).check(value[1], where, f"{path}[1]")]
+
+
+_SUBJECT = _SubjectPair()
+
 # The file dump_task_requests writes, with the meta `moe tasks --export` gives it.
 REQUESTS_SCHEMA = Map(
     required={
@@ -139,7 +152,11 @@ REQUESTS_SCHEMA = Map(
                     "docs_total": Int(0, 10**9),
                     "requests": List(_RequestRow(), max_len=10_000_000),
                 },
-                optional={"sample": Nullable(List(_ID, max_len=10**9)), "dropped": List(_ID, max_len=10**9)},
+                optional={
+                    "sample": Nullable(List(_ID, max_len=10**9)),
+                    "dropped": List(_ID, max_len=10**9),
+                    "subjects": List(_SUBJECT, max_len=10**9),
+                },
             ),
             max_len=10_000,
         ),
@@ -151,6 +168,8 @@ REQUESTS_SCHEMA = Map(
         "max_len": Int(1, 2**31),
         "limit": Nullable(Int(1, 10**9)),
         "seed": Int(0, 2**63 - 1),
+        "task_names": List(Str(256), max_len=10_000),  # the task and suite names as asked for (train.eval_tasks)
+        "truncation": Str(8, choices=("cut", "drop")),
     },
 )
 
@@ -176,10 +195,20 @@ def load_task_requests(path: str | os.PathLike) -> tuple[list[TaskRequests], dic
             t["docs_total"],
             None if t.get("sample") is None else tuple(t["sample"]),  # absent from files written before the sampled limit
             tuple(t.get("dropped", ())),
+            tuple((doc, subject) for doc, subject in t.get("subjects", ())),  # absent: a mean over documents only
         )
         for t in body["tasks"]
     ]
     return tasks, {k: v for k, v in body.items() if k not in ("tasks", "fields")}
+
+
+def is_requests_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file dump_task_requests wrote (a recogniser: never overwrite anything else)."""
+    try:
+        load_task_requests(path)
+    except ConfigError:
+        return False
+    return True
 
 
 def _request(row: list) -> Request:

@@ -3,7 +3,7 @@ errors, the number of documents, chance and majority levels, a task of subjects'
 over its subjects, how much context the model's window cut (or how many documents were dropped
 instead) and the time it took; sharded over data-parallel ranks when asked.
 
-Torch only: the evaluate stage and the trainer's in-loop evaluation (moe.eval.callback) share
+Torch only: the evaluate stage and the trainer's in-loop evaluation (moe.train.callbacks.in_loop_eval) share
 it, with the requests built by pipeline.eval from the task data.
 """
 

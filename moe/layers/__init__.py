@@ -3,7 +3,6 @@
 from moe.layers.dispatch import Dispatcher, LocalDispatcher
 from moe.layers.experts import GroupedExperts
 from moe.layers.gemm import ExpertGemm, GroupedMM
-from moe.layers.gemm_registry import build_expert_gemm
 from moe.layers.moe_layer import MoELayer, MoEStats
 from moe.layers.router import Router, Routing
 
@@ -17,5 +16,4 @@ __all__ = [
     "MoEStats",
     "Router",
     "Routing",
-    "build_expert_gemm",
 ]

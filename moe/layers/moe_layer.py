@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from moe.config import MoEConfig
 from moe.layers.aux_loss import attach_aux_loss
 from moe.layers.dispatch import Dispatcher, LocalDispatcher
 from moe.layers.experts import GroupedExperts
-from moe.layers.gemm_registry import build_expert_gemm
+from moe.layers.gemm import ExpertGemm, GroupedMM
 from moe.layers.router import Router
 from moe.nn.mlp import SwiGLU
 from moe.spans import span
@@ -28,11 +29,12 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+    def __init__(self, d_model: int, cfg: MoEConfig, expert_gemm: Callable[[], ExpertGemm] = GroupedMM) -> None:
+        """``expert_gemm`` builds the experts' GEMM, chosen once here (moe.precision: the recipe's)."""
         super().__init__()
         self.lb_loss_weight, self.z_loss_weight = cfg.lb_loss_weight, cfg.z_loss_weight
         self.router = Router(d_model, cfg)
-        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, build_expert_gemm(cfg.gemm))
+        self.experts = GroupedExperts(cfg.num_experts, d_model, cfg.expert_hidden, expert_gemm())
         self.shared = SwiGLU(d_model, cfg.shared_hidden_total) if cfg.num_shared_experts else None
         # Replaced by the parallel layout (expert parallelism); not part of the state dict.
         self.dispatcher: Dispatcher = LocalDispatcher()

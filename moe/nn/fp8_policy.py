@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from moe.config import PrecisionConfig
 from moe.kernels.fp8 import E4M3, quantize_cols_grouped, quantize_rows
 
 
@@ -31,8 +32,8 @@ class Plan:
         return self.fwd or self.dgrad or self.wgrad
 
 
-# The dense projections' threshold (precision.fp8_dense_min_dim's default): see Fp8Rule.
-DENSE_MIN_DIM = 4096
+# The dense projections' threshold (precision.fp8_dense_min_dim's default, written there): see Fp8Rule.
+DENSE_MIN_DIM = PrecisionConfig.fp8_dense_min_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Fp8Rule:
 
     Where the optimizer's gradient sink takes an expert weight's gradient (the default,
     ``optim.expert_wgrad: gemm``), wgrad runs in FP8 (moe.kernels.grouped_wgrad.grouped_wgrad_fp8)
-    only for GEMMs whose smaller dimension is at least ``SINK_WGRAD_MIN_DIM`` (4,096), else in the
+    only for GEMMs whose smaller dimension is at least ``sink_wgrad_min_dim`` (4,096), else in the
     bf16 accumulating GEMM. Both add into the fp32 gradient inside the GEMM, which at ~1,000 rows
     per expert is bound by that gradient's read and write: the FP8 kernel is only 1.12-1.26x the
     bf16 one, and the columnwise quantisation of its two operands costs about that much
@@ -75,13 +76,15 @@ class Fp8Rule:
     pays at paper width, where it also skips the bf16 copies of the combine's gradient rows and
     of the gathered tokens: +1.5% and +1.6% against bf16 wgrad (96.4K/96.7K against 95.0K/95.2K
     tok/s, T231757Z/T231900Z against T231819Z/T231917Z, one call), and it loses at OLMoE width:
-    97.0K against 100.4K tok/s (T232029Z against T232011Z; bf16 96.5K, T232047Z)."""
+    97.0K against 100.4K tok/s (T232029Z against T232011Z; bf16 96.5K, T232047Z).
 
-    min_dim: int = 1024
+    The defaults of the fields the config sets are written once, in moe.config.PrecisionConfig
+    (``fp8_min_dim``, ``fp8_sink_wgrad_min_dim``)."""
+
+    min_dim: int = PrecisionConfig.fp8_min_dim
     min_rows: int | None = None
-
-    WIDE = 4096  # both dimensions at least this: 1,024 rows per expert suffice
-    SINK_WGRAD_MIN_DIM = 4096
+    wide: int = 4096  # both dimensions at least this: 1,024 rows per expert suffice
+    sink_wgrad_min_dim: int = PrecisionConfig.fp8_sink_wgrad_min_dim
 
     def rows_needed(self, n: int, k: int) -> int:
         """Mean rows per expert an n x k GEMM (either way round) needs to run in FP8."""
@@ -90,7 +93,7 @@ class Fp8Rule:
         if self.min_dim == 0:
             return 0
         small = min(n, k)
-        return 1024 if small >= self.WIDE else 2048 if small >= 2048 else 4096
+        return 1024 if small >= self.wide else 2048 if small >= 2048 else 4096
 
     def use(self, rows: float, n: int, k: int) -> bool:
         return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed(n, k)
@@ -103,7 +106,7 @@ class Fp8Rule:
             fwd=self.use(rows, out_dim, in_dim),
             dgrad=self.use(rows, in_dim, out_dim),
             wgrad=wgrad,
-            sink_wgrad=wgrad and (self.min_dim == 0 or min(out_dim, in_dim) >= self.SINK_WGRAD_MIN_DIM),
+            sink_wgrad=wgrad and (self.min_dim == 0 or min(out_dim, in_dim) >= self.sink_wgrad_min_dim),
         )
 
     def plan_down(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
@@ -114,7 +117,7 @@ class Fp8Rule:
         ``min_dim`` and be multiples of 16."""
         up = self.plan(tokens, groups, 2 * in_dim, out_dim)
         ok = out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim) >= self.min_dim
-        sink = up.sink_wgrad and ok and (self.min_dim == 0 or min(out_dim, in_dim) >= self.SINK_WGRAD_MIN_DIM)
+        sink = up.sink_wgrad and ok and (self.min_dim == 0 or min(out_dim, in_dim) >= self.sink_wgrad_min_dim)
         return Plan(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok, sink_wgrad=sink)
 
 

@@ -1,8 +1,8 @@
 """What an FP8 recipe changes in a rank's memory, read from the code that runs it.
 
-The per-GEMM choice is the trainer's own: the recipe is resolved by ``moe.precision.recipe_for``
-and prepared on the rank's meta model (``PrecisionRecipe.prepare``: the FP8 expert GEMM and the
-FP8 dense projections, each holding its ``Fp8Rule``), the weights it releases are those
+The per-GEMM choice is the trainer's own: the recipe is resolved by ``moe.precision.recipe_for``,
+the rank's meta model is built with its expert GEMM (holding its ``Fp8Rule``) and prepared
+(``PrecisionRecipe.prepare``: the FP8 dense projections, holding theirs), the weights it releases are those
 ``PrecisionRecipe.attach_optimizer`` picks, and each GEMM's ``Plan`` is asked of its module's rule
 with the mean rows it will see (a micro-batch's tokens x top_k over the rank's experts).
 
@@ -98,6 +98,9 @@ class _ReleaseLog:
         self.params.append(param)
         return param
 
+    def bind_expert(self, param: nn.Parameter) -> None:
+        return None  # no gradient sink: nothing here runs a backward
+
 
 def planning_recipe(cfg: ExperimentConfig) -> PrecisionRecipe:
     """The recipe a GPU run of ``cfg`` uses, resolved without a GPU (``emulate`` skips only the
@@ -113,7 +116,7 @@ def rank_fp8(model: nn.Module, cfg: ExperimentConfig, broadcasts_expert_weights:
     from moe.layers.gemm_fp8 import Fp8GroupedGemm
 
     recipe = planning_recipe(cfg)
-    if recipe.expert_gemm is None and recipe.dense_fp8 is None:
+    if not recipe.fp8 and recipe.dense_fp8 is None:
         return None
     recipe.prepare(model)
     log = _ReleaseLog()

@@ -14,7 +14,7 @@ from moe.config import ExperimentConfig, ResolvedLayout
 from moe.config.model import ModelConfig
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import recipe_on
-from moe.plan.fp8 import RankFp8, rank_fp8
+from moe.plan.fp8 import RankFp8, planning_recipe, rank_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +42,12 @@ def _param_dtype(cfg: ExperimentConfig) -> tuple[torch.dtype, bool]:
     return getattr(torch, facts.param_dtype), facts.master_weights
 
 
-def _meta_model(cfg: ModelConfig):
+def _meta_model(cfg: ModelConfig, expert_gemm=None):
+    """The model on the meta device; ``expert_gemm``: the recipe's, as the trainer builds it."""
     from moe.model import Transformer
 
     with torch.device("meta"):
-        return Transformer(cfg)
+        return Transformer(cfg, expert_gemm=expert_gemm)
 
 
 def layout_mesh(pp: int, dp: int, ep: int, rank: int):
@@ -79,7 +80,7 @@ def rank_states(
     out = []
     for stage in range(r.pp):
         mesh = layout_mesh(r.pp, r.dp, r.ep, stage * r.dp)
-        model = apply_expert_parallel(_meta_model(cfg.model), mesh)
+        model = apply_expert_parallel(_meta_model(cfg.model, planning_recipe(cfg).expert_gemm), mesh)
         if r.pp > 1:
             model, _ = prune_for_stages(model, mesh, r.virtual_stages)
         sync = GradSync(model, mesh, cfg.parallel.shard_optimizer)

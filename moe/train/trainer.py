@@ -83,7 +83,8 @@ class Trainer:
 
         seed_everything(cfg.train.seed)
         with torch.device(self.device):
-            model = Transformer(cfg.model)  # the full model, identical on every rank (same seed)
+            # the full model, identical on every rank (same seed), with the recipe's expert GEMM
+            model = Transformer(cfg.model, expert_gemm=self.recipe.expert_gemm)
         self.recipe.prepare(model)
         apply_recompute(model, cfg.train.recompute)  # per block, before the layout (FSDP2 wraps it)
         self.model = self.layout.parallelize(model)
@@ -167,6 +168,8 @@ class Trainer:
             "params_total": self.params_total,
             "params_active": self.params_active,
             "determinism": self.determinism.to_meta(),
+            # what precision.recipe (auto: bf16 on a GPU, fp32 on a CPU) and train.device resolved to: the model card's
+            "resolved": {"precision": self.recipe.name, "device": self.device.type},
         }
         if self.layout.scales is not None:  # train.layout_invariant: the next step's exponents
             meta["grad_exponents"] = self.layout.scales.state_dict()

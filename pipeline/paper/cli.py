@@ -24,16 +24,31 @@ def _tracker(params, stage: str, enabled: bool):
         return None
     from pipeline.tracking.stage_run import Tracker
 
-    tracker = Tracker(params.base.mlflow, f"paper/{stage}", params.path, parent_name="paper reproduction")
+    tracker = Tracker(_main_store(params.base.mlflow), f"paper/{stage}", params.path, parent_name="paper reproduction")
     flat = {f"paper.{k}": v for k, v in params.paper.flatten().items()}
     flat.update({k: v for k, v in params.base.flatten().items() if k.split(".")[0] in ("executor", "slurm", "container", "tokenize")})
     tracker.log_stage_start(flat)
     return tracker
 
 
+def _main_store(cfg):
+    """The paper pipeline's runs go to the main project's store (`make ui` shows them), though
+    bench/paper is a DVC project of its own; a tracking URI set anywhere wins."""
+    import dataclasses
+
+    from pipeline.project import main_project_root
+    from pipeline.tracking.client import tracking_uri
+
+    if cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return cfg
+    return dataclasses.replace(cfg, tracking_uri=tracking_uri(cfg, main_project_root()))
+
+
 @paper_app.command("tokenize")
-def tokenize_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None) -> None:
-    """Tokenise the corpus the learned-routing stage reads (tokenize: section)."""
+def tokenize_cmd(params: ParamsOpt = Path("params.yaml"), set_: SetOpt = None, no_mlflow: NoTrackOpt = False) -> None:
+    """Tokenise the corpus the learned-routing stage reads (tokenize: section); it logs no MLflow
+    run, and takes --no-mlflow as every stage does."""
+    del no_mlflow
 
     @handle_errors
     def go():
@@ -139,23 +154,24 @@ def repro_cmd(
     set_: SetOpt = None,
     no_mlflow: NoTrackOpt = False,
 ) -> None:
-    """Run the whole paper pipeline: `dvc repro bench/paper/dvc.yaml` (or in order with --no-dvc)."""
+    """Run the whole paper pipeline: `dvc repro` in bench/paper, a DVC project of its own (or in
+    order with --no-dvc): it never takes the main pipeline's lock nor shows in its `dvc status`."""
     if not PIPELINE_DIR.is_dir():
         typer.echo(f"error: {PIPELINE_DIR}: not found (run from the repository root)", err=True)
         raise typer.Exit(2)
     if not no_dvc:
         if set_:
-            typer.echo("error: --set applies with --no-dvc; with DVC edit bench/paper/params.yaml or use `dvc exp run -S`", err=True)
+            typer.echo("error: --set applies with --no-dvc; with DVC edit bench/paper/params.yaml or use `dvc exp run -S` in bench/paper", err=True)
             raise typer.Exit(2)
         from pipeline.dvc_run import call
 
-        raise typer.Exit(call(["repro", str(PIPELINE_DIR / "dvc.yaml")]))
+        raise typer.Exit(call(["repro"], cwd=PIPELINE_DIR))
     from pipeline.paper.claims import STAGES
 
     root = str(Path.cwd().resolve())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)}
     args = [a for s in (set_ or []) for a in ("--set", s)] + (["--no-mlflow"] if no_mlflow else [])
-    steps = [["tokenize", *[a for s in (set_ or []) for a in ("--set", s)]]] + [["stage", s, *args] for s in STAGES] + [["report", *args]]
+    steps = [["tokenize", *args]] + [["stage", s, *args] for s in STAGES] + [["report", *args]]
     for step in steps:
         code = run_child([sys.executable, "-m", "pipeline.paper", *step], cwd=PIPELINE_DIR, env=env)
         if code:

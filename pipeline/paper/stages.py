@@ -15,7 +15,7 @@ from typing import Any
 
 from moe.config import ConfigError
 from moe.hardware import RECIPES as RECIPE_FACTS
-from moe.hardware import capability_problem
+from moe.hardware import capability_problem, recipe_on
 from moe.reader import MIB, read_bytes
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.outputs import write_output_file
@@ -62,7 +62,7 @@ class Context:
         recipe = extra.pop("recipe", "auto")
         # bf16 accumulation needs bf16 weights over fp32 masters: not FSDP2's fp32 shards
         # under autocast (amp_bf16), nor CPUs (fp32); those accumulate in fp32.
-        bf16_weights = self.hw.kind == "gpu" and recipe not in ("fp32", "amp_bf16")
+        bf16_weights = self.hw.kind == "gpu" and RECIPE_FACTS[recipe_on(recipe, gpu=True)].master_weights
         return {
             "model": shape.model,
             "data": {"seq_len": shape.seq_len},
@@ -271,7 +271,8 @@ def fp8_recipe(ctx: Context) -> tuple[str | None, str]:
     if choice != "auto":
         return choice, ""
     cap = ctx.hw.capability or (0, 0)
-    for recipe in ("mxfp8", "fp8_rowwise"):  # the best the device runs
+    fp8_recipes = sorted((n for n, f in RECIPE_FACTS.items() if f.fp8), key=lambda n: RECIPE_FACTS[n].min_capability, reverse=True)
+    for recipe in fp8_recipes:  # the best the device runs (the newest hardware's first)
         if capability_problem(recipe, cap, ctx.hw.name) is None:
             return recipe, ""
     return None, f"FP8 needs compute capability >= {need[0]}.{need[1]}; {ctx.hw.name} has {cap[0]}.{cap[1]}"

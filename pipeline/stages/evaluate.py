@@ -29,6 +29,7 @@ from moe.reader import Int, List, Map, Nullable, Num, Plain, Str, read_json
 from moe.train.checkpoint import read_meta, resolve_checkpoint
 from moe.train.sinks import read_metric_rows
 from moe.train.weights import load_model
+from pipeline.dvc_views import EVAL_HEADLINE, check_headline, write_headline
 from pipeline.errors import PipelineError
 from pipeline.eval.requests import prepare_tasks
 from pipeline.eval.tasks import TABLE, TASKS
@@ -238,6 +239,7 @@ def check_inputs(cfg: PipelineConfig, checkpoint: str, out: Path, sample_path: P
     check_output_file(out, "evaluate.output", recognise_metrics)
     check_output_file(detail_path(out), "evaluate.output (its _detail.json)", recognise_detail)
     check_output_file(sample_path, "evaluate.output (its _sample.txt)", recognise_sample)
+    check_headline(out, EVAL_HEADLINE)
     manifest = read_manifest(cfg.tokenize.output)
     tok_file = Path(cfg.tokenize.output) / "tokenizer.json"
     tok_info = load_tokenizer(tok_file)
@@ -332,6 +334,7 @@ def run_evaluate(cfg: PipelineConfig, tracker=None, checkpoint: str | None = Non
     write_output_file(sample_path, sample + "\n", "evaluate.output (its _sample.txt)", recognise_sample)  # first: the detail vouches for it
     write_output_file(detail_path(out), json.dumps(metrics, indent=2) + "\n", "evaluate.output (its _detail.json)", recognise_detail)
     write_output_file(out, json.dumps(summary_metrics(metrics), indent=2) + "\n", "evaluate.output", recognise_metrics)
+    write_headline(out, metrics, EVAL_HEADLINE)  # what `dvc metrics show` prints (pipeline/dvc_views.py)
     train_rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
     validation_figure(read_metric_rows(train_rows) if train_rows.is_file() else [], loss, hf_loss)
     downstream_figure(downstream)
@@ -408,12 +411,17 @@ def suite_summary(downstream: dict[str, dict[str, Any]]) -> dict[str, float]:
     ``len_norm_mean`` over those ranked by length-normalised accuracy, each with its tasks'
     chance and majority means beside it; ``bpb_mean`` over every task; and MMLU over its subjects
     (``mmlu_macro``), as OLMES reports it. Standard errors from the tasks' (independent samples:
-    sqrt(sum se^2) / k)."""
+    sqrt(sum se^2) / k). Where a context did not fit the model, the documents cut
+    (``truncated_docs``) or left out (``dropped_docs``) over all the tasks stand beside them."""
     out = {
         "tasks": float(len(downstream)),
         "docs": float(sum(r["docs"] for r in downstream.values())),
         "seconds": float(sum(r["seconds"] for r in downstream.values())),
     }
+    for count in ("truncated_docs", "dropped_docs"):  # beside the means where a context did not fit (each task's: its record)
+        total = sum(r.get(count, 0.0) for r in downstream.values())
+        if total:
+            out[count] = float(total)
     for kind in RANKED:
         rows = [r for r in downstream.values() if r["primary"] == kind]
         if rows:

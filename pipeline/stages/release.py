@@ -43,17 +43,25 @@ TOKENS_MANIFEST = "manifest.json"  # the tokenize stage's record
 STAGE_RECORDS = (MARKER, CONVERTED, TOKENS_MANIFEST)  # a directory holding one is a stage's output
 
 
+# what a card says of a task's contexts that did not fit the model (the detail file's counts)
+CUT_COUNTS = ("truncated_docs", "truncated_tokens_max", "dropped_docs")
+
+
 def final_evaluation(detail: dict[str, Any], data_dir: str | None) -> CardEvaluation:
-    """The card's evaluation from the evaluate stage's detail file: each task's headline figures
-    (primary metric, accuracy, bpb, each with its standard error), documents and chance."""
-    tasks, docs, chance = {}, {}, {}
+    """The card's evaluation from the evaluate stage's detail file: the validation loss and
+    perplexity; each task's headline figures (primary metric, accuracy, bpb, each with its
+    standard error), documents, chance and the documents whose context was cut or left out."""
+    tasks, docs, chance, cut = {}, {}, {}, {}
     for name, r in (detail.get("tasks") or {}).items():
         metric = TASKS[name].metric if name in TASKS else "bpb"
         tasks[name] = {k: float(v) for k, v in headline(r, metric).items()}
         docs[name] = int(r["docs"])
         if "chance" in r:
             chance[name] = float(r["chance"])
-    return CardEvaluation(int(detail["step"]), True, tasks, docs, chance, {t: task_source(t, data_dir) for t in tasks})
+        cut[name] = {k: float(r.get(k, 0.0)) for k in CUT_COUNTS}
+    validation = {k: float(detail[k]) for k in ("val_loss", "val_perplexity", "val_tokens") if k in detail}
+    sources = {t: task_source(t, data_dir) for t in tasks}
+    return CardEvaluation(int(detail["step"]), True, tasks, docs, chance, sources, validation=validation, cut=cut)
 
 
 def other_outputs(cfg) -> dict[str, Path]:

@@ -14,11 +14,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moe.config import ConfigError, ExperimentConfig, ResolvedLayout
 from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
+from pipeline.dvc_views import TRAIN_HEADLINE, write_headline, write_resolved_params
 from pipeline.errors import JobFailed, PipelineError
 from pipeline.executors import TrainJob, build_executor, world_size
 from pipeline.executors.base import JobResult
@@ -57,7 +58,13 @@ def resolve_experiment(cfg: PipelineConfig) -> ExperimentConfig:
     return exp.replace(data=data).validate()
 
 
-Checked = tuple[ExperimentConfig, ResolvedLayout]  # a config check_train accepted and its layout on the job's world
+class Checked(NamedTuple):
+    """A config check_train accepted, its layout on the job's world, and its in-loop tasks
+    tokenised (a requests file's content, written at launch: None, no tasks or no data resolved)."""
+
+    exp: ExperimentConfig
+    layout: ResolvedLayout
+    in_loop: bytes | None = None
 
 
 def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> Checked:
@@ -71,17 +78,18 @@ def check_train(cfg: PipelineConfig, resolve_data: bool = True) -> Checked:
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"{key}: {value} is not a directory ({p} is a file)")
     check_run_dirs(cfg.executor.run_dir, cfg.checkpoint.dir)  # read only: before the lock creates anything
-    if exp.train.eval_every and resolve_data:
-        from pipeline.eval.inloop import eval_inputs, prepare_in_loop
+    in_loop = None
+    if exp.train.eval_every and exp.train.eval_tasks and resolve_data:
+        from pipeline.eval.inloop import tokenise_in_loop
 
-        prepare_in_loop(exp, eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir))  # every task check, before any work
+        in_loop = tokenise_in_loop(exp, cfg.tokenize.output, cfg.evaluate.data_dir)  # every task check, before any work; kept for the launch
     if cfg.executor.kind == "local":
         import torch
 
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device: cuda, but no CUDA GPU is available here (use auto or cpu)")
         check_precision_here(exp)
-    return exp, layout
+    return Checked(exp, layout, in_loop)
 
 
 def check_precision_here(exp: ExperimentConfig) -> None:
@@ -110,7 +118,7 @@ def check_local_memory(cfg: PipelineConfig, exp: ExperimentConfig) -> None:
 def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, checked: Checked | None = None) -> TrainJob:
     """The job spec; ``checked``: the experiment and layout `preflight` already checked (not
     checked twice)."""
-    exp, layout = checked if checked is not None else check_train(cfg, resolve_data)
+    exp, layout, _ = checked if checked is not None else check_train(cfg, resolve_data)
     uri = tracker.uri if tracker else None
     if uri and has_password(uri):  # job.json (a DVC output) keeps no password; jobs inherit it
         os.environ[SECRET_URI_ENV] = uri
@@ -130,9 +138,9 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, check
 def _eval_inputs(cfg: PipelineConfig, exp: ExperimentConfig) -> dict[str, Any] | None:
     if not exp.train.eval_every:
         return None
-    from pipeline.eval.inloop import eval_inputs
+    from pipeline.eval.inloop import REQUESTS_FILE, eval_inputs
 
-    return eval_inputs(cfg.tokenize.output, cfg.evaluate.data_dir)
+    return eval_inputs(Path(cfg.executor.run_dir) / REQUESTS_FILE if exp.train.eval_tasks else None, cfg.tokenize.output)
 
 
 def prepare_run(job: TrainJob, act: bool = True, markers: tuple[str, ...] = ()) -> str:
@@ -183,12 +191,15 @@ class Launch:
     job_id: str | None = None
 
 
-def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool = True, markers: tuple[str, ...] = ()) -> Launch:
+def launch_train(
+    cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool = True, markers: tuple[str, ...] = (), in_loop: bytes | None = None
+) -> Launch:
     """The one way a training job starts (`moe train`, `moe submit`, the paper stages): under the
     run's lock its directory is prepared (checkpoints resumed, extended or refused; on Slurm
     changed only once sbatch accepted the job, whose rank 0 then takes the lock), the tracker is
     tagged, and the configured executor runs the job to its end, or with ``wait=False`` (Slurm)
-    until sbatch accepted it. ``markers``: files the caller's own runs add to the run directory."""
+    until sbatch accepted it. ``markers``: files the caller's own runs add to the run directory.
+    ``in_loop``: the in-loop tasks check_train tokenised, written where the job's ranks read them."""
     slurm = cfg.executor.kind == "slurm"
     if slurm:
         require_slurm("sbatch", "srun", "scontrol", "scancel")
@@ -200,6 +211,7 @@ def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool
     lock = RunLock(job.run_dir, job.checkpoint_dir).acquire(f"{command_line()} ({holder})")
     try:
         start, before_start = prepare_slurm_run(job, markers) if slurm else (prepare_run(job, markers=markers), None)
+        place_in_loop_requests(cfg, job, in_loop)
         if tracker:
             tracker.set_tags({"train.start": start, **(container_tags(cfg) if slurm else {})})
         executor = build_executor(cfg)
@@ -213,10 +225,25 @@ def launch_train(cfg: PipelineConfig, job: TrainJob, tracker=None, *, wait: bool
         lock.release()
 
 
+def place_in_loop_requests(cfg: PipelineConfig, job: TrainJob, in_loop: bytes | None) -> None:
+    """Under the run's lock: the job's record, then its tokenised in-loop tasks where its
+    eval_inputs name them (tokenised here only for a caller that did not check the job first)."""
+    path = (job.eval_inputs or {}).get("requests")
+    if not path:
+        return
+    from pipeline.eval.inloop import tokenise_in_loop, write_in_loop_requests
+
+    if in_loop is None:
+        in_loop = tokenise_in_loop(ExperimentConfig.from_dict(job.config), cfg.tokenize.output, cfg.evaluate.data_dir)
+    job.write()  # first: a run directory holds nothing else without its record
+    write_in_loop_requests(path, in_loop)
+
+
 def run_train(cfg: PipelineConfig, tracker=None, checked: Checked | None = None) -> dict[str, Any]:
     """`moe train` and the DVC stage: launch the job, wait for it, read its outputs."""
+    checked = checked or check_train(cfg)
     job = make_job(cfg, tracker, checked=checked)
-    result = launch_train(cfg, job, tracker).result
+    result = launch_train(cfg, job, tracker, in_loop=checked.in_loop).result
     if not result.ok:
         raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
     return finish_train(cfg, job, tracker)
@@ -244,6 +271,8 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     rows = read_metric_rows(job.metrics_path)
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
+    write_headline(METRICS_FILE, metrics, TRAIN_HEADLINE)  # what `dvc metrics show` prints
+    write_resolved_params(cfg.flatten())  # the values it ran with, for `dvc exp show` (pipeline/dvc_views.py)
     table = expert_load.load_table(rows)
     expert_load.write_csv(EXPERT_LOAD_PLOT, table)
     heatmap = Path(job.run_dir) / "expert_load.png"

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moe.errors import MoeError
 from moe.reader import MIB, AnyOf, Bool, FileFormatError, Map, Nullable, Num, Str, read_json
 from pipeline.params import MlflowConfig
 from pipeline.redact import redact
@@ -63,16 +64,27 @@ class Tracker:
     Best effort: when the tracking server cannot be reached (at the start or mid-run), the
     stage goes on and what it would have sent is spooled to ``fallback`` for
     ``moe mlflow-sync``; an unreachable server at the start gives an ``offline-`` run id that
-    the sync creates."""
+    the sync creates. ``continue_run``: a run of this stage to go on with (a resumed training:
+    one run, one loss curve) where the store holds it; else a new run is made."""
 
     def __init__(
-        self, cfg: MlflowConfig, stage: str, params_path: Path = Path("params.yaml"), fallback: Path = STAGE_FALLBACK, parent_name: str | None = None
+        self,
+        cfg: MlflowConfig,
+        stage: str,
+        params_path: Path = Path("params.yaml"),
+        fallback: Path = STAGE_FALLBACK,
+        parent_name: str | None = None,
+        continue_run: str | None = None,
     ) -> None:
         bound_http()
         self.cfg, self.stage, self.params_path, self.fallback = cfg, stage, params_path, fallback
         self.parent_name = parent_name
         self.uri = tracking_uri(cfg)
         self.failed = False
+        self.logged_figures = False  # a metric or a model sent: the stage had begun its work
+        self.continued: str | None = None  # the status of the run continued here before (None: a new run)
+        self._params_before: dict[str, str] = {}
+        self._continued_parent: str | None = None
         tags = {
             "mlflow.runName": run_name(stage),
             "moe.stage": stage,
@@ -84,7 +96,7 @@ class Tracker:
         }
         self._monitor = None
         try:
-            within_deadline(lambda: self._connect(tags), "MLflow run creation")
+            within_deadline(lambda: self._connect(tags, continue_run), "MLflow run creation")
         except ModuleNotFoundError:
             raise
         except Exception as exc:  # unreachable or hanging server, database down, bad URI
@@ -96,12 +108,33 @@ class Tracker:
         else:
             self._monitor = start_system_metrics(self.uri, self.run_id)
 
-    def _connect(self, tags: dict[str, str]) -> None:
+    def _connect(self, tags: dict[str, str], continue_run: str | None) -> None:
         self.client = mlflow_client(self.uri)
         self.experiment_id = self._experiment()
         self.parent_id, self._parent_before = self._parent()
-        self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
+        earlier = self._continuable(continue_run)
+        if earlier is None:
+            self.run_id = self.client.create_run(self.experiment_id, tags={"mlflow.parentRunId": self.parent_id, **tags}).info.run_id
+        else:  # the same run goes on, under this invocation's parent; its name stays
+            from mlflow.entities import RunTag
+
+            self.run_id, self.continued, self._params_before = earlier.info.run_id, earlier.info.status, dict(earlier.data.params)
+            self._continued_parent = earlier.data.tags.get("mlflow.parentRunId")
+            kept = {k: v for k, v in tags.items() if k != "mlflow.runName"}
+            log_batched(self.client, self.run_id, tags=[RunTag(k, v) for k, v in {"mlflow.parentRunId": self.parent_id, **kept}.items()])
+            self.client.update_run(self.run_id, status="RUNNING")
         self.client.update_run(self.parent_id, status="RUNNING")
+
+    def _continuable(self, run_id: str | None):
+        """The run ``run_id`` where this store holds it, live, of this experiment and stage."""
+        if not run_id:
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except Exception:  # another store's run (or a deleted one): a new run instead
+            return None
+        same = run.info.experiment_id == self.experiment_id and run.data.tags.get("moe.stage") == self.stage
+        return run if same and run.info.lifecycle_stage == "active" else None
 
     def _fail(self, exc: BaseException) -> None:
         if not self.failed:
@@ -162,6 +195,11 @@ class Tracker:
         from mlflow.entities import Param
 
         values = {k: param_value(v) for k, v in sorted(params.items())}
+        if self.continued is not None:  # MLflow never changes a logged param: what changed since is a tag
+            changed = {k: v for k, v in values.items() if k in self._params_before and self._params_before[k] != v}
+            values = {k: v for k, v in values.items() if k not in self._params_before}
+            if changed:
+                self.set_tags({f"moe.resumed_with.{k}": v for k, v in changed.items()})
         items = [Param(k, v) for k, v in values.items()]
 
         self._send(lambda: log_batched(self.client, self.run_id, params=items), {"params": values})
@@ -172,6 +210,7 @@ class Tracker:
 
         now = int(time.time() * 1000)
         values = {k: float(v) for k, v in metrics.items() if finite(v)}
+        self.logged_figures = self.logged_figures or bool(values)
         items = [Metric(k, v, now, step or 0, model_id=model_id) for k, v in values.items()]
         self._send(lambda: log_batched(self.client, self.run_id, metrics=items), {"step": step or 0, "metrics": values})
 
@@ -182,6 +221,7 @@ class Tracker:
         (a logged model is not spooled: `moe mlflow-sync` restores runs, not models)."""
         if self.failed:
             return None
+        self.logged_figures = True
         model_id: list[str] = []
 
         def send():
@@ -271,17 +311,33 @@ class Tracker:
 
         self._send(send, {"status": status})
 
+    def refused(self, exc: BaseException | None) -> bool:
+        """Whether ``exc`` refused the command rather than failed its work: bad input (exit code
+        2) before the stage logged a figure. A training job that ran and failed is no refusal."""
+        from moe.errors import exit_code_of
+        from pipeline.errors import JobFailed
+
+        if exc is None or isinstance(exc, JobFailed) or self.logged_figures:
+            return False
+        return isinstance(exc, (MoeError, FileNotFoundError)) and exit_code_of(exc) == 2
+
     def abandon(self) -> None:
-        """The stage never started (e.g. sbatch refused the job): its run is deleted and the
-        parent run is left as it was (deleted too if this stage created it), so a refused
-        command leaves no history behind."""
+        """The stage never started (sbatch refused the job, bad input refused the command): its
+        run is deleted (a continued run goes back to its status before) and the parent run is
+        left as it was (deleted too if this stage created it), so a refused command leaves no
+        history behind."""
         if self._monitor is not None:
             with contextlib.suppress(Exception):
                 within_deadline(self._monitor.finish, "system metrics", seconds=min(10.0, deadline_s()))
             self._monitor = None
 
         def send():
-            self.client.delete_run(self.run_id)
+            if self.continued is not None:
+                if self._continued_parent:
+                    self.client.set_tag(self.run_id, "mlflow.parentRunId", self._continued_parent)
+                self.client.update_run(self.run_id, status=self.continued)
+            else:
+                self.client.delete_run(self.run_id)
             if self.parent_id and self._parent_before is None:
                 self.client.delete_run(self.parent_id)
             elif self.parent_id:

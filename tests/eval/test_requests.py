@@ -29,6 +29,15 @@ def test_an_export_round_trips(tmp_path):
     assert task.requests == REQS and task.sample is None and meta == {"format": requests.FORMAT, "limit": None, "max_len": 64}
 
 
+def test_what_a_run_reads_round_trips_whole(tmp_path):
+    """The in-loop tasks reach every rank through this file: a sample, the documents left out and
+    a task's subjects (its mean over subjects) come back as they went, so the metrics are the same."""
+    task = TaskRequests("mmlu_x", "acc", REQS, 9, sample=(0, 4), dropped=(4,), subjects=((0, "anatomy"),))
+    (tmp_path / "r.json.gz").write_bytes(dump_task_requests([task], {"task_names": ["mmlu_x"], "truncation": "drop"}))
+    (back,), meta = load_task_requests(tmp_path / "r.json.gz")
+    assert back == task and meta["task_names"] == ["mmlu_x"] and meta["truncation"] == "drop"
+
+
 @pytest.mark.parametrize(
     ("edit", "said"),
     [

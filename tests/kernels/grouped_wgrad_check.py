@@ -125,6 +125,8 @@ def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bo
     torch.manual_seed(0)
     model = Experts(gemm).bfloat16()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_grad_accum=accum, expert_wgrad=wgrad), master_weights=True)
+    for w in (model.experts.gate_up, model.experts.down):  # what PrecisionRecipe.attach_optimizer does, without a release
+        model.experts.gemm.bind(w, sink=opt.bind_expert(w))
     calls, launches = [], []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda t: calls.append(t))

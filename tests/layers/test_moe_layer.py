@@ -58,14 +58,17 @@ def test_layer_matches_per_expert_loop_forward_and_backward(tokens, d, hidden, e
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_expert_gemm_registry_knows_grouped_mm_only():
-    """The layer's expert GEMM is the config's (``model.moe.gemm``); ``fused`` was removed (issue 38)."""
-    from moe.layers import GroupedMM, build_expert_gemm
+def test_the_layer_is_built_with_the_expert_gemm_it_is_given():
+    """One selector, at build (moe.precision's recipe gives it); torch's grouped GEMM by default."""
+    from moe.layers import GroupedMM
 
-    assert type(build_expert_gemm("grouped_mm")) is GroupedMM
     assert type(build(8, num_experts=4, top_k=2, expert_hidden=8).experts.gemm) is GroupedMM
-    with pytest.raises(ValueError, match=r"model.moe.gemm: unknown expert GEMM 'fused'; known: \['grouped_mm'\]"):
-        build_expert_gemm("fused")
+
+    class Marked(GroupedMM):
+        pass
+
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8)
+    assert type(MoELayer(8, cfg, Marked).experts.gemm) is Marked
 
 
 def test_empty_experts_get_zero_gradient():

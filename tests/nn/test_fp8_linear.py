@@ -72,9 +72,10 @@ def test_weight_copies_follow_the_weight_version():
 
 def test_the_recipe_swaps_every_dense_projection_but_the_lm_head():
     cfg = ExperimentConfig.load({"model": {"preset": "tiny"}}).model
-    plain = Transformer(cfg)
+    recipe = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0, fp8_dense=True, fp8_dense_min_dim=0)
+    plain = Transformer(cfg, expert_gemm=recipe.expert_gemm)
     keys = set(plain.state_dict())
-    model = resolve_recipe("fp8_rowwise", CPU, emulate=True, fp8_min_dim=0, fp8_dense=True, fp8_dense_min_dim=0).prepare(plain)
+    model = recipe.prepare(plain)
     swapped = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
     assert swapped and len(swapped) == len(dense_linears(model))
     assert not isinstance(model.lm_head, Fp8Linear) and all(n.endswith("_proj") for n in swapped)

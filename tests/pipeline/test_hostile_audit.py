@@ -656,7 +656,8 @@ def _card_of(directory: Path) -> tuple[str, list[str]]:
 
 
 def _release_named_as_python(ws):
-    """release.output's name reaches the card's from_pretrained(...) line only as a string literal."""
+    """release.output's name never reaches the card's from_pretrained(...) line (issue 51: the card
+    names the model, release.name or olmoe-<preset>-step<step>, not its folder); the line runs no command."""
     import ast
 
     name = 'm"),__import__("os").system("touch injected"),("'
@@ -666,7 +667,8 @@ def _release_named_as_python(ws):
     start = body.index("```python") + 1
     snippet = ast.parse("\n".join(body[start : body.index("```", start)]))
     calls = [n for n in ast.walk(snippet) if isinstance(n, ast.Call)]
-    assert all(isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained" and c.args[0].value == name for c in calls), card
+    assert all(isinstance(c.func, ast.Attribute) and c.func.attr == "from_pretrained" and c.args[0].value == "olmoe-tiny-step8" for c in calls), card
+    assert "__import__" not in card
     exec(compile(snippet, "card", "exec"), {"__builtins__": {"__import__": lambda *a, **k: _FakeTransformers}})  # the pasted line: no command runs
 
 
@@ -678,13 +680,13 @@ class _FakeTransformers:
 
 
 def _convert_out_as_html(ws):
-    """`moe convert --out '<img src=x onerror=alert(1)>'`: the card's title is that text, not an image."""
+    """`moe convert --out '<img src=x onerror=alert(1)>'`: the card's title is the model's name, never the folder's or an image."""
     out = "<img src=x onerror=alert(1)>"
     r = CliRunner().invoke(_app(), ["convert", "--no-mlflow", "--out", out])
     assert r.exit_code == 0, r.output
     _, body = _card_of(ws / out)
     assert not any("<img" in line for line in body), "raw <img in the card"
-    assert [line for line in body if line.startswith("# ")] == ["# &lt;img src=x onerror=alert(1)&gt;"]
+    assert [line for line in body if line.startswith("# ")] == ["# olmoe-tiny-step8"]
 
 
 def _corpus_as_markdown(ws):

@@ -36,7 +36,9 @@ def test_the_card_has_the_hub_header_and_the_checkpoint_s_evaluation(in_trained)
     logged = [json.loads(line) for line in Path("runs/train/metrics.jsonl").read_text().splitlines()]
     at_8 = [row for row in logged if row.get("step") == 8 and "eval/arc_easy/bpb" in row][-1]
     (entry,) = header["model-index"]
-    (result,) = entry["results"]
+    val, result = entry["results"]  # the in-loop validation loss, then the task
+    assert val["dataset"]["name"] == "held-out split of the training data"
+    assert {m["type"] for m in val["metrics"]} == {"loss", "perplexity"}
     assert result["dataset"] == {
         "name": "arc_easy",
         "type": "allenai/ai2_arc",
@@ -45,11 +47,12 @@ def test_the_card_has_the_hub_header_and_the_checkpoint_s_evaluation(in_trained)
         "args": {"num_few_shot": 0},
     }
     values = {m["type"]: m["value"] for m in result["metrics"]}
+    errors = {m["type"]: m["args"]["stderr"] for m in result["metrics"]}  # a standard error rides with its figure
     assert values["bpb"] == pytest.approx(at_8["eval/arc_easy/bpb"], abs=1e-6)
     assert values["acc"] == pytest.approx(at_8["eval/arc_easy/acc"], abs=1e-6)
     text = Path("hf_card/README.md").read_text()
     assert "In-loop evaluation at step 8" in text and "near chance" in text and "at most" in text
-    assert values["bpb_stderr"] == pytest.approx(at_8["eval/arc_easy/bpb/stderr"], abs=1e-6)
+    assert errors["bpb"] == pytest.approx(at_8["eval/arc_easy/bpb/stderr"], abs=1e-6) and "bpb_stderr" not in values
     model = AutoModelForCausalLM.from_pretrained("hf_card")
     assert type(model).__name__ == "OlmoeForCausalLM"
 
@@ -118,10 +121,13 @@ def test_release_puts_the_final_evaluation_on_the_card_of_exactly_that_model(ws)
     assert done["step"] == 8
     card = Path(cfg.release.output, "README.md").read_text()
     assert "The evaluate stage's numbers for this directory, at step 8" in card
-    assert "| arc_easy | acc | 0.3100 ± 0.0400 | 0.2500 | 123 | 0 |" in card
-    assert "| arc_easy | bpb | 2.5000 ± 0.1000 |  | 123 | 0 |" in card
-    values = {m["type"]: m["value"] for m in _header_text(card)["model-index"][0]["results"][0]["metrics"]}
-    assert values == {"acc": 0.31, "acc_stderr": 0.04, "bpb": 2.5, "bpb_stderr": 0.1, "len_norm": 0.3, "len_norm_stderr": 0.04}
+    assert "| arc_easy | acc | 0.3100 ± 0.0400 | 0.2500 | 123 | 0 | 0 |" in card  # no context cut
+    assert "| arc_easy | bpb | 2.5000 ± 0.1000 |  | 123 | 0 | 0 |" in card
+    val, arc = _header_text(card)["model-index"][0]["results"]
+    assert {m["type"]: m["value"] for m in val["metrics"]} == {"loss": 3.0}
+    values = {m["type"]: (m["value"], m["args"]) for m in arc["metrics"]}
+    about = {"documents": 123, "truncated_documents": 0, "dropped_documents": 0}
+    assert values == {"acc": (0.31, {"stderr": 0.04, **about}), "bpb": (2.5, {"stderr": 0.1, **about}), "len_norm": (0.3, {"stderr": 0.04, **about})}
     assert type(AutoModelForCausalLM.from_pretrained(cfg.release.output)).__name__ == "OlmoeForCausalLM"
     _released(cfg, detail)  # its own earlier output: replaced
     foreign = Path("elsewhere")
@@ -200,7 +206,7 @@ def test_every_card_field_goes_through_its_format_s_escaper(name, tmp_path, monk
     body = _body(card)
     assert "<img" not in body and "<" not in body.replace("< ", "")
     headings = [line for line in body.splitlines() if line.startswith("#")]
-    assert headings == [f"# {markdown_text(name)}", "## Training hyperparameters", "## Evaluation"]
+    assert headings == [f"# {markdown_text(name)}", "## Usage", "## Training hyperparameters", "## Evaluation", "## Limitations", "## Citation"]
     assert "---" not in body.splitlines() and "injected: true" not in header
     snippet = _python_snippet(card)
     calls = [n for n in ast.walk(snippet) if isinstance(n, ast.Call)]
@@ -208,7 +214,7 @@ def test_every_card_field_goes_through_its_format_s_escaper(name, tmp_path, monk
     assert all(len(c.args) == 1 and isinstance(c.args[0], ast.Constant) and c.args[0].value == name for c in calls)
     assert not any(isinstance(n, ast.Name) and n.id == "__import__" for n in ast.walk(snippet))
     tables = [line for line in body.splitlines() if line.startswith("| ")]
-    assert all(len(re.findall(r"(?<!\\)\|", line)) in (3, 7) for line in tables)  # no cell split by a value
+    assert all(len(re.findall(r"(?<!\\)\|", line)) in (3, 8) for line in tables)  # no cell split by a value
 
 
 def test_the_card_describes_the_checkpoint_as_recorded_not_today_s_params(ws):
@@ -277,3 +283,74 @@ def test_eval_at_step_takes_the_later_row_of_the_step_and_numbers_only(tmp_path,
     assert eval_at_step(metrics, 7) == {} and eval_at_step(tmp_path / "none.jsonl", 8) == {}
     warned = capsys.readouterr().err
     assert "metrics.jsonl" in warned and "damaged" in warned  # the damaged line, skipped with one warning (moe.train.sinks)
+
+
+# ---------------------------------------------- issue 51: a card the Hub reads, with what a researcher needs
+
+
+def test_the_release_card_passes_huggingface_hub_s_parsing_with_every_field(ws):
+    """huggingface_hub's ModelCard reads the card: its name (release.name), the validation loss and
+    perplexity, each figure with its standard error as its args (no extra metric rows), the
+    contexts cut per task; the text has the usage with that name, limitations naming the cut
+    task, the citation and the code's repository, the resolved precision and per-character ce_loss."""
+    from huggingface_hub import ModelCard
+
+    from pipeline.stages.evaluate import converted_model_identity
+    from tests.pipeline.stages.test_release import TASK, ready_to_release
+
+    ready_to_release(ws)
+    mmlu = {**TASK, "primary": "len_norm", "docs": 100.0, "ce_loss_v2": 1.25, "ce_loss_v2/stderr": 0.05}
+    mmlu |= {"truncated_docs": 67.0, "truncated_requests": 268.0, "truncated_tokens_max": 6760.0, "truncated_tokens_total": 9e4}
+    detail = {"format": "moe-eval/1", "step": 8, "val_loss": 3.0, "val_perplexity": 20.0855, "val_tokens": 4096.0}
+    detail |= {"tasks": {"arc_easy": TASK, "mmlu_stem_mc_5shot": mmlu}, "converted_sha256": converted_model_identity(ws / "runs/hf")}
+    name, repo = "my-lab/olmoe-tiny", "https://github.com/my-lab/moe-pipeline"
+    _released(load([f"release.name={name}", f"release.repository={repo}"]), detail)
+
+    card = ModelCard.load(Path("runs/release/README.md"))
+    assert card.data.model_name == name and card.data.library_name == "transformers"
+    results = {(r.dataset_name, r.metric_type): r for r in card.data.eval_results}
+    val = "held-out split of the training data"
+    assert results[(val, "loss")].metric_value == 3.0 and results[(val, "perplexity")].metric_value == 20.0855
+    assert not [k for k in results if "stderr" in k[1]]  # standard errors ride with their figures
+    assert results[("arc_easy", "acc")].metric_args == {"stderr": 0.04, "documents": 123, "truncated_documents": 0, "dropped_documents": 0}
+    cut = results[("mmlu_stem_mc_5shot", "len_norm")]
+    assert cut.metric_args == {"stderr": 0.04, "documents": 100, "truncated_documents": 67, "dropped_documents": 0}
+    assert cut.dataset_args == {"num_few_shot": 5} and cut.dataset_type == "cais/mmlu"
+    assert results[("mmlu_stem_mc_5shot", "ce_loss")].metric_name == "cross-entropy of the gold answer per character (nats)"
+
+    text = card.text
+    assert f"AutoModelForCausalLM.from_pretrained('{name}'), AutoTokenizer.from_pretrained('{name}')" in text
+    assert "Validation loss 3.0000 nats per token (perplexity 20.09) over 4,096 tokens" in text
+    assert "| mmlu_stem_mc_5shot | len_norm | 0.3000 ± 0.0400 | 0.2500 | 100 | 67 (up to 6760 tokens) | 5 |" in text
+    assert "| arc_easy | acc | 0.3100 ± 0.0400 | 0.2500 | 123 | 0 | 0 |" in text
+    limitations = text.split("## Limitations", 1)[1].split("##", 1)[0]
+    assert "mmlu_stem_mc_5shot 67 (up to 6760 tokens)" in limitations and "arc_easy" not in limitations
+    citation = text.split("## Citation", 1)[1]
+    assert repo in citation and "Supercharging Olmo-core for Efficient and Scalable MoE Training" in citation
+    assert "| precision | fp32 (precision.recipe auto on cpu) |" in text  # resolved, from the checkpoint's record
+    assert "nats per token)" not in text.replace("Validation loss 3.0000 nats per token (", "")  # ce_loss is per character
+
+
+def test_without_release_name_the_card_is_named_after_the_run_and_cites_no_made_up_repository(ws):
+    from huggingface_hub import ModelCard
+
+    from tests.pipeline.stages.test_release import ready_to_release
+
+    ready_to_release(ws)
+    _released(load(), json.loads(Path("metrics/eval_detail.json").read_text()))
+    card = ModelCard.load(Path("runs/release/README.md"))
+    assert card.data.model_name == "olmoe-tiny-step8" and "from_pretrained('olmoe-tiny-step8')" in card.text
+    assert "from_pretrained('release')" not in card.text and "set `release.repository`" in card.text  # ws is no git clone
+    assert "No evaluated context was cut" in card.text
+
+
+@pytest.mark.parametrize("value", ["my lab/olmoe", "a--b", "x/y/z", "../weights", "olmoe.git"])
+def test_a_bad_release_name_is_one_error_line_naming_the_key(value):
+    import subprocess
+    import sys
+
+    from tests.workspace import REPO
+
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "params", "--set", f"release.name={value}"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: --set release.name: must be a Hugging Face Hub model name"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

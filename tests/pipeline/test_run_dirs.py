@@ -42,6 +42,7 @@ def test_a_users_metrics_jsonl_shaped_like_a_runs_is_refused_and_kept(tmp_path):
         ("notes.tmp", "holds notes.tmp, which a training run does not write"),
         (".bashrc.tmp-1", "holds .bashrc.tmp-1, which a training run does not write"),
         ("metrics.jsonl.tmp", "holds metrics.jsonl.tmp, whose content is not what a training run writes"),
+        ("eval_requests.json.gz", "holds eval_requests.json.gz, whose content is not what a training run writes"),
     ],
 )
 def test_entries_no_run_writes_are_refused_even_beside_a_record(tmp_path, entry, said):
@@ -186,3 +187,14 @@ def test_a_fifo_in_place_of_a_runs_file_is_refused_at_once(tmp_path, name):
     t.join(5)
     assert raised, f"a FIFO at {name} blocked the check"
     assert f"holds {name.split('/')[0]}, whose content is not what a training run writes" in str(raised[0].value)
+
+
+def test_the_in_loop_tasks_a_launch_wrote_are_a_runs_own(tmp_path):
+    """pipeline.eval.inloop writes them at launch beside job.json: a run directory holds them."""
+    from moe.eval.requests import Request, TaskRequests, dump_task_requests
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _job_json(run)
+    (run / "eval_requests.json.gz").write_bytes(dump_task_requests([TaskRequests("t", "acc", (Request(0, 0, (1,), (2,), 0, 1, 1, 0, 0),), 1)], {}))
+    check_run_dirs(run, run / "ck")

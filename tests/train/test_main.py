@@ -1,10 +1,15 @@
 """`python -m moe.train run.json`, the library's own entry point (moe/train/process.py is the
 lifecycle it shares with the pipeline's worker): a run, and bad input as one error line."""
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 
+import pytest
+
+from moe.eval.requests import Request, TaskRequests, dump_task_requests
 from tests.helpers import REPO, make_corpus, tiny_config
 
 
@@ -15,21 +20,46 @@ def _run(*args, cwd):
 
 
 def test_a_run_from_a_json_config_and_bad_input_as_one_error_line(tmp_path):
+    """The run evaluates in the loop as the pipeline's does (train.eval_*): the tasks from a
+    tokenised-requests file, the validation loss from token files."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     make_corpus(corpus)
-    cfg = tiny_config(corpus, tmp_path / "ckpt", train={"max_steps": 3, "log_every": 1}, schedule={"warmup_steps": 1})
+    train = {"max_steps": 3, "log_every": 1, "eval_every": 3, "eval_tasks": ["toy"], "eval_limit": None, "eval_val_batches": 1}
+    cfg = tiny_config(corpus, tmp_path / "ckpt", train=train, schedule={"warmup_steps": 1})
     (tmp_path / "run.json").write_text(json.dumps(cfg.to_dict()))
-    r = _run("run.json", "--summary-json", "out/summary.json", "--metrics-jsonl", "out/metrics.jsonl", cwd=tmp_path)
+    toy = TaskRequests("toy", "acc", (Request(0, 0, (5, 6), (7,), 0, 2, 2, 1, 1), Request(0, 1, (5, 6), (8, 9), 0, 3, 3, 2, 2)), 1)
+    (tmp_path / "toy.json.gz").write_bytes(dump_task_requests([toy], {"task_names": ["toy"], "limit": None, "max_len": cfg.model.max_seq_len}))
+    evals = ("--eval-requests", "toy.json.gz", "--eval-val", "corpus")
+    r = _run("run.json", "--summary-json", "out/summary.json", "--metrics-jsonl", "out/metrics.jsonl", *evals, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "out/summary.json").read_text())
-    assert summary["steps"] == 3 and len((tmp_path / "out/metrics.jsonl").read_text().splitlines()) >= 3
+    rows = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 3 and len(rows) >= 3
+    assert {"eval/val_loss", "eval/toy/acc"} <= rows[-1].keys() and rows[-1]["step"] == 3
 
     (tmp_path / "broken.json").write_text("{not json")
     r = _run("broken.json", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: broken.json: not valid JSON") and "Traceback" not in r.stderr
     r = _run("run.json", "--set", "optim.lr=-1", cwd=tmp_path)
     assert r.returncode == 2 and "optim.lr" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_in_loop_flags_and_keys_must_agree(tmp_path):
+    """Tasks asked for without their file, a file without tasks, or flags without train.eval_every:
+    one error naming the key or the flag, before any training."""
+    from moe.errors import ConfigError
+    from moe.train.__main__ import in_loop_eval
+
+    on = tiny_config(tmp_path, tmp_path / "ck", train={"eval_every": 2, "eval_tasks": ["core"]})
+    for cfg, flags, said in [
+        (on, {}, "train.eval_tasks: pass them tokenised with --eval-requests"),
+        (on.replace(train=on.train.replace(eval_tasks=[])), {"eval_requests": "r.json.gz"}, "--eval-requests: train.eval_tasks is empty"),
+        (on.replace(train=on.train.replace(eval_every=0)), {"eval_val": "val"}, "--eval-val: train.eval_every is 0"),
+    ]:
+        args = argparse.Namespace(**{"eval_requests": None, "eval_val": None, **flags})
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            in_loop_eval(cfg, args)
 
 
 def _config_json(tmp_path):

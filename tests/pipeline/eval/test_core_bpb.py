@@ -66,9 +66,9 @@ def test_every_member_scores_one_gold_continuation_per_document():
             assert all(d.contexts == full[d.doc_id].contexts for d in docs), name
 
 
-def test_the_default_in_loop_suite_is_core_bpb():
+def test_the_default_in_loop_suite_is_core_bpb_less_what_a_1024_token_window_cuts():
     cfg = load_params(REPO / "params.yaml")
-    assert cfg.train.eval_tasks == ["core_bpb"]
+    assert cfg.train.eval_tasks == ["core_short_bpb"]  # issue 51: tests/pipeline/eval/test_default_tasks.py
     assert cfg.train.eval_limit == 100
 
 

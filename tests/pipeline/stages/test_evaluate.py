@@ -66,6 +66,19 @@ def test_downstream_tasks_in_eval_json_with_transformers_beside(in_trained):
     assert same["docs"] == arc["hf"]["docs"] and same["bpb"] == __import__("pytest").approx(arc["hf"]["bpb"], rel=1e-4)
     assert mmlu["truncated_docs"] >= 1 and mmlu["truncated_tokens_max"] >= 1 and mmlu["dropped_docs"] == 0  # 5-shot vs 32 positions
     assert arc["truncated_requests"] <= arc["requests"]
+    # issue 51: where this config cuts contexts, the count stands beside the numbers: in the DVC
+    # metric's suite, MLflow's task keys and, per task, on the release's card
+    cut = sum(t["truncated_docs"] for t in written["tasks"].values())
+    assert summary["suite"]["truncated_docs"] == cut and "dropped_docs" not in summary["suite"]
+    assert flat["task/mmlu_stem_mc_5shot/truncated_docs"] == mmlu["truncated_docs"] and flat["suite/truncated_docs"] == cut
+    from pipeline.cli import card_text
+    from pipeline.stages.release import run_release
+
+    run_release(load(["convert.output=hf_eval", "evaluate.output=metrics/eval_d.json", "release.output=release_d"]), card_text)
+    card = Path("release_d/README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| mmlu_stem_mc_5shot | len_norm |"))
+    assert row.split(" | ")[5] == f"{mmlu['truncated_docs']:.0f} (up to {mmlu['truncated_tokens_max']:.0f} tokens)", row
+    assert f"mmlu_stem_mc_5shot {mmlu['truncated_docs']:.0f} (up to" in card.split("## Limitations")[1]
 
 
 def test_evaluate_defaults_to_the_whole_split():

@@ -1,14 +1,15 @@
 """In-loop evaluation on real gloo ranks: sharded over the data-parallel ranks, the same numbers
 as one process; its time kept out of the step's throughput; its step a log point."""
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from moe.eval.callback import EvalCallback
 from moe.eval.requests import Request, TaskRequests
 from moe.eval.suite import evaluate_suite
+from moe.train.callbacks.in_loop_eval import InLoopEvalCallback
 from moe.train.trainer import Trainer
 from tests.helpers import make_corpus, tiny_config
 from tests.parallel.dist_utils import run_ranks
@@ -39,7 +40,7 @@ def _cfg(corpus, ckpt, parallel):
 def eval_rank(rank, world, corpus, ckpt, parallel):
     cfg = _cfg(corpus, ckpt, parallel)
     val = [torch.randint(0, 256, (2, cfg.data.seq_len + 1), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    cb = EvalCallback(2, _tasks(), val, max_len=cfg.model.max_seq_len, batch_tokens=64)
+    cb = InLoopEvalCallback(cfg.train.in_loop_eval.replace(batch_tokens=64), _tasks(), val, max_len=cfg.model.max_seq_len)
     trainer = Trainer(cfg, callbacks=[cb])
     rows = []
     trainer.sinks = [type("Rows", (), {"log": lambda self, s, m: rows.append((s, dict(m))), "close": lambda self, s: None})()]
@@ -77,3 +78,22 @@ def test_sharded_evaluation_equals_one_process(tmp_path, corpus):
     last = two[0]["evals"][4]
     assert last["eval/synthetic/bpb"] == pytest.approx(two[0]["alone"]["synthetic"]["bpb_v2"], rel=1e-5)
     assert last["eval/synthetic/acc"] == pytest.approx(two[0]["alone"]["synthetic"]["acc_v2"])
+
+
+def test_a_requests_file_tokenised_for_another_config_is_refused(tmp_path):
+    from moe.errors import ConfigError
+    from moe.eval.requests import dump_task_requests
+    from moe.train.callbacks.in_loop_eval import load_in_loop_requests
+
+    cfg = tiny_config(tmp_path, tmp_path / "ck", train={"eval_every": 2, "eval_tasks": ["synthetic"], "eval_limit": 10})
+    path = tmp_path / "r.json.gz"
+    for meta, said in [
+        ({"task_names": ["core"]}, "train.eval_tasks: ['synthetic'], but"),
+        ({"limit": None}, "train.eval_limit: 10, but"),
+        ({"max_len": 7}, f"model.max_seq_len: {cfg.model.max_seq_len}, but"),
+    ]:
+        path.write_bytes(dump_task_requests(_tasks(), meta))
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_in_loop_requests(cfg, path)
+    path.write_bytes(dump_task_requests(_tasks(), {"task_names": ["synthetic"], "limit": 10, "pad_id": 3}))
+    assert load_in_loop_requests(cfg, path) == (_tasks(), {"format": "moe-eval-requests/1", "task_names": ["synthetic"], "limit": 10, "pad_id": 3})

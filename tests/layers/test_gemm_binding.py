@@ -1,0 +1,107 @@
+"""Expert weights and the optimizer meet through one declared call (ExpertGemm.bind, made by
+PrecisionRecipe.attach_optimizer): the sink travels to the autograd Function as an argument, and
+no module keeps a table of sinks that a GEMM reads behind the calls (issue 52)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from moe.config import OptimizerConfig
+from moe.layers import gemm
+from moe.layers.experts import GroupedExperts
+from moe.layers.gemm import GroupedMM
+from moe.optim import MasterWeightAdamW
+from moe.precision import resolve_recipe
+
+MOE = Path(__file__).resolve().parents[2] / "moe"
+MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakIdKeyDictionary", "WeakValueDictionary", "WeakSet"}
+
+
+def _mutable(value: ast.expr | None) -> bool:
+    if isinstance(value, (ast.Dict, ast.Set, ast.List, ast.DictComp, ast.SetComp, ast.ListComp)):
+        return True
+    if isinstance(value, ast.Call):
+        fn = value.func
+        return (fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")) in MUTABLE_CALLS
+    return False
+
+
+def test_no_module_keeps_a_mutable_table_of_sinks():
+    """A module-level (or class-level) dict/set/list whose name says sink is the hidden channel
+    issue 52 removed (``gradient_sinks``): a sink is bound per GEMM object and passed on."""
+    found = []
+    for path in sorted(MOE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        scopes = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for body in scopes:
+            for node in body:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if any("sink" in n.lower() for n in names) and _mutable(node.value):
+                    found.append(f"{path.relative_to(MOE.parent)}:{node.lineno} {names}")
+    assert not found, found
+    assert not hasattr(gemm, "gradient_sinks")
+
+
+def _fake_kernel(monkeypatch, launches: list) -> None:
+    """The accumulating kernel's contract in torch (CPU, no Triton): out (+)= grad_g^T @ x_g."""
+
+    def grouped_wgrad(grad, x, ends, out, *, accumulate, config=None):
+        launches.append(accumulate)
+        start = 0
+        for g, end in enumerate(ends.tolist()):
+            part = grad[start:end].float().t() @ x[start:end].float()
+            out[g] = (out[g].float() + part).to(out.dtype) if accumulate else part.to(out.dtype)
+            start = end
+
+    monkeypatch.setattr(gemm.fused_wgrad, "supports", lambda grad, x: True)
+    monkeypatch.setattr(gemm.fused_wgrad, "grouped_wgrad", grouped_wgrad)
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(4, 16, 8, GroupedMM())
+        self.experts.reset_parameters(0.5)
+
+
+def _grads(wgrad: str, monkeypatch) -> tuple[list[torch.Tensor], list]:
+    torch.manual_seed(0)
+    model = _Experts().bfloat16()
+    opt = MasterWeightAdamW(model, OptimizerConfig(expert_wgrad=wgrad), master_weights=True)
+    resolve_recipe("bf16", torch.device("cpu")).attach_optimizer(model, opt, broadcasts_expert_weights=False)
+    launches: list = []
+    _fake_kernel(monkeypatch, launches)
+    counts = torch.tensor([3, 0, 5, 8])
+    for seed in range(2):
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        (model.experts(x, counts).float() ** 2).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    return [p.grad for p in opt.params], launches
+
+
+def test_expert_wgrad_gemm_reaches_the_kernel_through_the_bound_sink(monkeypatch):
+    """optim.expert_wgrad: gemm -> opt.bind_expert's sink -> ExpertGemm.bind -> GroupedLinear's
+    argument -> the accumulating kernel (written, then added); ``separate`` binds no sink."""
+    fused, launches = _grads("gemm", monkeypatch)
+    assert launches == [False, False, True, True]  # two weights, two micro-batches
+    separate, none = _grads("separate", monkeypatch)
+    assert none == []
+    for a, b in zip(fused, separate, strict=True):
+        assert a.dtype == torch.float32
+        assert ((a - b).norm() / b.norm()).item() < 1e-2  # separate rounds each micro-batch to bf16
+
+
+def test_bind_is_one_owner_per_weight_and_refuses_what_the_gemm_cannot_take():
+    w = nn.Parameter(torch.zeros(2, 8, 8, dtype=torch.bfloat16))
+    first, second, gemm_ = object(), object(), GroupedMM()
+    gemm_.bind(w, sink=first)
+    assert gemm_.sink_for(w) is first and GroupedMM().sink_for(w) is None
+    gemm_.bind(w, sink=first)  # the same binding again is harmless
+    with pytest.raises(ValueError, match="GroupedMM.bind: the weight has a gradient sink already"):
+        gemm_.bind(w, sink=second)
+    with pytest.raises(ValueError, match="GroupedMM does not read weights from fp32 masters"):
+        gemm_.bind(w, master=torch.zeros(2, 8, 8))
