@@ -112,6 +112,12 @@ def configure(enabled: bool, layout_invariant: bool = False) -> Determinism:
         )
         settings["env.CUBLAS_WORKSPACE_CONFIG"] += " (set after CUDA init)"
     torch.use_deterministic_algorithms(True, warn_only=False)
+    # torch's guard fills every new tensor with NaN (integers: their max) so that a kernel reading
+    # memory nobody wrote cannot differ between runs. Our kernels write what they read, which
+    # the guard itself proves: a run with it and one without give the same bits (bench/h200/
+    # determinism_fill.sh), while it cost 46 ms of a 760 ms step at OLMoE width (bench/NOTES.md).
+    # MOE_DETERMINISTIC_FILL=1 keeps it (to check a new kernel the same way).
+    torch.utils.deterministic.fill_uninitialized_memory = os.environ.get("MOE_DETERMINISTIC_FILL") == "1"
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)
