@@ -29,7 +29,8 @@ EVAL_HEADLINE = ("val_loss", "val_perplexity", "suite.bpb_mean", "suite.len_norm
 RESOLVED_PARAMS = Path("metrics/resolved.yaml")
 RESOLVED_KEY = "resolved"
 # The params sections of the train stage in dvc.yaml (tests/pipeline/test_dvc_views.py holds them equal).
-TRAIN_SECTIONS = ("recipe", "model", "optim", "schedule", "data", "train", "checkpoint", "parallel", "precision", "executor", "slurm", "container")
+# Not slurm or container: where the job runs (partition, account, image) is no part of the model it trains.
+TRAIN_SECTIONS = ("recipe", "model", "optim", "schedule", "data", "train", "checkpoint", "parallel", "precision", "executor")
 MAX_RESOLVED_BYTES = 1 << 20
 
 

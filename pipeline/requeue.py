@@ -15,7 +15,7 @@ import sys
 import time
 
 from moe.errors import EXIT_CODES, error_line
-from pipeline.executors.base import TrainJob
+from pipeline.train_job import TrainJob
 
 log = logging.getLogger("pipeline.slurm")
 REQUEUE_EXIT = 75

@@ -134,8 +134,8 @@ def continued_run_id(config: dict[str, Any], run_dir: str | Path) -> str | None:
     checkpoints are this config's), as the run directory's job.json recorded it; None when the
     run starts afresh, or no run was recorded. Decided as prepare_checkpoints decides, without a
     word or a change: its continuation's metrics join the same curve."""
-    from pipeline.executors.base import TrainJob
     from pipeline.tracking.spool import OFFLINE_PREFIX
+    from pipeline.train_job import TrainJob
 
     root = Path(config["checkpoint"]["dir"])
     try:

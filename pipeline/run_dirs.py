@@ -79,7 +79,7 @@ def is_job_spec(path: Path) -> bool:
 
 
 def _is_job_spec(path: Path) -> bool:
-    from pipeline.executors.base import TrainJob
+    from pipeline.train_job import TrainJob
 
     data = _json_object(path)
     fields = {f.name for f in dataclasses.fields(TrainJob)}

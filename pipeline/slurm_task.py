@@ -17,8 +17,8 @@ import signal
 import sys
 
 from moe.errors import MoeError, error_line
-from pipeline.executors.base import TrainJob
 from pipeline.requeue import requeue_or_stop
+from pipeline.train_job import TrainJob
 
 
 class SlurmTrainTask:

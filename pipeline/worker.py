@@ -20,9 +20,9 @@ from moe.config import ExperimentConfig
 from moe.errors import MoeError, error_line
 from moe.reader import Bool, FileFormatError, Int, Map, Nullable, Num, Str, read_json
 from moe.train.sinks import ConsoleSink, JsonlSink, read_metric_rows
-from pipeline.executors.base import TrainJob
 from pipeline.run_lock import RunLock
 from pipeline.tracking.job import close_job_run
+from pipeline.train_job import TrainJob
 
 # summary.json as run() writes it (TrainSummary; a non-finite number as null)
 SUMMARY_SCHEMA = Map(

@@ -30,7 +30,7 @@ PIPELINE_FLOORS = [
     {"pipeline"},  # helpers, executors, tracking, eval, the worker
     {"pipeline.stages"},
     {"pipeline.paper"},
-    {"pipeline.cli", "pipeline.bench_cli", "pipeline.mlflow_cli", "pipeline.paper.cli", "pipeline.paper.__main__"},
+    {"pipeline.cli", "pipeline.slurm_cli", "pipeline.bench_cli", "pipeline.mlflow_cli", "pipeline.paper.cli", "pipeline.paper.__main__"},
 ]
 
 
@@ -205,3 +205,23 @@ def test_dynamic_imports_are_seen():
     tree = ast.parse("import importlib\nimportlib.import_module('bench.layer')\nimport_module(f'bench.{name}')\n__import__('moe.model')\n")
     found = [n for node in ast.walk(tree) if isinstance(node, ast.Call) for n in dynamic_imports(node)]
     assert found == ["bench.layer", "bench", "moe.model"]
+
+
+def _folder(module: str) -> str:
+    """A pipeline module's folder (pipeline.executors.slurm -> pipeline.executors); a top-level
+    module stands for itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_folder_loop_in_pipeline():
+    """No loop between a pipeline folder and the rest (e.g. executors <-> slurm_task, executors
+    <-> run_dirs, when the job description lived in the executors): a folder is one node."""
+    graph = import_graph()
+    folders: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        if mod.startswith("pipeline."):
+            here = _folder(mod)
+            folders.setdefault(here, set()).update(_folder(t) for t in targets if t.startswith("pipeline.") and _folder(t) != here)
+    found = circles(folders)
+    assert not found, "folder loops: " + "; ".join(" <-> ".join(c) for c in found)

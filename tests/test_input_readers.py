@@ -23,7 +23,7 @@ ALLOWED: dict[str, str] = {
     "moe/train/checkpoint.py::_host_memory_available": "/proc/meminfo",
     "moe/train/checkpoint.py::load_plain": "torch.load(weights_only=True) of an RNG file whose sha256 meta.json vouches for",
     "moe/train/safe_dcp.py::read_metadata": "DCP's .metadata through the restricted unpickler, after its sha256 was checked",
-    "pipeline/cli.py::logs": "a job's log, shown as text",
+    "pipeline/slurm_cli.py::logs": "a job's log, shown as text",
     "pipeline/containers.py::directory_image_digest": "bytes hashed, never interpreted",
     "pipeline/corpus.py::_jsonl_documents": "the tokenize stage's input text, each document bounded by tokenize.max_document_bytes",
     "pipeline/corpus.py::_parquet_documents": "the tokenize stage's input text (pyarrow's Parquet reader validates pages)",

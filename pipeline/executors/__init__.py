@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.executors.base import Executor, JobResult, TrainJob
+from pipeline.executors.base import Executor, JobResult
 
 if TYPE_CHECKING:
     from pipeline.executors.local import LocalExecutor
     from pipeline.params import PipelineConfig
 
-__all__ = ["Executor", "JobResult", "LocalExecutor", "TrainJob", "build_executor", "world_size"]
+__all__ = ["Executor", "JobResult", "LocalExecutor", "build_executor", "world_size"]
 
 
 def __getattr__(name: str):

@@ -15,10 +15,11 @@ import threading
 from pathlib import Path
 
 from moe.parallel.spawn import start_ranks
-from pipeline.executors.base import JobResult, TrainJob
+from pipeline.executors.base import JobResult
 from pipeline.outputs import open_for_write
 from pipeline.run_dirs import LOG_HEADER
 from pipeline.run_lock import RunLock, command_line
+from pipeline.train_job import TrainJob
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

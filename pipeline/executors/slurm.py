@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, SubmissionRefused
-from pipeline.executors.base import JobResult, TrainJob
+from pipeline.executors.base import JobResult
 from pipeline.params import ContainerConfig, SlurmConfig, describe_char, unsafe_char
 from pipeline.run_lock import RunLock
 from pipeline.slurm_task import SlurmTrainTask
+from pipeline.train_job import TrainJob
 
 # The batch shell runs srun in the background and passes USR2 on to it (srun forwards it to
 # every task): `scancel --signal=USR2 --batch` and `#SBATCH --signal=B:USR2@N` reach only

@@ -20,9 +20,9 @@ from moe.data import write_token_file
 from moe.train.sinks import read_metric_rows
 from moe.train.step_profile import PREFIX as PROFILE_PREFIX
 from pipeline.errors import JobFailed, PipelineError
-from pipeline.executors import TrainJob
 from pipeline.params import PipelineConfig
 from pipeline.stages.train import launch_train
+from pipeline.train_job import TrainJob
 from pipeline.units import gib
 
 MARKER = ".moe-paper-run"  # marks a run directory this module created (safe to replace)

@@ -35,6 +35,7 @@ from moe.train.weights import expert_names, load_checkpoint_weights, model_shape
 from pipeline.errors import PipelineError
 from pipeline.hub import HF_CONFIG_SCHEMA, MAX_HF_CONFIG_BYTES, source_model_id
 from pipeline.outputs import SHA256_HEX, WRITTEN_FILES, check_own_output, fresh_temp_dir, inside, replace_own_output, seal_output, write_atomic
+from pipeline.stage_spec import Output, Stage
 from pipeline.tokenizer import TokenizerInfo, load_tokenizer, write_hf_tokenizer_files
 
 MARKER = "moe_conversion.json"  # marks a directory as our conversion output (replaceable)
@@ -361,3 +362,13 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path) -> ModelConfig:
 def load_tokens_tokenizer(tokens_dir: str | Path) -> TokenizerInfo | None:
     path = Path(tokens_dir) / "tokenizer.json"
     return load_tokenizer(path) if path.is_file() else None
+
+
+# What dvc.yaml runs, reads and writes for this stage, and the code it runs (pipeline/stage_spec.py).
+STAGE = Stage(
+    name="convert",
+    params=("convert",),
+    deps=("runs/train", "data/tokens"),
+    outputs=(Output("runs/hf", MARKER),),
+    code=("pipeline/stages/convert.py", "moe/interop", "pipeline/errors.py", "pipeline/hub.py", "pipeline/outputs.py", "pipeline/tokenizer.py"),
+)

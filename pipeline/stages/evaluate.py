@@ -37,6 +37,7 @@ from pipeline.outputs import check_output_file, json_keys_within, sha256_file, w
 from pipeline.params import PipelineConfig
 from pipeline.plots import checkpoint_curve_figure, downstream_figure, validation_figure
 from pipeline.progress import Every, seconds
+from pipeline.stage_spec import Output, Stage
 from pipeline.stages.convert import check_checkpoint_tokenizer, check_hf_dir
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tokenizer import load_tokenizer
@@ -553,3 +554,36 @@ def run_checkpoint_curve(cfg: PipelineConfig, checkpoints: list[str], tracker=No
 def recognise_curve(path: Path) -> bool:
     data = read_json(path, Plain())
     return isinstance(data, dict) and data.get("format") == "moe-eval-checkpoints/1" and set(data) == {"format", "points"}
+
+
+# What dvc.yaml runs, reads and writes for this stage, and the code it runs (pipeline/stage_spec.py).
+STAGE = Stage(
+    name="evaluate",
+    params=("evaluate",),
+    deps=("runs/hf", "runs/train", "data/tokens"),
+    outputs=(
+        Output("metrics/headline/eval.json"),
+        Output("metrics/eval.json"),
+        Output("metrics/eval_sample.txt", recognise_sample),
+        Output("metrics/eval_detail.json", recognise_detail),
+        Output("plots/eval"),
+    ),
+    code=(
+        "pipeline/stages/evaluate.py",
+        "moe/eval",
+        "pipeline/dvc_views.py",
+        "pipeline/eval",
+        "pipeline/plots.py",
+        "pipeline/progress.py",
+        "pipeline/redact.py",
+        "pipeline/stages/convert.py",
+        "pipeline/stages/tokenize.py",
+        "pipeline/corpus.py",
+        "pipeline/errors.py",
+        "pipeline/hub.py",
+        "pipeline/outputs.py",
+        "pipeline/params.py",
+        "pipeline/repository.py",
+        "pipeline/tokenizer.py",
+    ),
+)

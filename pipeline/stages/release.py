@@ -34,6 +34,7 @@ from pipeline.outputs import (
     seal_output,
     write_atomic,
 )
+from pipeline.stage_spec import Output, Stage
 from pipeline.stages.convert import CONVERSION_RECORD_SCHEMA
 from pipeline.stages.convert import MARKER as CONVERTED
 from pipeline.stages.evaluate import converted_model_identity, detail_path, read_detail, recognise_detail
@@ -167,3 +168,32 @@ def run_release(cfg, card_text) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return provenance
+
+
+# What dvc.yaml runs, reads and writes for this stage, and the code it runs (pipeline/stage_spec.py).
+STAGE = Stage(
+    name="release",
+    params=("release",),
+    deps=("runs/hf", "metrics/eval_detail.json"),
+    outputs=(Output("runs/release", MARKER),),
+    code=(
+        "pipeline/stages/release.py",
+        "pipeline/model_card.py",
+        "pipeline/escape.py",
+        "pipeline/stages/evaluate.py",
+        "pipeline/dvc_views.py",
+        "pipeline/eval",
+        "pipeline/plots.py",
+        "pipeline/progress.py",
+        "pipeline/redact.py",
+        "pipeline/stages/convert.py",
+        "pipeline/stages/tokenize.py",
+        "pipeline/corpus.py",
+        "pipeline/errors.py",
+        "pipeline/hub.py",
+        "pipeline/outputs.py",
+        "pipeline/params.py",
+        "pipeline/repository.py",
+        "pipeline/tokenizer.py",
+    ),
+)

@@ -41,6 +41,7 @@ from pipeline.outputs import (
     write_atomic,
 )
 from pipeline.params import TokenizeConfig
+from pipeline.stage_spec import Output, Stage
 from pipeline.tokenizer import TokenizerInfo, describe, load_tokenizer, train_bpe
 
 SPLITS = ("train", "val")
@@ -377,3 +378,22 @@ def read_manifest(tokens_dir: str | Path) -> dict:
         return read_json(path, MANIFEST_SCHEMA, MAX_MANIFEST_BYTES)
     except FileFormatError as exc:
         raise PipelineError(f"{exc}: not the tokenize stage's manifest; rerun `moe tokenize`") from None
+
+
+# What dvc.yaml runs, reads and writes for this stage, and the code it runs (pipeline/stage_spec.py).
+STAGE = Stage(
+    name="tokenize",
+    params=("tokenize",),
+    deps=(),
+    outputs=(Output("data/tokens", "manifest.json"),),
+    code=(
+        "pipeline/stages/tokenize.py",
+        "pipeline/corpus.py",
+        "pipeline/errors.py",
+        "pipeline/hub.py",
+        "pipeline/outputs.py",
+        "pipeline/params.py",
+        "pipeline/repository.py",
+        "pipeline/tokenizer.py",
+    ),
+)

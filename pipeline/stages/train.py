@@ -21,7 +21,7 @@ from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.dvc_views import TRAIN_HEADLINE, write_headline, write_resolved_params
 from pipeline.errors import JobFailed, PipelineError
-from pipeline.executors import TrainJob, build_executor, world_size
+from pipeline.executors import build_executor, world_size
 from pipeline.executors.base import JobResult
 from pipeline.executors.slurm import require_slurm
 from pipeline.outputs import csv_header, json_keys_within, write_output_file
@@ -30,8 +30,10 @@ from pipeline.plots import TRAIN_DIR, eval_curve, train_figures
 from pipeline.redact import has_password, redact
 from pipeline.run_dirs import check_run_dirs
 from pipeline.run_lock import RunLock, command_line
+from pipeline.stage_spec import Output, Stage
 from pipeline.stages.tokenize import read_manifest
 from pipeline.tracking.job import SECRET_URI_ENV
+from pipeline.train_job import TrainJob
 from pipeline.verbosity import muted
 
 METRICS_FILE = Path("metrics/train.json")
@@ -219,10 +221,24 @@ def launch_train(
             return Launch(job, start, result=executor.run(job))
         lock.release()  # the job's rank 0 takes it on the cluster
         if not wait:
-            return Launch(job, start, job_id=executor.submit(job, before_start))
+            return Launch(job, start, job_id=submitted(executor.submit(job, before_start), job, tracker))
         return Launch(job, start, result=executor.run(job, before_start))
+    except BaseException:
+        if tracker and not wait:
+            tracker.abandon()  # the job never ran: no FAILED run, the pipeline's parent as it was
+        raise
     finally:
         lock.release()
+
+
+def submitted(job_id: str, job: TrainJob, tracker) -> str:
+    """A job sbatch accepted, on its run: tagged with its id; when nobody waits for it (the job
+    ends its run itself: ``mlflow_finalize``), this process stops recording system metrics."""
+    if tracker:
+        tracker.set_tags({"slurm.job_id": job_id})
+        if job.mlflow_finalize:
+            tracker.stop_system_metrics()
+    return job_id
 
 
 def place_in_loop_requests(cfg: PipelineConfig, job: TrainJob, in_loop: bytes | None) -> None:
@@ -392,3 +408,54 @@ def write_outputs(metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     write_output_file(LOSS_PLOT, csv_text(LOSS_COLUMNS, loss), str(LOSS_PLOT), csv_header(LOSS_COLUMNS))
     speed = [[r["step"], r["tokens_per_s_per_device"], r["tflops_per_device"]] for r in rows if "tokens_per_s_per_device" in r]
     write_output_file(THROUGHPUT_PLOT, csv_text(THROUGHPUT_COLUMNS, speed), str(THROUGHPUT_PLOT), csv_header(THROUGHPUT_COLUMNS))
+
+
+# What dvc.yaml runs, reads and writes for this stage, and the code it runs (pipeline/stage_spec.py).
+STAGE = Stage(
+    name="train",
+    params=("recipe", "model", "optim", "schedule", "data", "train", "checkpoint", "parallel", "precision", "executor"),
+    deps=("data/tokens",),
+    outputs=(
+        Output("runs/train", "job.json"),  # its job spec (pipeline/run_dirs.py: is_job_spec)
+        Output("plots/train_loss.csv"),
+        Output("plots/train_throughput.csv"),
+        Output("plots/expert_load.csv"),
+        Output("plots/eval_curve.csv"),
+        Output("metrics/train.json"),
+        Output("metrics/resolved.yaml"),
+        Output("metrics/headline/train.json"),
+        Output("plots/train"),
+    ),
+    code=(
+        "moe",
+        "pipeline/stages/train.py",
+        "pipeline/executors",
+        "pipeline/eval",
+        "pipeline/tracking",
+        "pipeline/__init__.py",
+        "pipeline/console.py",
+        "pipeline/containers.py",
+        "pipeline/dvc_views.py",
+        "pipeline/expert_load.py",
+        "pipeline/plots.py",
+        "pipeline/progress.py",
+        "pipeline/project.py",
+        "pipeline/redact.py",
+        "pipeline/requeue.py",
+        "pipeline/resume.py",
+        "pipeline/run_dirs.py",
+        "pipeline/run_lock.py",
+        "pipeline/slurm_task.py",
+        "pipeline/stages/tokenize.py",
+        "pipeline/verbosity.py",
+        "pipeline/worker.py",
+        "pipeline/train_job.py",
+        "pipeline/corpus.py",
+        "pipeline/errors.py",
+        "pipeline/hub.py",
+        "pipeline/outputs.py",
+        "pipeline/params.py",
+        "pipeline/repository.py",
+        "pipeline/tokenizer.py",
+    ),
+)

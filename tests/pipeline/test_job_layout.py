@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 
 from moe.config import ExperimentConfig, ResolvedLayout
-from pipeline.executors import TrainJob
 from pipeline.run_dirs import is_job_spec
+from pipeline.train_job import TrainJob
 from tests.helpers import make_corpus
 from tests.workspace import TINY_PARAMS, load
 

@@ -13,7 +13,7 @@ import pytest
 
 from moe.errors import MoeError
 from pipeline.errors import PipelineError
-from pipeline.executors import TrainJob
+from pipeline.train_job import TrainJob
 from tests.helpers import REPO, make_corpus, tiny_config
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from moe.config import ExperimentConfig
-from pipeline.executors import LocalExecutor, TrainJob
+from pipeline.executors import LocalExecutor
+from pipeline.train_job import TrainJob
 from tests.helpers import make_corpus
 
 pytestmark = pytest.mark.distributed

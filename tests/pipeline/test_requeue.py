@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.executors.base import TrainJob
+from pipeline.train_job import TrainJob
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import PipelineError
-from pipeline.executors import TrainJob
 from pipeline.run_dirs import LOG_HEADER, RUN_DIR_TEMPORARIES, _matches, check_run_dirs
+from pipeline.train_job import TrainJob
 
 ROW = '{"step": 1, "loss": 2.5, "lr": 0.001}\n'  # shaped like a run's metrics row
 

@@ -8,10 +8,10 @@ from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.executors.base import TrainJob
 from pipeline.resume import continued_run_id
 from pipeline.tracking.client import tracking_uri
 from pipeline.tracking.stage_run import Tracker
+from pipeline.train_job import TrainJob
 from tests.workspace import load
 
 
