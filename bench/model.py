@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="train.fused_loss=false: torch's fp32 log-softmax loss instead of the fused Triton kernel (for a side-by-side)",
     )
+    p.add_argument(
+        "--torch-adamw",
+        dest="step_kernel",
+        action="store_const",
+        const="torch",
+        default="triton",
+        help="optim.step_kernel=torch: torch's fused AdamW and a copy into the bf16 weights instead of the Triton step (for a side-by-side)",
+    )
     p.add_argument("--deterministic", action="store_true", help="train.deterministic: bitwise-identical reruns at one layout")
     p.add_argument(
         "--layout-invariant",
@@ -217,7 +225,12 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
             },
             "schedule": {"warmup_steps": 1},
             # (records from before optim.expert_wgrad existed were measured on the separate path)
-            "optim": {"expert_grad_accum": args.expert_grad_accum, "expert_wgrad": getattr(args, "expert_wgrad", "separate")},
+            # (records from before optim.step_kernel existed ran torch's AdamW)
+            "optim": {
+                "expert_grad_accum": args.expert_grad_accum,
+                "expert_wgrad": getattr(args, "expert_wgrad", "separate"),
+                "step_kernel": getattr(args, "step_kernel", "torch"),
+            },
             "checkpoint": {"dir": str(ckpt)},
             "precision": {
                 "recipe": args.recipe,
@@ -316,6 +329,7 @@ def result_row(
         "accum": args.accum,
         "loss_chunk": args.loss_chunk,
         "fused_loss": args.fused_loss,
+        "step_kernel": args.step_kernel,
         "deterministic": args.deterministic,
         "layout_invariant": args.layout_invariant,
         "tokens_per_step": tokens,
@@ -338,6 +352,7 @@ COLUMNS = [
     "sdpa",
     "fused_norm_rope",
     "fused_loss",
+    "step_kernel",
     "width",
     "layers",
     "experts",

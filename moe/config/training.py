@@ -38,6 +38,10 @@ class OptimizerConfig(Config):
     # separate: torch's grouped GEMM writes the gradient and a second pass adds it (the
     # reference, and the path everywhere the kernel does not run: CPU, fp32 weights).
     expert_wgrad: Literal["gemm", "separate"] = "gemm"
+    # The step's kernel on CUDA. triton: one pass per tensor steps the fp32 master and writes
+    # its bf16 copy (30 bytes per parameter; moe/kernels/adamw.py). torch: torch's fused AdamW,
+    # then a copy into the bf16 parameters (38 bytes), and the path wherever Triton does not run.
+    step_kernel: Literal["triton", "torch"] = "triton"
 
     def _check(self, p: str) -> None:
         require(self.lr > 0, _k(p, "lr"), f"must be > 0, got {self.lr}")
@@ -47,6 +51,7 @@ class OptimizerConfig(Config):
         require(self.weight_decay >= 0, _k(p, "weight_decay"), "must be >= 0")
         require(self.expert_grad_accum in ("fp32", "bf16"), _k(p, "expert_grad_accum"), f"must be fp32 or bf16, got {self.expert_grad_accum!r}")
         require(self.expert_wgrad in ("gemm", "separate"), _k(p, "expert_wgrad"), f"must be gemm or separate, got {self.expert_wgrad!r}")
+        require(self.step_kernel in ("triton", "torch"), _k(p, "step_kernel"), f"must be triton or torch, got {self.step_kernel!r}")
 
 
 # Numbers no run means (2**63 steps trained "without end" at a constant lr): refused with the limit.

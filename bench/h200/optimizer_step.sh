@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The optimizer step's kernel (optim.step_kernel: triton against torch's fused AdamW + copy), on one
+# H200, one part per call (pass the commit: MOE_GIT_COMMIT=$(git rev-parse HEAD)).
+#   bench/h200/optimizer_step.sh kernel  # bench.adamw at OLMoE width and the Qwen-like shape (8 layers), outputs
+#                                        # checked first; then bench.model (OLMoE width, 8 layers, micro 4 x accum 4)
+#                                        # triton, torch, triton, torch back to back
+#   bench/h200/optimizer_step.sh qwen    # the Qwen3-30B-A3B-like shape through `moe train` (as step_speed.sh qwen),
+#                                        # step_kernel triton then torch, after the same call's matmul peak; then the
+#                                        # layout-invariant check (DDP, ZeRO-1, FSDP bitwise) with the Triton step
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
+case "${1:-}" in
+  kernel)
+    run python3 -m bench.adamw --width olmoe
+    run python3 -m bench.adamw --width qwen
+    run python3 -m bench.model "${step[@]}"
+    run python3 -m bench.model "${step[@]}" --torch-adamw
+    run python3 -m bench.model "${step[@]}"
+    run python3 -m bench.model "${step[@]}" --torch-adamw
+    ;;
+  qwen)
+    tokens_8k
+    run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
+    for kernel in triton torch; do
+      name=qwen-like-step-kernel-$kernel
+      rm -rf "/tmp/runs/$name"
+      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
+        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
+        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
+        --set optim.step_kernel=$kernel --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
+        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
+      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+      cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
+    done
+    mkdir -p bench/results/layout_invariant
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 RUN_TIMEOUT=400 run python3 tests/train/layout_invariant_gpu_check.py \
+      "bench/results/layout_invariant/ranks-on-one-gpu-triton-step-$(date -u +%Y%m%dT%H%M%SZ).json"
+    ;;
+  *) echo "usage: $0 kernel|qwen" >&2; exit 2 ;;
+esac
+exit $status
