@@ -4,7 +4,7 @@
 #   bench/h200/optimizer_step.sh kernel  # bench.adamw at OLMoE width and the Qwen-like shape (8 layers), outputs
 #                                        # checked first; then bench.model (OLMoE width, 8 layers, micro 4 x accum 4)
 #                                        # triton, torch, triton, torch back to back
-#   bench/h200/optimizer_step.sh qwen    # the Qwen3-30B-A3B-like shape through `moe train` (as step_speed.sh qwen),
+#   bench/h200/optimizer_step.sh qwen    # bench.adamw at the Qwen-like shape; that shape through `moe train` (as step_speed.sh qwen),
 #                                        # step_kernel triton then torch, after the same call's matmul peak; then the
 #                                        # layout-invariant check (DDP, ZeRO-1, FSDP bitwise) with the Triton step
 set -uo pipefail
@@ -20,6 +20,7 @@ case "${1:-}" in
     run python3 -m bench.model "${step[@]}" --torch-adamw
     ;;
   qwen)
+    run python3 -m bench.adamw --width qwen
     tokens_8k
     run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
     for kernel in triton torch; do
