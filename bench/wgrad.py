@@ -27,6 +27,7 @@ CASES = [
     ("olmoe", 2048, 1024, 64, 8, 16384, torch.float32),
     ("paper-experts-8", 2048, 2048, 8, 4, 8192, torch.bfloat16),
     ("paper-experts-128", 2048, 2048, 128, 4, 8192, torch.bfloat16),
+    ("qwen-like", 2048, 768, 128, 8, 16384, torch.float32),
 ]
 # name, d, h, experts, top_k, tokens per micro-batch (fp32 accumulator: the master gradient)
 FP8_CASES = [
@@ -248,6 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="default", help="default (the shipped CUDA_CONFIG) or all")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
+    p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
 
@@ -258,10 +260,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     rows = []
     if args.fp8:
-        for case in FP8_CASES:
+        for case in [c for c in FP8_CASES if args.case is None or c[0] in args.case]:
             rows += run_fp8_case(*case, FP8_CONFIGS if args.configs == "all" else [gw.FP8_CUDA_CONFIG], args.iters)
     else:
-        for case in CASES:
+        for case in [c for c in CASES if args.case is None or c[0] in args.case]:
             rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters)
     for r in rows:
         ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in ("grouped_mm + add_ (reference)", "bf16 fused (default)"))

@@ -7,6 +7,8 @@
 #   bench/h200/optimizer_step.sh qwen    # bench.adamw at the Qwen-like shape; that shape through `moe train` (as step_speed.sh qwen),
 #                                        # step_kernel triton then torch, after the same call's matmul peak; then the
 #                                        # layout-invariant check (DDP, ZeRO-1, FSDP bitwise) with the Triton step
+#   bench/h200/optimizer_step.sh qwen-profile  # the wgrad kernel's tile sweep at the Qwen-like and OLMoE shapes, and
+#                                        # the Qwen-like `moe train` run with step 6 profiled (profile/<category>_ms)
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
@@ -38,6 +40,19 @@ case "${1:-}" in
     CUBLAS_WORKSPACE_CONFIG=:4096:8 RUN_TIMEOUT=400 run python3 tests/train/layout_invariant_gpu_check.py \
       "bench/results/layout_invariant/ranks-on-one-gpu-triton-step-$(date -u +%Y%m%dT%H%M%SZ).json"
     ;;
-  *) echo "usage: $0 kernel|qwen" >&2; exit 2 ;;
+  qwen-profile)
+    run python3 -m bench.adamw --width qwen
+    RUN_TIMEOUT=240 run python3 -m bench.wgrad --configs all --case qwen-like --case olmoe
+    tokens_8k
+    name=qwen-like-step-kernel-triton-profiled
+    rm -rf "/tmp/runs/$name"
+    run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
+      --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
+      --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=8 \
+      --set train.profile_step=6 --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
+      --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
+    cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+    ;;
+  *) echo "usage: $0 kernel|qwen|qwen-profile" >&2; exit 2 ;;
 esac
 exit $status
