@@ -9,6 +9,8 @@
 #                                        # layout-invariant check (DDP, ZeRO-1, FSDP bitwise) with the Triton step
 #   bench/h200/optimizer_step.sh qwen-profile  # the wgrad kernel's tile sweep at the Qwen-like and OLMoE shapes, and
 #                                        # the Qwen-like `moe train` run with step 6 profiled (profile/<category>_ms)
+#   bench/h200/optimizer_step.sh breakdown  # the OLMoE-width step profiled with the Triton step; the Qwen-like run with
+#                                        # optim.expert_grad_accum fp32 (default) and bf16 (what the fp32 accumulator costs)
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
@@ -53,6 +55,21 @@ case "${1:-}" in
       --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
     cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
     ;;
-  *) echo "usage: $0 kernel|qwen|qwen-profile" >&2; exit 2 ;;
+  breakdown)
+    run python3 -m bench.model "${step[@]}" --profile 30 --no-save
+    tokens_8k
+    run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
+    for accum in fp32 bf16; do
+      name=qwen-like-expert-grad-accum-$accum
+      rm -rf "/tmp/runs/$name"
+      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
+        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
+        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
+        --set optim.expert_grad_accum=$accum --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
+        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
+      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+    done
+    ;;
+  *) echo "usage: $0 kernel|qwen|qwen-profile|breakdown" >&2; exit 2 ;;
 esac
 exit $status

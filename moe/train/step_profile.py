@@ -31,6 +31,7 @@ _KERNEL_RULES = (
     ("observe_quantize_add", "grad_accumulation"),
     ("_dequantize", "grad_accumulation"),
     ("_square_sums", "optimizer"),
+    ("_adamw_kernel", "optimizer"),  # moe/kernels/adamw.py (optim.step_kernel: triton)
     ("quant", "fp8_quantize"),
     ("flash", "attention"),
     ("fmha", "attention"),

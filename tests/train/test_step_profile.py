@@ -122,3 +122,9 @@ def test_the_fixed_point_kernels_are_accumulation_and_norm_not_fp8():
     assert _from_kernel("_observe_quantize_add", "other") == "grad_accumulation"
     assert _from_kernel("_dequantize", "other") == "grad_accumulation"
     assert _from_kernel("_square_sums", "other") == "optimizer"
+
+
+def test_the_triton_adamw_step_is_optimizer_time():
+    from moe.train.step_profile import _from_kernel
+
+    assert _from_kernel("_adamw_kernel", "other") == "optimizer"
