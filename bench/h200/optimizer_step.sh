@@ -11,6 +11,8 @@
 #                                        # the Qwen-like `moe train` run with step 6 profiled (profile/<category>_ms)
 #   bench/h200/optimizer_step.sh breakdown  # the OLMoE-width step profiled with the Triton step; the Qwen-like run with
 #                                        # optim.expert_grad_accum fp32 (default) and bf16 (what the fp32 accumulator costs)
+#   bench/h200/optimizer_step.sh fp8     # the profiled OLMoE-width step (the Triton step attributed); the fp8_rowwise
+#                                        # recipe (released expert weights: no bf16 copy) with each step kernel
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
@@ -70,6 +72,11 @@ case "${1:-}" in
       cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
     done
     ;;
-  *) echo "usage: $0 kernel|qwen|qwen-profile|breakdown" >&2; exit 2 ;;
+  fp8)
+    run python3 -m bench.model "${step[@]}" --profile 30 --no-save
+    run python3 -m bench.model "${step[@]}" --recipe fp8_rowwise
+    run python3 -m bench.model "${step[@]}" --recipe fp8_rowwise --torch-adamw
+    ;;
+  *) echo "usage: $0 kernel|qwen|qwen-profile|breakdown|fp8" >&2; exit 2 ;;
 esac
 exit $status

@@ -21,6 +21,10 @@ import torch
 from moe.spans import CATEGORIES
 
 PREFIX = "profile/"
+# The "launched by" of a kernel whose launch torch's profiler linked to no CPU op: kineto links a
+# kernel to the op around its launch, and a record_function range is not one (the Triton AdamW
+# step runs inside the optimizer's range only). Such kernels are categorised by their own name.
+UNLINKED = "(no launching op)"
 
 # Substrings of a kernel's own name (lower case). The expert weight-gradient GEMM that adds into
 # the accumulator (moe/kernels/grouped_wgrad.py) counts as expert GEMM time, the add included.
@@ -96,7 +100,8 @@ def _launch_rank(e: Any) -> tuple[bool, float]:
 def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, float]]:
     """(category, kernel or op name, the op that launched it, ms) for every piece of time in a
     profiler's ``events()``: kernel time on a GPU (GPU mirrors of ranges and markers left out),
-    each op's own CPU time otherwise.
+    each op's own CPU time otherwise. Device time no CPU op launched is attributed by the
+    kernel's name (``UNLINKED``), so the categories sum to the trace's device records.
 
     torch lists a kernel under every CPU event with its launch's correlation id, and ids are
     not unique (a range and an op can share one): each id's kernels are taken once, from the
@@ -116,12 +121,30 @@ def attribute(events: Any, on_device: bool) -> Iterator[tuple[str, str, str, flo
             held = launcher.get(e.id)
             if held is None or _launch_rank(e) < _launch_rank(held):
                 launcher[e.id] = e
+    linked: dict[str, float] = {}
     for op in launcher.values():
         chain_category = _from_chain(list(_chain(op)))
         for k in op.kernels:
             if k.name == op.name or k.name in mirrors or k.name.startswith("moe.") or k.name.lower().startswith(_NOT_KERNELS):
                 continue  # the GPU mirror of a range, or a marker
+            linked[k.name] = linked.get(k.name, 0.0) + k.duration
             yield _from_kernel(k.name, chain_category), k.name, op.name, k.duration / 1e3
+    if on_device:  # kernels no CPU op launched (a Triton launch inside a bare range): by name
+        for name, us in _device_time(events, mirrors).items():
+            if us - linked.get(name, 0.0) > 0.5:
+                yield _from_kernel(name, "other"), name, UNLINKED, (us - linked.get(name, 0.0)) / 1e3
+
+
+def _device_time(events: Any, mirrors: set[str]) -> dict[str, float]:
+    """Microseconds per kernel name over the trace's device records (ranges and markers left out)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU or getattr(e, "is_user_annotation", False):
+            continue
+        if e.name in mirrors or e.name.startswith("moe.") or e.name.lower().startswith(_NOT_KERNELS):
+            continue
+        out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return out
 
 
 def categorize(events: Any, on_device: bool) -> dict[str, float]:

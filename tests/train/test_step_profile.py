@@ -128,3 +128,37 @@ def test_the_triton_adamw_step_is_optimizer_time():
     from moe.train.step_profile import _from_kernel
 
     assert _from_kernel("_adamw_kernel", "other") == "optimizer"
+
+
+def test_device_time_no_op_launched_is_attributed_by_kernel_name():
+    """A Triton kernel launched inside a bare range has no CPU launcher in torch's trace (the
+    AdamW step measured 26 ms of such kernels on an H200): its device records still count,
+    once, by name; linked launches of the same name are not counted twice."""
+    from types import SimpleNamespace as NS
+
+    from moe.train.step_profile import UNLINKED, attribute
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, eid, dur, kernels=(), device=cpu, annotation=False):
+        return NS(
+            name=name,
+            id=eid,
+            device_type=device,
+            is_async=False,
+            is_user_annotation=annotation,
+            cpu_parent=None,
+            kernels=[NS(name=k, duration=d) for k, d in kernels],
+            time_range=NS(elapsed_us=lambda dur=dur: dur),
+        )
+
+    op = ev("aten::add_", 3, 20, kernels=[("add_kernel", 40.0)])
+    events = [
+        op,
+        ev("add_kernel", 0, 40.0, device=cuda),  # the linked launch's own device record
+        ev("_adamw_kernel", 0, 600.0, device=cuda),
+        ev("_adamw_kernel", 0, 400.0, device=cuda),
+        ev("moe.optimizer", 0, 1200.0, device=cuda, annotation=True),  # a range's GPU mirror
+    ]
+    rows = sorted(attribute(events, on_device=True))
+    assert rows == [("optimizer", "_adamw_kernel", UNLINKED, 1.0), ("other", "add_kernel", "aten::add_", 0.04)]
