@@ -87,22 +87,35 @@ def _warps(elements: int) -> int:
     return min(32, max(4, elements // 256))
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) for 2-D contiguous x [M, D]: y in the promoted dtype, rstd fp32 [M]."""
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int | None = None, warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) for 2-D contiguous x [M, D]: y in the promoted dtype, rstd fp32 [M].
+    ``rows`` per program and ``warps``: the launch (default: ``_rows``/``_warps``; bench.norm_tiles)."""
     m, d = x.shape
     y = torch.empty(m, d, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(d)
-        rows = _rows(block)
-        _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
+        rows = rows or _rows(block)
+        warps = warps or _warps(rows * block)
+        _rmsnorm_fwd[(triton.cdiv(m, rows),)](x, weight, y, rstd, m, d, eps, ROWS=rows, BLOCK=block, num_warps=warps)
     return y, rstd
 
 
 def rms_norm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, need_dw: bool = True, programs: int = BWD_PROGRAMS
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dw: bool = True,
+    programs: int = BWD_PROGRAMS,
+    rows: int | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x."""
+    """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x.
+    ``programs``, ``rows`` per iteration, ``warps``, ``stages``: the launch (bench.norm_tiles)."""
     m, d = x.shape
     dx = torch.empty_like(x)
     if m == 0:
@@ -111,8 +124,9 @@ def rms_norm_backward(
     n_prog = triton.cdiv(m, per)
     partial = torch.empty(n_prog, d, dtype=torch.float32, device=x.device) if need_dw else rstd
     block = triton.next_power_of_2(d)
-    rows = _rows(block)
-    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block, num_warps=_warps(rows * block))
+    rows = rows or _rows(block)
+    launch = {"num_warps": warps or _warps(rows * block), **({"num_stages": stages} if stages else {})}
+    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block, **launch)
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
