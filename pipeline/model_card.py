@@ -20,6 +20,7 @@ make it; and every value goes into the card through its format's escaper (pipeli
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -483,3 +484,58 @@ def _citation(repository: str | None) -> list[str]:
         else "The code that trained it: moe-pipeline (its repository is not recorded here: set `release.repository`)."
     )
     return ["## Citation", "", code, "", "The method it reproduces:", "", "```bibtex", PAPER_BIBTEX, "```", ""]
+
+
+# The cards the pipeline writes, from its params: the convert stage's (card_writer: the in-loop
+# evaluation of the checkpoint's own step) and the release's (card_text, handed the final one).
+
+
+def card_writer(cfg, out: str | Path):
+    """The converted directory's README.md, from the checkpoint and its run's in-loop evaluation."""
+
+    def card(model_cfg, meta) -> str:
+        step = int(meta["step"])
+        rows = Path(cfg.executor.run_dir) / "metrics.jsonl"
+        evaluation = in_loop_evaluation(cfg, meta, step, eval_at_step(rows, step), val_loss_at_step(rows, step))
+        return card_text(cfg, out, model_cfg, meta, evaluation)
+
+    return card
+
+
+def in_loop_evaluation(cfg, meta, step: int, tasks: dict, val_loss: float | None = None) -> CardEvaluation | None:
+    from pipeline.eval.tasks import task_source
+
+    validation = {} if val_loss is None else {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 80.0))}
+    if not tasks and not validation:
+        return None
+    limit = (meta.get("config", {}).get("train") or {}).get("eval_limit")
+    sources = {t: task_source(t, cfg.evaluate.data_dir) for t in tasks}
+    return CardEvaluation(step, False, tasks, sources=sources, docs_upto=limit, validation=validation)
+
+
+def card_text(cfg, out: str | Path, model_cfg, meta, evaluation) -> str:
+    """A model card for directory ``out`` (the convert stage's or the release's)."""
+    init = (meta.get("config", {}).get("checkpoint") or {}).get("init_from")
+    base, origin = cfg.convert.base_model, None
+    if init:
+        from moe.train.checkpoint import read_meta
+
+        try:
+            origin_meta = read_meta(init)
+        except Exception:  # the checkpoint it came from is gone: name it as configured
+            origin_meta = {}
+        origin = str(origin_meta.get("source") or init)
+        base = base or hub_id(origin_meta.get("source_model"))
+    from pipeline.repository import code_repository
+
+    del out  # the card names the model (release.name), not the directory it is written to
+    return model_card(
+        model_cfg,
+        meta,
+        name=cfg.release.name or default_name(meta),
+        corpus=list(cfg.tokenize.inputs),
+        evaluation=evaluation,
+        base_model=base,
+        continued_from=origin,
+        repository=code_repository(cfg.release.repository),
+    )

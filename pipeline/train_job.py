@@ -12,7 +12,7 @@ from moe.reader import MIB, FileFormatError, Plain, parse_json, read_text
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
-    from moe.config import ResolvedLayout
+    from moe.config import ExperimentConfig, ResolvedLayout
 
 
 @dataclasses.dataclass
@@ -34,6 +34,12 @@ class TrainJob:
     # The config's layout on nprocs processes (ResolvedLayout.to_dict()), resolved once where the
     # job was built; the worker hands it to the layout, which checks only the world size.
     layout: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, exp: ExperimentConfig, layout: ResolvedLayout, run_dir: str | Path, **fields: Any) -> TrainJob:
+        """The job of ``exp`` on ``layout``'s world, carrying that layout (resolved once, where the
+        job is built): how the train stage (make_job) and the paper's measured runs build theirs."""
+        return cls(config=exp.to_dict(), run_dir=str(run_dir), nprocs=layout.world_size, layout=layout.to_dict(), **fields)
 
     @property
     def resolved(self) -> ResolvedLayout | None:
@@ -80,6 +86,13 @@ class TrainJob:
     @property
     def metrics_path(self) -> Path:
         return Path(self.run_dir) / "metrics.jsonl"
+
+    def metric_rows(self) -> list[dict[str, Any]]:
+        """The rows the job's rank 0 logged (metrics.jsonl, through the library's bounded reader):
+        what the train stage and the paper's measured runs read of a finished job."""
+        from moe.train.sinks import read_metric_rows
+
+        return read_metric_rows(self.metrics_path)
 
 
 MAX_SPEC_BYTES = 16 * MIB  # a job.json is a few kB: a config, paths and numbers

@@ -6,7 +6,8 @@ the same. Packages: ``moe`` < ``pipeline``; ``bench`` stands beside ``pipeline``
 imports the other). Inside ``moe`` the floors are, from the ground: config/data/kernels/errors/
 hardware, nn/interop/eval, layers, model/precision/optim, parallel, plan, train. Inside
 ``pipeline``: the rest (helpers, executors, tracking, eval, the worker), stages, the paper's
-pipeline, and the command lines on top (nothing below imports ``pipeline/cli.py``).
+pipeline, and the command lines on top (the stages' own among them, pipeline/stage_commands;
+nothing below imports ``pipeline/cli.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ PIPELINE_FLOORS = [
     {"pipeline"},  # helpers, executors, tracking, eval, the worker
     {"pipeline.stages"},
     {"pipeline.paper"},
-    {"pipeline.cli", "pipeline.slurm_cli", "pipeline.bench_cli", "pipeline.mlflow_cli", "pipeline.paper.cli", "pipeline.paper.__main__"},
+    {
+        "pipeline.cli",
+        "pipeline.stage_commands",  # each stage's `moe` command, made a command by pipeline/cli.py
+        "pipeline.slurm_cli",
+        "pipeline.bench_cli",
+        "pipeline.mlflow_cli",
+        "pipeline.paper.cli",
+        "pipeline.paper.__main__",
+    },
 ]
 
 
@@ -182,7 +191,8 @@ def test_the_walk_sees_known_arrows():
     assert "moe.config.base" in graph["moe.config.model"]
     assert "moe.model" in graph["moe.train.trainer"]
     assert any(t.startswith("moe.") for t in graph["pipeline.stages.train"])
-    assert "pipeline.stages.train" in graph["pipeline.cli"]
+    assert "pipeline.stage_commands" in graph["pipeline.cli"]
+    assert "pipeline.stages.train" in graph["pipeline.stage_commands.train"]
 
 
 def test_eval_stands_below_train():
@@ -197,7 +207,7 @@ def test_eval_stands_below_train():
 def test_pipeline_floors_place_the_command_lines_on_top():
     assert [_pipeline_floor(m) for m in ("pipeline.outputs", "pipeline.executors.local", "pipeline.tracking.job", "pipeline.worker")] == [0] * 4
     assert _pipeline_floor("pipeline.stages.train") == 1 and _pipeline_floor("pipeline.paper.measure") == 2
-    assert _pipeline_floor("pipeline.cli") == _pipeline_floor("pipeline.paper.cli") == 3
+    assert _pipeline_floor("pipeline.cli") == _pipeline_floor("pipeline.paper.cli") == _pipeline_floor("pipeline.stage_commands.train") == 3
     assert _pipeline_floor("pipeline.client") == 0  # a prefix counts at a dot only
 
 

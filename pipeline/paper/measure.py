@@ -17,11 +17,11 @@ import numpy as np
 
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
-from moe.train.sinks import read_metric_rows
 from moe.train.step_profile import PREFIX as PROFILE_PREFIX
 from pipeline.errors import JobFailed, PipelineError
+from pipeline.executors import world_size
 from pipeline.params import PipelineConfig
-from pipeline.stages.train import launch_train
+from pipeline.stages.train import run_job
 from pipeline.train_job import TrainJob
 from pipeline.units import gib
 
@@ -84,7 +84,7 @@ def measure(
     """Run ``sections`` (model/train/parallel/precision/... overrides) and return its figures;
     ``profile``: one more step under torch.profiler (moe.train.step_profile), after the timed
     ones and outside their throughput, for where the time goes."""
-    world = base.slurm.nodes * base.slurm.tasks_per_node if base.executor.kind == "slurm" else base.executor.nprocs
+    world = world_size(base)
     run_dir = fresh_run_dir(work_dir / name)
     model = sections["model"]
     seq = sections["data"]["seq_len"]
@@ -95,11 +95,9 @@ def measure(
         data_dir = random_tokens(work_dir / "data", per_step * (total_steps + 2), model["vocab_size"])
     exp = _experiment(sections, data_dir, run_dir, steps, total_steps, profile)
     layout = exp.resolve(world)
-    job = TrainJob(config=exp.to_dict(), run_dir=str(run_dir), nprocs=world, layout=layout.to_dict())
-    result = launch_train(base, job, markers=(MARKER,)).result
-    if not result.ok:
-        raise JobFailed(f"{name}: training job failed ({result.message}); log: {result.log_path}", result.exit_code or 5)
-    rows = read_metric_rows(job.metrics_path)  # (a fresh run directory: one row per step)
+    job = TrainJob.of(exp, layout, run_dir)  # as the train stage builds, runs and reads its job
+    run_job(base, job, markers=(MARKER,), label=f"{name}: ")
+    rows = job.metric_rows()  # (a fresh run directory: one row per step)
     timed = [r for r in rows if "tokens_per_s_per_device" in r]
     if not timed:
         raise JobFailed(f"{name}: the job logged no throughput ({job.metrics_path})", 5)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moe.config import ConfigError, ExperimentConfig, ResolvedLayout
-from moe.train.sinks import read_metric_rows
 from pipeline import expert_load
 from pipeline.dvc_views import TRAIN_HEADLINE, write_headline, write_resolved_params
 from pipeline.errors import JobFailed, PipelineError
@@ -124,16 +123,15 @@ def make_job(cfg: PipelineConfig, tracker=None, resolve_data: bool = True, check
     uri = tracker.uri if tracker else None
     if uri and has_password(uri):  # job.json (a DVC output) keeps no password; jobs inherit it
         os.environ[SECRET_URI_ENV] = uri
-    return TrainJob(
-        config=exp.to_dict(),
-        run_dir=str(Path(cfg.executor.run_dir)),
-        nprocs=world_size(cfg),
+    return TrainJob.of(
+        exp,
+        layout,
+        Path(cfg.executor.run_dir),
         mlflow_uri=redact(uri) if uri else None,
         mlflow_run_id=tracker.run_id if tracker else None,
         mlflow_flush_every=cfg.mlflow.flush_every,
         max_requeues=cfg.slurm.max_requeues,
         eval_inputs=_eval_inputs(cfg, exp),
-        layout=layout.to_dict(),
     )
 
 
@@ -259,10 +257,19 @@ def run_train(cfg: PipelineConfig, tracker=None, checked: Checked | None = None)
     """`moe train` and the DVC stage: launch the job, wait for it, read its outputs."""
     checked = checked or check_train(cfg)
     job = make_job(cfg, tracker, checked=checked)
-    result = launch_train(cfg, job, tracker, in_loop=checked.in_loop).result
-    if not result.ok:
-        raise JobFailed(f"training job failed ({result.message}); log: {result.log_path}", result.exit_code)
+    run_job(cfg, job, tracker, in_loop=checked.in_loop)
     return finish_train(cfg, job, tracker)
+
+
+def run_job(
+    cfg: PipelineConfig, job: TrainJob, tracker=None, *, markers: tuple[str, ...] = (), in_loop: bytes | None = None, label: str = ""
+) -> JobResult:
+    """launch_train, waiting for the job's end (`moe train`, the paper's measured runs): a failed
+    job is one JobFailed naming its log, after ``label`` (the paper names its variant)."""
+    result = launch_train(cfg, job, tracker, markers=markers, in_loop=in_loop).result
+    if not result.ok:
+        raise JobFailed(f"{label}training job failed ({result.message}); log: {result.log_path}", result.exit_code)
+    return result
 
 
 def container_tags(cfg: PipelineConfig) -> dict[str, str]:
@@ -284,7 +291,7 @@ def finish_train(cfg: PipelineConfig, job: TrainJob, tracker=None) -> dict[str, 
     summary = read_summary(job.summary_path)
     if summary.get("already_finished"):
         print(f"run already finished: its checkpoint is at step {summary['steps']} (train.max_steps); nothing trained", flush=True)
-    rows = read_metric_rows(job.metrics_path)
+    rows = job.metric_rows()
     metrics = final_metrics(summary, rows)
     write_outputs(metrics, rows)
     write_headline(METRICS_FILE, metrics, TRAIN_HEADLINE)  # what `dvc metrics show` prints

@@ -198,6 +198,25 @@ def test_help_does_not_import_torch_or_mlflow():
     assert r.returncode == 0, r.stderr
 
 
+def test_stage_help_imports_no_stage():
+    """`moe <stage> --help` reads the stage's command module only: no stage module, no torch."""
+    code = """
+import sys
+from pipeline.cli import app
+from pipeline.stage_commands import STAGE_COMMANDS
+for m in STAGE_COMMANDS:
+    try:
+        app([m.__name__.rpartition('.')[2], '--help'], prog_name='moe')
+    except SystemExit:
+        pass
+bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlflow', 'numpy') or m.startswith('pipeline.stages.')]
+assert not bad, bad
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "moe release" in r.stdout and "--from-hf" in r.stdout  # every stage's help was shown
+
+
 def test_without_the_pipeline_extra_the_error_names_it(tmp_path):
     """A Python where typer is missing (`pip install .` without the extra): one line, the extra named."""
     (tmp_path / "typer.py").write_text("raise ImportError('No module named typer')\n")
@@ -317,7 +336,7 @@ def test_params_refuses_an_init_from_the_worker_would_refuse(workspace):
 
 
 def test_the_converted_config_is_read_quietly_through_the_reader(tmp_path):
-    from pipeline.cli import read_json_file_quiet
+    from pipeline.stage_commands.convert import read_json_file_quiet
     from tests.pipeline.fifo import fifo_at, within
 
     path = tmp_path / "config.json"
@@ -331,13 +350,13 @@ def test_the_converted_config_is_read_quietly_through_the_reader(tmp_path):
 
 
 def test_a_fifo_for_the_token_manifest_is_one_error_at_once(tmp_path):
-    from pipeline.cli import _log_tokens
     from pipeline.errors import PipelineError
+    from pipeline.stage_commands.tokenize import log_tokens
     from tests.pipeline.fifo import fifo_at, within
 
     fifo = fifo_at(tmp_path / "tokens/manifest.json")
     with pytest.raises(PipelineError, match="manifest.json"):
-        within(lambda: _log_tokens(None, str(tmp_path / "tokens"), "train", "training"), fifo)
+        within(lambda: log_tokens(None, str(tmp_path / "tokens"), "train", "training"), fifo)
     logged = []
-    _log_tokens(logged, str(tmp_path / "nothing-here"), "train", "training")  # not tokenised yet: nothing to log
+    log_tokens(logged, str(tmp_path / "nothing-here"), "train", "training")  # not tokenised yet: nothing to log
     assert logged == []

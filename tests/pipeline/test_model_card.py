@@ -24,7 +24,7 @@ def _header(readme: Path) -> dict:
 def test_the_card_has_the_hub_header_and_the_checkpoint_s_evaluation(in_trained):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.cli import card_writer
+    from pipeline.model_card import card_writer
     from pipeline.stages.convert import convert_to_hf, load_tokens_tokenizer
 
     cfg = load(["convert.output=hf_card"])
@@ -58,7 +58,7 @@ def test_the_card_has_the_hub_header_and_the_checkpoint_s_evaluation(in_trained)
 
 
 def test_a_continued_run_names_its_base_model(in_trained, tmp_path):
-    from pipeline.cli import card_writer
+    from pipeline.model_card import card_writer
     from pipeline.stages.convert import convert_from_hf, convert_to_hf, load_tokens_tokenizer
 
     if not Path("hf_card").is_dir():
@@ -89,7 +89,7 @@ def _header_text(card: str) -> dict:
 
 
 def _released(cfg, detail: dict) -> dict:
-    from pipeline.cli import card_text
+    from pipeline.model_card import card_text
     from pipeline.stages.release import run_release
 
     Path("metrics").mkdir(exist_ok=True)

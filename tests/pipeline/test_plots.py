@@ -38,7 +38,7 @@ def test_in_loop_standard_errors_keep_their_metric_and_draw_a_band(tmp_path):
 
 
 def test_the_evaluate_table_prints_standard_errors_and_truncation():
-    from pipeline.cli import task_line
+    from pipeline.stage_commands.evaluate import task_line
 
     r = {"primary": "acc", "acc_v2": 0.412, "acc_v2/stderr": 0.0349, "chance": 0.25, "bpb_v2": 1.5, "bpb_v2/stderr": 0.02}
     r |= {"docs": 200, "docs_total": 570, "truncated_docs": 3, "truncated_tokens_max": 17, "dropped_docs": 0}

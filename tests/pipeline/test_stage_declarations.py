@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,59 @@ def test_dvc_yaml_matches_the_declaration(name):
 def test_the_closure_follows_imports():
     closure = import_closure("pipeline.stages.train")
     assert {"pipeline/worker.py", "pipeline/plots.py", "pipeline/expert_load.py", "pipeline/outputs.py"} <= closure
+
+
+def test_every_stage_is_a_command_made_from_its_module():
+    """`moe <stage>` for every stage, in dvc.yaml's order, each the ``command`` of its module in
+    pipeline/stage_commands; cli.py writes none of them."""
+    from typer.main import get_command
+
+    from pipeline.cli import app
+    from pipeline.stage_commands import STAGE_COMMANDS
+
+    names = [m.__name__.rpartition(".")[2] for m in STAGE_COMMANDS]
+    assert names == list(_dvc_stages()) and sorted(names) == STAGE_MODULES
+    commands = get_command(app).commands
+    for module, name in zip(STAGE_COMMANDS, names, strict=True):
+        assert inspect.unwrap(commands[name].callback) is module.command
+    order = list(commands)
+    assert [c for c in order if c in names] == names and order[order.index("train") + 1] == "submit"  # the Slurm commands follow train
+    defined = {n.name for n in ast.walk(ast.parse((REPO / "pipeline/cli.py").read_text())) if isinstance(n, ast.FunctionDef)}
+    assert not defined & set(names), "cli.py writes a stage's command itself"
+
+
+def test_a_new_stage_module_becomes_a_command():
+    """A stage module's ``command`` is all a new stage's command needs: its name, help, options
+    and body; the one error policy comes with it."""
+    import types
+
+    import typer
+    from typer.testing import CliRunner
+
+    from pipeline.cli import add_stage_commands
+
+    publish = types.ModuleType("pipeline.stage_commands.publish")  # a new stage's command module
+    source = """
+from __future__ import annotations
+from pathlib import Path
+from typing import Annotated
+from pipeline.console import ParamsOpt, typer
+from pipeline.errors import PipelineError
+
+def command(params: ParamsOpt = Path("params.yaml"), hub: Annotated[str, typer.Option(help="where to")] = "hf") -> None:
+    \"\"\"Publish the released model.\"\"\"
+    if hub == "nowhere":
+        raise PipelineError("hub: nowhere to publish")
+    print(f"published {params} to {hub}")
+"""
+    exec(compile(source, "publish.py", "exec"), publish.__dict__)
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    add_stage_commands(app, [publish])
+    runner = CliRunner()
+    r = runner.invoke(app, ["publish", "--help"])
+    assert r.exit_code == 0 and "Publish the released model." in r.output and "--hub" in r.output and "--params" in r.output
+    r = runner.invoke(app, ["publish", "--hub", "there"])
+    assert r.exit_code == 0 and "published params.yaml to there" in r.output
+    r = runner.invoke(app, ["publish", "--hub", "nowhere"])
+    assert r.exit_code == 2 and "error:" in r.output and "nowhere to publish" in r.output

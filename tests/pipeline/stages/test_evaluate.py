@@ -71,7 +71,7 @@ def test_downstream_tasks_in_eval_json_with_transformers_beside(in_trained):
     cut = sum(t["truncated_docs"] for t in written["tasks"].values())
     assert summary["suite"]["truncated_docs"] == cut and "dropped_docs" not in summary["suite"]
     assert flat["task/mmlu_stem_mc_5shot/truncated_docs"] == mmlu["truncated_docs"] and flat["suite/truncated_docs"] == cut
-    from pipeline.cli import card_text
+    from pipeline.model_card import card_text
     from pipeline.stages.release import run_release
 
     run_release(load(["convert.output=hf_eval", "evaluate.output=metrics/eval_d.json", "release.output=release_d"]), card_text)

@@ -43,7 +43,7 @@ def plant_record_entry(ws: Path, name: str) -> None:
 
 
 def release(*overrides: str) -> dict:
-    from pipeline.cli import card_text
+    from pipeline.model_card import card_text
     from pipeline.stages.release import run_release
 
     return run_release(load(list(overrides)), card_text)
