@@ -29,6 +29,7 @@ from bench.common import environment, matmul_peak_tflops, print_table, save_resu
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.hardware import configure_cuda_allocator, gpu_by_device_name
+from moe.kernels import rmsnorm
 from moe.plan.accounting import flops_per_token
 from moe.train.trainer import Trainer
 
@@ -330,6 +331,7 @@ def result_row(
         "loss_chunk": args.loss_chunk,
         "fused_loss": args.fused_loss,
         "step_kernel": args.step_kernel,
+        "norm_backward": "triton" if rmsnorm.TRITON_BACKWARD else "torch",  # MOE_NORM_BACKWARD
         "deterministic": args.deterministic,
         "layout_invariant": args.layout_invariant,
         "tokens_per_step": tokens,

@@ -1,6 +1,6 @@
-"""Fused RMSNorm: torch's ``F.rms_norm`` on CUDA where x and the weight share a dtype, our
-Triton kernels where they do not (fp32 weights under autocast), the eager reference on CPU.
-The notes below are about the Triton kernels.
+"""Fused RMSNorm: on CUDA where x and the weight share a dtype, torch's fused forward with our
+Triton backward; our Triton kernels both ways where they do not (fp32 weights under autocast);
+the eager reference on CPU. The notes below are about the Triton kernels.
 
 The eager norm is ~7 memory-bound kernels forward (cast, pow, mean, add, rsqrt, mul, cast, mul)
 and keeps an fp32 copy of its input plus the normalised bf16 rows for backward. The fused
@@ -20,12 +20,17 @@ precision-recipe seams; these kernels need no declaration there.)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
+# Under torch's fused forward, our backward (_TorchForwardTritonBackward); MOE_NORM_BACKWARD=torch
+# keeps torch's own backward (the side-by-side in bench/h200/norm_backward.sh).
+TRITON_BACKWARD = os.environ.get("MOE_NORM_BACKWARD", "triton") != "torch"
 # Widest row the one-pass kernels hold in registers; wider rows take the eager path.
 MAX_WIDTH = 8192
 # Backward: at most this many programs, each over a contiguous range of rows (a fixed split,
@@ -52,7 +57,9 @@ if HAVE_TRITON:
         tl.store(rstd + rows, r, mask=rmask)
 
     @triton.jit
-    def _rmsnorm_bwd(dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_bwd(
+        dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROUND_N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         cmask = cols < D
@@ -70,7 +77,10 @@ if HAVE_TRITON:
             r = tl.load(rstd + rows, mask=rmask, other=0.0)
             nh = xv * r[:, None]
             if HAS_DW:
-                acc += tl.sum(g * nh.to(x.dtype.element_ty).to(tl.float32), axis=0)
+                if ROUND_N:  # OLMoE's order: the normalised rows rounded before the weight
+                    acc += tl.sum(g * nh.to(x.dtype.element_ty).to(tl.float32), axis=0)
+                else:  # torch's fused forward: one rounding of x * rstd * w
+                    acc += tl.sum(g * nh, axis=0)
             dn = g * wv[None, :]
             c = tl.sum(dn * nh, axis=1) / D
             tl.store(dx + offs, (r[:, None] * (dn - nh * c[:, None])).to(dx.dtype.element_ty), mask=mask)
@@ -113,9 +123,12 @@ def rms_norm_backward(
     rows: int | None = None,
     warps: int | None = None,
     stages: int | None = None,
+    round_normalised: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x.
-    ``programs``, ``rows`` per iteration, ``warps``, ``stages``: the launch (bench.norm_tiles)."""
+    ``programs``, ``rows`` per iteration, ``warps``, ``stages``: the launch (bench.norm_tiles).
+    ``round_normalised``: the forward rounded the normalised rows before the weight (ours, OLMoE's
+    order), else it rounded once (torch's fused forward)."""
     m, d = x.shape
     dx = torch.empty_like(x)
     if m == 0:
@@ -126,7 +139,7 @@ def rms_norm_backward(
     block = triton.next_power_of_2(d)
     rows = rows or _rows(block)
     launch = {"num_warps": warps or _warps(rows * block), **({"num_stages": stages} if stages else {})}
-    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROWS=rows, BLOCK=block, **launch)
+    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROUND_N=round_normalised, ROWS=rows, BLOCK=block, **launch)
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
@@ -146,6 +159,34 @@ class _RMSNorm(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         grad = grad.reshape(x2.shape).contiguous()
         dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1])
+        return dx.view(ctx.shape), dw, None
+
+
+# The backward's launch under torch's forward: the fastest of 72 at [16384, 2048] bf16 on an H200
+# (bench.norm_tiles, norm_tiles-NVIDIA-H200-20261204T145012Z.json: 94.6 us against torch's 133.1).
+TORCH_FORWARD_BACKWARD_LAUNCH = {"programs": 1056, "rows": 4, "warps": 8, "stages": 3}
+
+
+class _TorchForwardTritonBackward(torch.autograd.Function):
+    """torch's fused forward (``aten._fused_rms_norm``: 51 us at [16384, 2048], ahead of our
+    57) with our backward (95 us against torch's 133): the norm's backward reads x and dy once
+    and writes dx, with the weight gradient's partial sums in the same pass."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        weight = weight.contiguous()
+        y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
+        ctx.save_for_backward(x2, weight, rstd.reshape(-1))
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        grad = grad.reshape(x2.shape).contiguous()
+        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], round_normalised=False, **TORCH_FORWARD_BACKWARD_LAUNCH)
         return dx.view(ctx.shape), dw, None
 
 
@@ -179,13 +220,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMS-normalised x over the last dimension.
 
-    On CUDA with x and weight of one dtype (the bf16 recipes): torch's fused ``F.rms_norm``,
-    measured 2.6x faster forward + backward than our Triton kernels at [16384, 2048] on an H200
-    (``python -m bench.norm``; its backward is the faster one) and keeping the same bytes; it
-    rounds once (bf16(x * rstd * w)) where OLMoE rounds the normalised rows first, about one
-    bf16 step apart. Mixed dtypes (fp32 weights under autocast) take our kernels, which keep
+    On CUDA with x and weight of one dtype (the bf16 recipes): torch's fused forward
+    (``aten._fused_rms_norm``, faster than our Triton forward) with our Triton backward at the
+    launch bench.norm_tiles chose (95 against torch's 133 us at [16384, 2048] on an H200), keeping
+    the same bytes; it rounds once (bf16(x * rstd * w)) where OLMoE rounds the normalised rows
+    first, about one bf16 step apart. Mixed dtypes (fp32 weights under autocast) take our kernels, which keep
     OLMoE's order; CPU takes the eager reference."""
     if x.is_cuda and x.dtype == weight.dtype and x.dtype in _DTYPES and x.shape[-1] > 0:
+        if TRITON_BACKWARD and fusable(x, weight):
+            return _TorchForwardTritonBackward.apply(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if fusable(x, weight):
         return _RMSNorm.apply(x, weight, eps)
