@@ -31,7 +31,7 @@ copies (one pass per optimizer step). Measured on one H200: bench/NOTES.md.
 Where the optimizer bound a gradient sink to an expert weight (``optim.expert_wgrad: gemm``, the
 default; :meth:`ExpertGemm.bind`), wgrad runs inside a GEMM that adds it into the fp32 master gradient
 (moe.kernels.grouped_wgrad): the FP8 one (the columnwise operands above, their scales applied
-in the epilogue) where the rule's ``Plan.sink_wgrad`` says so (the widest GEMMs), else the bf16
+in the epilogue) where the rule's ``Fp8Gemms.sink_wgrad`` says so (the widest GEMMs), else the bf16
 one (moe.layers.gemm.sink_weight_grad decides). FP8 wgrad with a separate add lost at every width: writing the bf16 result and adding it
 into the fp32 gradient took 101 ms of a 2-layer paper-width step (bench.model --profile,
 bench/NOTES.md).
@@ -62,7 +62,7 @@ from moe.kernels.mxfp8 import mx_dequantize, mx_quantize
 from moe.kernels.routing import combine_backward, combine_weight_grad, gather_reduce, gather_token_rows
 from moe.kernels.swiglu import swiglu
 from moe.layers.gemm import ExpertGemm, GradientSink, GroupedLinear, check_routing_args, grouped_mm, sink_route, sink_weight_grad
-from moe.nn.fp8_policy import Fp8Rule, Plan, WeightCache
+from moe.nn.fp8_policy import Fp8Gemms, Fp8Rule, WeightCache
 
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, offsets, emulate: bool) -> torch.Tensor:
@@ -128,7 +128,7 @@ class _Fp8Linear(torch.autograd.Function):
     """x_g @ w[g].T with each of the three GEMMs in FP8 or bf16 as the plan says."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, plan: Plan, emulate: bool, cache: WeightCache, sink: GradientSink | None):
+    def forward(ctx, x, w, offsets, plan: Fp8Gemms, emulate: bool, cache: WeightCache, sink: GradientSink | None):
         ctx.save_for_backward(x, w, offsets)
         ctx.plan, ctx.emulate, ctx.cache, ctx.sink = plan, emulate, cache, sink
         if plan.fwd:
@@ -152,7 +152,7 @@ class _Fp8GatheredLinear(torch.autograd.Function):
     (T rows, not T*k). dgrad's rows are summed per token through ``inverse`` (no atomics)."""
 
     @staticmethod
-    def forward(ctx, tokens, row_index, inverse, top_k, w, offsets, plan: Plan, emulate: bool, cache: WeightCache, sink: GradientSink | None):
+    def forward(ctx, tokens, row_index, inverse, top_k, w, offsets, plan: Fp8Gemms, emulate: bool, cache: WeightCache, sink: GradientSink | None):
         ctx.save_for_backward(tokens, row_index, inverse, w, offsets)
         ctx.top_k, ctx.plan, ctx.emulate, ctx.cache, ctx.sink = top_k, plan, emulate, cache, sink
         if plan.fwd:
@@ -188,7 +188,7 @@ class _Fp8SwiGLULinearCombine(torch.autograd.Function):
     A GEMM the rule keeps in bf16 gets the weighted rows materialised, as before."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, order, inverse, weights, plan: Plan, emulate: bool, cache: WeightCache, sink: GradientSink | None):
+    def forward(ctx, h, w, offsets, order, inverse, weights, plan: Fp8Gemms, emulate: bool, cache: WeightCache, sink: GradientSink | None):
         h = h.contiguous()
         if plan.fwd:
             aq, sa = swiglu_quantize(h)
@@ -248,7 +248,7 @@ class _Fp8SwiGLULinear(torch.autograd.Function):
     """swiglu(h)_g @ w[g].T; forward quantises inside the SwiGLU kernel and keeps only h."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, plan: Plan, emulate: bool, cache: WeightCache, sink: GradientSink | None):
+    def forward(ctx, h, w, offsets, plan: Fp8Gemms, emulate: bool, cache: WeightCache, sink: GradientSink | None):
         h = h.contiguous()
         ctx.save_for_backward(h, w, offsets)
         ctx.plan, ctx.emulate, ctx.cache, ctx.sink = plan, emulate, cache, sink
@@ -284,7 +284,7 @@ class Fp8GroupedGemm(ExpertGemm):
     def _read_master(self, weight: torch.Tensor, master: torch.Tensor) -> None:
         self.cache.read_from(weight, master)
 
-    def _plan(self, x: torch.Tensor, w: torch.Tensor) -> Plan:
+    def _plan(self, x: torch.Tensor, w: torch.Tensor) -> Fp8Gemms:
         groups, out_dim, in_dim = w.shape
         return self.rule.plan(x.shape[0], groups, out_dim, in_dim)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moe.kernels.fp8 import quantize_cols, quantize_rows
-from moe.nn.fp8_policy import DENSE_MIN_DIM, Fp8Rule, Plan, WeightCache
+from moe.nn.fp8_policy import DENSE_MIN_DIM, Fp8Gemms, Fp8Rule, WeightCache
 
 
 def _scaled_mm(a, b, scale_a, scale_b, emulate: bool, fast_accum: bool) -> torch.Tensor:
@@ -87,7 +87,7 @@ class Fp8Linear(nn.Linear):
         out_dim, in_dim = w.shape
         tokens = x2.shape[0]
         rule = self.rule
-        plan = Plan(fwd=rule.use(tokens, out_dim, in_dim), dgrad=rule.use(tokens, in_dim, out_dim), wgrad=rule.use(tokens, out_dim, in_dim))
+        plan = Fp8Gemms(fwd=rule.use(tokens, out_dim, in_dim), dgrad=rule.use(tokens, in_dim, out_dim), wgrad=rule.use(tokens, out_dim, in_dim))
         if not plan.any:
             return nn.functional.linear(x2, w).view(*x.shape[:-1], out_dim)
         if self._fp8_cache is None:

@@ -1,5 +1,5 @@
 """The FP8 policy, one floor above the kernels: which GEMMs run in FP8 (:class:`Fp8Rule`,
-:class:`Plan`) and the FP8 copies of weights (:class:`WeightCache`), shared by the expert GEMMs
+:class:`Fp8Gemms`) and the FP8 copies of weights (:class:`WeightCache`), shared by the expert GEMMs
 (moe.layers.gemm_fp8) and the dense projections (moe.nn.fp8_linear)."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ def _uniform_ends(groups: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Which of a projection's three GEMMs run in FP8. ``sink_wgrad``: wgrad also in FP8 where
-    the optimizer's accumulating GEMM takes the gradient (moe.kernels.grouped_wgrad); otherwise
-    that GEMM takes it in bf16."""
+class Fp8Gemms:
+    """Which of a projection's three GEMMs run in FP8 (a choice per call; the memory plan is
+    moe.plan's). ``sink_wgrad``: wgrad also in FP8 where the optimizer's accumulating GEMM takes
+    the gradient (moe.kernels.grouped_wgrad); otherwise that GEMM takes it in bf16."""
 
     fwd: bool
     dgrad: bool
@@ -98,18 +98,18 @@ class Fp8Rule:
     def use(self, rows: float, n: int, k: int) -> bool:
         return n % 16 == 0 and k % 16 == 0 and min(n, k) >= self.min_dim and rows >= self.rows_needed(n, k)
 
-    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+    def plan(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Fp8Gemms:
         rows = tokens / max(groups, 1)
         # wgrad contracts over each expert's tokens (padded to 16, so no divisibility need on rows)
         wgrad = self.use(rows, out_dim, in_dim)
-        return Plan(
+        return Fp8Gemms(
             fwd=self.use(rows, out_dim, in_dim),
             dgrad=self.use(rows, in_dim, out_dim),
             wgrad=wgrad,
             sink_wgrad=wgrad and (self.min_dim == 0 or min(out_dim, in_dim) >= self.sink_wgrad_min_dim),
         )
 
-    def plan_down(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Plan:
+    def plan_down(self, tokens: int, groups: int, out_dim: int, in_dim: int) -> Fp8Gemms:
         """The expert MLP's down projection ([out_dim=d, in_dim=h]) follows its up projection
         ([2h, d]): the two run in FP8 together or not at all, because the step measurements
         behind the tiers are of whole MLPs (OLMoE width's down projection alone in bf16 gave
@@ -118,7 +118,7 @@ class Fp8Rule:
         up = self.plan(tokens, groups, 2 * in_dim, out_dim)
         ok = out_dim % 16 == 0 and in_dim % 16 == 0 and min(out_dim, in_dim) >= self.min_dim
         sink = up.sink_wgrad and ok and (self.min_dim == 0 or min(out_dim, in_dim) >= self.sink_wgrad_min_dim)
-        return Plan(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok, sink_wgrad=sink)
+        return Fp8Gemms(fwd=up.fwd and ok, dgrad=up.dgrad and ok, wgrad=up.wgrad and ok, sink_wgrad=sink)
 
 
 class WeightCache:

@@ -3,7 +3,7 @@
 The per-GEMM choice is the trainer's own: the recipe is resolved by ``moe.precision.recipe_for``,
 the rank's meta model is built with its expert GEMM (holding its ``Fp8Rule``) and prepared
 (``PrecisionRecipe.prepare``: the FP8 dense projections, holding theirs), the weights it releases are those
-``PrecisionRecipe.attach_optimizer`` picks, and each GEMM's ``Plan`` is asked of its module's rule
+``PrecisionRecipe.attach_optimizer`` picks, and each GEMM's ``Fp8Gemms`` is asked of its module's rule
 with the mean rows it will see (a micro-batch's tokens x top_k over the rank's experts).
 
 - Weights (moe.nn.fp8_policy.WeightCache): where nothing broadcasts the bf16 expert weights
@@ -39,7 +39,7 @@ from torch import nn
 from moe.config import ExperimentConfig
 from moe.config.model import ModelConfig
 from moe.hardware import recipe_on
-from moe.nn.fp8_policy import Plan
+from moe.nn.fp8_policy import Fp8Gemms
 from moe.precision import PrecisionRecipe, recipe_for
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ SCALE = 4  # bytes of an fp32 scale
 class ExpertFp8:
     """How one MoE layer's expert MLP runs on a rank under fp8_rowwise (moe.layers.gemm_fp8)."""
 
-    up: Plan  # gate_up's forward, dgrad and wgrad
-    down: Plan  # down's (Fp8Rule.plan_down: it follows the up projection)
+    up: Fp8Gemms  # gate_up's forward, dgrad and wgrad
+    down: Fp8Gemms  # down's (Fp8Rule.plan_down: it follows the up projection)
     released: bool  # bf16 weights dropped: copies come from the fp32 masters
     token_rows: bool  # local dispatcher: the GEMMs read token rows through the permutation
     sink: bool  # the optimizer's gradient sink takes the weight gradients (optim.expert_wgrad=gemm)
@@ -161,12 +161,12 @@ def _dense_copies(model: nn.Module, tokens: int) -> int:
         if isinstance(module, Fp8Linear):
             n, k = module.weight.shape
             rule = module.rule
-            plan = Plan(fwd=rule.use(tokens, n, k), dgrad=rule.use(tokens, k, n), wgrad=rule.use(tokens, n, k))
+            plan = Fp8Gemms(fwd=rule.use(tokens, n, k), dgrad=rule.use(tokens, k, n), wgrad=rule.use(tokens, n, k))
             out += weight_copy_bytes((n, k), plan, released=False)
     return out
 
 
-def weight_copy_bytes(shape: tuple[int, ...], plan: Plan, released: bool) -> int:
+def weight_copy_bytes(shape: tuple[int, ...], plan: Fp8Gemms, released: bool) -> int:
     """WeightCache's copies of one weight [G, M, K] (or [M, K]): rowwise e4m3 with a scale per
     row for an FP8 forward, columnwise with a scale per column for an FP8 dgrad, and, for a
     released weight, a bf16 copy from its master for whichever of the two stays bf16."""

@@ -15,7 +15,7 @@ from moe.config import OptimizerConfig
 from moe.kernels import grouped_wgrad as gw
 from moe.layers.experts import GroupedExperts
 from moe.layers.gemm_fp8 import Fp8GroupedGemm
-from moe.nn.fp8_policy import Fp8Rule, Plan
+from moe.nn.fp8_policy import Fp8Gemms, Fp8Rule
 from moe.optim import MasterWeightAdamW
 
 
@@ -116,8 +116,8 @@ class Experts(nn.Module):
 class Bf16Wgrad(Fp8Rule):
     """Forward and dgrad in FP8, wgrad in bf16 (what the sink computes)."""
 
-    def plan(self, tokens, groups, out_dim, in_dim) -> Plan:
-        return Plan(fwd=True, dgrad=True, wgrad=False)
+    def plan(self, tokens, groups, out_dim, in_dim) -> Fp8Gemms:
+        return Fp8Gemms(fwd=True, dgrad=True, wgrad=False)
 
 
 def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bool = False) -> tuple[list[torch.Tensor], int, int]:

@@ -13,7 +13,7 @@ from moe.config import MoEConfig
 from moe.kernels.fp8 import pow2_encode_scale
 from moe.layers import MoELayer
 from moe.layers.gemm import GroupedMM
-from moe.layers.gemm_fp8 import Fp8GroupedGemm, Fp8Rule, Plan, WeightCache
+from moe.layers.gemm_fp8 import Fp8Gemms, Fp8GroupedGemm, Fp8Rule, WeightCache
 
 FP8_VS_BF16 = 0.10  # measured 6.4-6.8% at these sizes (two FP8 GEMMs in series)
 
@@ -72,7 +72,7 @@ def test_fp8_gemm_agrees_with_bf16_and_each_gemm_can_fall_back():
         return out, x.grad, w.grad
 
     ref = run(GroupedMM())
-    for plan in [Plan(True, True, True), Plan(True, False, False), Plan(False, True, False), Plan(False, False, True)]:
+    for plan in [Fp8Gemms(True, True, True), Fp8Gemms(True, False, False), Fp8Gemms(False, True, False), Fp8Gemms(False, False, True)]:
         gemm = Fp8GroupedGemm(Fp8Rule(0), emulate=True)
         gemm._plan = lambda x, w, plan=plan: plan
         got = run(gemm)
@@ -88,22 +88,22 @@ def test_the_rule_keeps_thin_and_short_gemms_in_bf16():
     # to FP8 from 1,024 rows per expert (16K tokens x top-4 over 64 experts), not at 512; OLMoE
     # width (GEMMs 2048x2048 and 2048x1024) from 2,048 rows (16K tokens x top-8), not at 1,024
     rule = Fp8Rule()
-    assert rule.plan(65536, 64, 8192, 4096) == Plan(True, True, True, sink_wgrad=True)
+    assert rule.plan(65536, 64, 8192, 4096) == Fp8Gemms(True, True, True, sink_wgrad=True)
     assert not rule.plan(32768, 64, 8192, 4096).any
-    assert rule.plan(131072, 64, 2048, 2048) == Plan(True, True, True, sink_wgrad=False)
+    assert rule.plan(131072, 64, 2048, 2048) == Fp8Gemms(True, True, True, sink_wgrad=False)
     assert not rule.plan(65536, 64, 2048, 2048).any
     # a GEMM whose smaller dimension is under 2,048 needs 4,096 rows on its own...
     assert not rule.plan(131072, 64, 2048, 1024).any and rule.plan(262144, 64, 2048, 1024).any
     assert not rule.plan(131072, 64, 1024, 1024).any and rule.plan(262144, 64, 1024, 1024).any
     # ...but a down projection follows its MLP's up projection: OLMoE's (2048 x 1024) goes with
     # its 2048 x 2048 up projection, d = h = 1024's with its 2048 x 1024 one
-    assert rule.plan_down(131072, 64, 2048, 1024) == Plan(True, True, True, sink_wgrad=False)
-    assert rule.plan_down(65536, 64, 4096, 4096) == Plan(True, True, True, sink_wgrad=True)
+    assert rule.plan_down(131072, 64, 2048, 1024) == Fp8Gemms(True, True, True, sink_wgrad=False)
+    assert rule.plan_down(65536, 64, 4096, 4096) == Fp8Gemms(True, True, True, sink_wgrad=True)
     assert not rule.plan_down(65536, 64, 2048, 1024).any
     assert not rule.plan_down(131072, 64, 1024, 1024).any and rule.plan_down(262144, 64, 1024, 1024).any
     assert not rule.plan_down(1 << 20, 64, 2048, 768).any  # its own dimensions still reach min_dim
     # a hidden size of 768 (contraction of down, output of its dgrad) stays bf16 at any rows
-    assert rule.plan(1 << 20, 128, 2048, 768) == Plan(False, False, False)
+    assert rule.plan(1 << 20, 128, 2048, 768) == Fp8Gemms(False, False, False)
     # a GEMM wide one way and thin the other is decided by its thin side
     assert not Fp8Rule(4096).plan(1 << 20, 64, 8192, 2048).any
     assert Fp8Rule(min_rows=16).plan(1024, 64, 2048, 1024).any  # min_rows overrides both tiers
@@ -259,7 +259,9 @@ class _MixedRule(Fp8Rule):
         return self._fixed
 
 
-@pytest.mark.parametrize("plan", [Plan(True, False, True), Plan(False, True, False), Plan(True, True, False), Plan(False, False, True)])
+@pytest.mark.parametrize(
+    "plan", [Fp8Gemms(True, False, True), Fp8Gemms(False, True, False), Fp8Gemms(True, True, False), Fp8Gemms(False, False, True)]
+)
 def test_fp8_token_path_with_some_gemms_in_bf16_agrees_with_bf16(plan):
     """Every mix of FP8 and bf16 GEMMs on the token-row path (gathered up projection, the down
     projection with the combine) computes the bf16 layer's function to FP8 precision."""

@@ -8,7 +8,7 @@ import torch
 from moe.config import ExperimentConfig
 from moe.layers.experts import GroupedExperts
 from moe.nn.fp8_linear import Fp8Linear
-from moe.nn.fp8_policy import Fp8Rule, Plan
+from moe.nn.fp8_policy import Fp8Gemms, Fp8Rule
 from moe.plan.fp8 import saved_delta, weight_copy_bytes
 from moe.plan.planner import make_plan
 from moe.plan.ranks import rank_states
@@ -100,9 +100,9 @@ def test_recipes_without_fp8_gemms_have_no_fp8_lines(recipe):
 
 
 def test_copies_are_one_byte_an_element_and_a_scale_a_row_or_column():
-    both, fwd_only = Plan(True, True, True), Plan(True, False, False)
+    both, fwd_only = Fp8Gemms(True, True, True), Fp8Gemms(True, False, False)
     assert weight_copy_bytes((4, 32, 16), both, released=True) == 2 * 4 * 32 * 16 + 4 * 4 * (32 + 16)
     assert weight_copy_bytes((4, 32, 16), fwd_only, released=True) == 3 * 4 * 32 * 16 + 4 * 4 * 32  # bf16 copy for dgrad
     assert weight_copy_bytes((32, 16), fwd_only, released=False) == 32 * 16 + 4 * 32
-    assert weight_copy_bytes((32, 16), Plan(False, False, False), released=False) == 0
+    assert weight_copy_bytes((32, 16), Fp8Gemms(False, False, False), released=False) == 0
     assert torch.empty((), dtype=torch.float8_e4m3fn).element_size() == 1

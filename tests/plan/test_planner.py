@@ -92,7 +92,7 @@ HELD_OUT = sorted(
     if _result(p).get("plan_peak_gib") is not None and _result(p).get("recipe") == "bf16"
 )
 # fp8_rowwise records that name fp8_sink_wgrad_min_dim: bench.model gained that flag with
-# Plan.sink_wgrad (f192d42, 2026-12-02 23:16), after the rule's row tiers and its down
+# Fp8Gemms.sink_wgrad (f192d42, 2026-12-02 23:16), after the rule's row tiers and its down
 # projection following the up one were settled, so these ran today's Fp8Rule (paper and OLMoE
 # width, FP8 dense projections and the sink-wgrad A/B included). Older FP8 records ran rules
 # their config cannot express (the rows per expert a GEMM needed changed three times that
