@@ -117,6 +117,10 @@ def adamw_step(
     written; ``grad_div`` (a device scalar) divides every gradient. Check :func:`supports`."""
     p, g, m, v = (_local(t) for t in (master, grad, exp_avg, exp_avg_sq))
     out = _local(mirror) if mirror is not None else p
+    g = g if g.is_contiguous() else g.contiguous()  # read only: a copy is safe
+    written = (p, m, v, out)
+    if not all(t.is_contiguous() and t.shape == p.shape for t in written) or g.shape != p.shape:
+        raise ValueError("adamw_step: the master, its moments and its copy must be contiguous and of the gradient's shape")
     n = p.numel()
     if n == 0:
         return

@@ -41,6 +41,17 @@ def check_kernel():
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
         assert rounded(got[0], mirror), "the bf16 copy is the new master rounded"
         assert torch.equal(got[1], g), "the gradient is not written"
+    # a gradient in another layout is read as its values (a transposed view here)
+    p, m, v = torch.randn(8, 6), torch.zeros(8, 6), torch.zeros(8, 6)
+    g = torch.randn(6, 8).t()
+    want = reference(p, g, m, v, 1, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    adamw.adamw_step(p, g, m, v, torch.tensor(1.0), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch.testing.assert_close(p, want[0], rtol=2e-6, atol=1e-7)
+    try:  # a written tensor in another layout is refused, not written wrongly
+        adamw.adamw_step(p.t(), g.t(), m.t(), v.t().contiguous(), torch.tensor(1.0), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        raise AssertionError("a non-contiguous master was stepped")
+    except ValueError as e:
+        assert "contiguous" in str(e)
     # a skipped step writes nothing
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     mirror = torch.zeros(n, dtype=torch.bfloat16)
