@@ -97,3 +97,20 @@ def test_a_requests_file_tokenised_for_another_config_is_refused(tmp_path):
             load_in_loop_requests(cfg, path)
     path.write_bytes(dump_task_requests(_tasks(), {"task_names": ["synthetic"], "limit": 10, "pad_id": 3}))
     assert load_in_loop_requests(cfg, path) == (_tasks(), {"format": "moe-eval-requests/1", "task_names": ["synthetic"], "limit": 10, "pad_id": 3})
+
+
+def test_what_the_window_cuts_is_logged_with_each_evaluation(tmp_path, corpus):
+    """A task whose contexts the model's window cuts (or whose documents were left out for it)
+    logs the counts beside its scores, as the evaluate stage does; one that fits logs none."""
+    from moe.config.in_loop_eval import InLoopEvalConfig
+
+    long = [Request(d, 0, tuple(range(2, 40)), (5,), 0, 2, 2, 1, 1) for d in range(3)]
+    short = [Request(d, 0, (2, 3), (5,), 0, 2, 2, 1, 1) for d in range(2)]
+    tasks = [TaskRequests("long", "acc", tuple(long), 4, dropped=(3,)), TaskRequests("short", "acc", tuple(short), 2)]
+    cb = InLoopEvalCallback(InLoopEvalConfig(every=1), tasks, [], max_len=16)
+    assert cb.cut == {"long": (3.0, 1.0), "short": (0.0, 0.0)}
+    trainer = Trainer(tiny_config(Path(corpus), tmp_path / "ck", train={"max_steps": 4}))
+    metrics = cb.after_step(trainer, 1)
+    assert metrics["eval/long/truncated_docs"] == 3 and metrics["eval/long/dropped_docs"] == 1
+    assert "eval/long/acc" in metrics and "eval/short/acc" in metrics
+    assert not any(k.startswith("eval/short/") and k.endswith("_docs") for k in metrics)

@@ -31,7 +31,7 @@ from moe.config import ExperimentConfig
 from moe.config.in_loop_eval import InLoopEvalConfig
 from moe.data import TokenDataset
 from moe.errors import ConfigError
-from moe.eval.requests import TaskRequests, load_task_requests
+from moe.eval.requests import TaskRequests, load_task_requests, truncation
 from moe.eval.suite import evaluate_suite, headline
 from moe.train.callbacks.callback import Callback
 
@@ -52,6 +52,10 @@ class InLoopEvalCallback(Callback):
         self.max_len, self.batch_tokens, self.pad_id = max_len, cfg.batch_tokens, pad_id
         self.eval_s = 0.0
         self.started = time.perf_counter()
+        # What the model's window cuts of each task (documents cut, documents left out), counted
+        # once: logged beside every evaluation where nonzero, as the evaluate stage logs its own
+        # (a cut context moves a score without any error).
+        self.cut = {t.name: (truncation(t.requests, max_len)["truncated_docs"], float(len(t.dropped))) for t in self.tasks}
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.final_step
@@ -84,6 +88,9 @@ class InLoopEvalCallback(Callback):
         for task in self.tasks:
             for k, v in headline(results[task.name], task.metric).items():
                 metrics[f"eval/{task.name}/{k}"] = v
+            for key, count in zip(("truncated_docs", "dropped_docs"), self.cut[task.name], strict=True):
+                if count:
+                    metrics[f"eval/{task.name}/{key}"] = count
         took = time.perf_counter() - start
         self.eval_s += took
         metrics["eval/seconds"] = took
