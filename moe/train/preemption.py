@@ -28,11 +28,17 @@ class StopRequest:
         self.signum = signum
 
     def agreed(self) -> bool:
-        """True on every rank when any rank was asked to stop (a tiny CPU collective)."""
+        """True on every rank when any rank was asked to stop (a tiny CPU collective). The
+        collective carries the signal's number, so a rank that learns of the stop from another
+        names the signal too (each rank's log says why it stopped)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return self.requested
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        own = (self.signum or -1) if self.requested else 0  # -1: asked without a signal number
+        flag = torch.tensor([own], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        agreed = int(flag.item())
+        if agreed and self.signum is None and agreed > 0:
+            self.signum = agreed
+        return agreed != 0
