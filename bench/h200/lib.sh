@@ -26,3 +26,18 @@ tokens_8k() {
       --set tokenize.workers=14 --set tokenize.output="$TOK"
   fi
 }
+# The Qwen3-30B-A3B-like shape through `moe train` (128 experts of 768, top-8, d=2048, 8 layers, seq 4096,
+# micro 4 x accum 4, on the 8,192-entry BPE): qwen_like_train NAME [STEPS] [more --set or flags...];
+# its metrics.jsonl and job.json land in $OUT as NAME.jsonl and NAME.job.json.
+qwen_like_train() {
+  local name=$1 steps=${2:-12}
+  shift; [ $# -gt 0 ] && shift
+  rm -rf "/tmp/runs/$name"
+  run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
+    --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
+    --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps="$steps" \
+    --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
+    --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints" "$@"
+  cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+  cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
+}

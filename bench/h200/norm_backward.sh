@@ -11,15 +11,10 @@ if [ "${1:-}" = qwen ]; then  # the Qwen3-30B-A3B-like shape through `moe train`
   tokens_8k
   run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
   for backward in triton torch; do
-    name=qwen-like-norm-backward-$backward
-    rm -rf "/tmp/runs/$name"
-    MOE_NORM_BACKWARD=$backward run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
-      --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
-      --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
-      --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-      --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
-    cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+    export MOE_NORM_BACKWARD=$backward
+    qwen_like_train qwen-like-norm-backward-$backward
   done
+  unset MOE_NORM_BACKWARD
   exit $status
 fi
 for i in 1 2; do

@@ -30,15 +30,7 @@ case "${1:-}" in
     tokens_8k
     run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
     for kernel in triton torch; do
-      name=qwen-like-step-kernel-$kernel
-      rm -rf "/tmp/runs/$name"
-      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
-        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
-        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
-        --set optim.step_kernel=$kernel --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
-      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
-      cp "/tmp/runs/$name/job.json" "$OUT/$name.job.json"
+      qwen_like_train qwen-like-step-kernel-$kernel 12 --set optim.step_kernel=$kernel
     done
     mkdir -p bench/results/layout_invariant
     CUBLAS_WORKSPACE_CONFIG=:4096:8 RUN_TIMEOUT=400 run python3 tests/train/layout_invariant_gpu_check.py \
@@ -48,28 +40,14 @@ case "${1:-}" in
     run python3 -m bench.adamw --width qwen
     RUN_TIMEOUT=240 run python3 -m bench.wgrad --configs all --case qwen-like --case olmoe
     tokens_8k
-    name=qwen-like-step-kernel-triton-profiled
-    rm -rf "/tmp/runs/$name"
-    run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
-      --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
-      --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=8 \
-      --set train.profile_step=6 --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-      --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
-    cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+    qwen_like_train qwen-like-step-kernel-triton-profiled 8 --set train.profile_step=6
     ;;
   breakdown)
     run python3 -m bench.model "${step[@]}" --profile 30 --no-save
     tokens_8k
     run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
     for accum in fp32 bf16; do
-      name=qwen-like-expert-grad-accum-$accum
-      rm -rf "/tmp/runs/$name"
-      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
-        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
-        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
-        --set optim.expert_grad_accum=$accum --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints"
-      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.jsonl"
+      qwen_like_train qwen-like-expert-grad-accum-$accum 12 --set optim.expert_grad_accum=$accum
     done
     ;;
   fp8)

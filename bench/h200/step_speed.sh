@@ -23,17 +23,8 @@ case "${1:-}" in
     losses=(true false); extra=()
     [ "${1}" = qwen-profile ] && { losses=(true); extra=(--set train.profile_step=6); }
     for loss in "${losses[@]}"; do
-      name=qwen-like-fused-loss-$loss
-      rm -rf "/tmp/runs/$name"
-      run python3 -m pipeline.cli train --no-mlflow --set tokenize.output="$TOK" --set model.vocab_size=8192 \
-        --set recipe=olmoe-1b-7b --set model.n_layers=8 --set model.moe.num_experts=128 --set model.moe.expert_hidden=768 \
-        --set model.moe.top_k=8 --set train.global_batch_size=16 --set train.micro_batch_size=4 --set train.max_steps=12 \
-        --set train.fused_loss=$loss --set train.device=cuda --set train.eval_every=0 --set train.log_every=1 \
-        --set checkpoint.save=false --set executor.run_dir="/tmp/runs/$name" --set checkpoint.dir="/tmp/runs/$name/checkpoints" \
-        "${extra[@]}"
-      [ "${1}" = qwen-profile ] && name_out=$name-profiled || name_out=$name
-      cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name_out.jsonl"
-      cp "/tmp/runs/$name/job.json" "$OUT/$name_out.job.json"
+      [ "${1}" = qwen-profile ] && name=qwen-like-fused-loss-$loss-profiled || name=qwen-like-fused-loss-$loss
+      qwen_like_train "$name" 12 --set train.fused_loss=$loss "${extra[@]}"
     done
     ;;
   *) echo "usage: $0 wgrad|levers|qwen|qwen-profile" >&2; exit 2 ;;

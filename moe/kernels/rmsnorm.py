@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
-# Under torch's fused forward, our backward (_TorchForwardTritonBackward); MOE_NORM_BACKWARD=torch
+# Under torch's fused forward, our backward (_RMSNorm with torch_forward); MOE_NORM_BACKWARD=torch
 # keeps torch's own backward (the side-by-side in bench/h200/norm_backward.sh).
 TRITON_BACKWARD = os.environ.get("MOE_NORM_BACKWARD", "triton") != "torch"
 # Widest row the one-pass kernels hold in registers; wider rows take the eager path.
@@ -143,42 +143,28 @@ def rms_norm_backward(
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        weight = weight.contiguous()
-        y, rstd = rms_norm_forward(x2, weight, eps)
-        ctx.save_for_backward(x2, weight, rstd)  # x is the caller's tensor: no new activation but rstd
-        ctx.shape = x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        x2, weight, rstd = ctx.saved_tensors
-        grad = grad.reshape(x2.shape).contiguous()
-        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1])
-        return dx.view(ctx.shape), dw, None
-
-
 # The backward's launch under torch's forward: the fastest of 72 at [16384, 2048] bf16 on an H200
 # (bench.norm_tiles, norm_tiles-NVIDIA-H200-20261204T145012Z.json: 94.6 us against torch's 133.1).
 TORCH_FORWARD_BACKWARD_LAUNCH = {"programs": 1056, "rows": 4, "warps": 8, "stages": 3}
 
 
-class _TorchForwardTritonBackward(torch.autograd.Function):
-    """torch's fused forward (``aten._fused_rms_norm``: 51 us at [16384, 2048], ahead of our
-    57) with our backward (95 us against torch's 133): the norm's backward reads x and dy once
-    and writes dx, with the weight gradient's partial sums in the same pass."""
+class _RMSNorm(torch.autograd.Function):
+    """Our Triton backward under our Triton forward (OLMoE's rounding order), or, with
+    ``torch_forward``, under torch's fused forward (``aten._fused_rms_norm``: 51 us at [16384,
+    2048], ahead of our 57; our backward 95 us against torch's 133): either way the backward
+    reads x and dy once and writes dx, with the weight gradient's partial sums in the same pass."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, torch_forward: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         weight = weight.contiguous()
-        y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
-        ctx.save_for_backward(x2, weight, rstd.reshape(-1))
-        ctx.shape = x.shape
+        if torch_forward:
+            y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
+            rstd = rstd.reshape(-1)
+        else:
+            y, rstd = rms_norm_forward(x2, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)  # x is the caller's tensor: no new activation but rstd
+        ctx.shape, ctx.torch_forward = x.shape, torch_forward
         return y.view(x.shape)
 
     @staticmethod
@@ -186,8 +172,9 @@ class _TorchForwardTritonBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         grad = grad.reshape(x2.shape).contiguous()
-        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], round_normalised=False, **TORCH_FORWARD_BACKWARD_LAUNCH)
-        return dx.view(ctx.shape), dw, None
+        launch = {"round_normalised": False, **TORCH_FORWARD_BACKWARD_LAUNCH} if ctx.torch_forward else {}
+        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], **launch)
+        return dx.view(ctx.shape), dw, None, None
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -228,7 +215,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     OLMoE's order; CPU takes the eager reference."""
     if x.is_cuda and x.dtype == weight.dtype and x.dtype in _DTYPES and x.shape[-1] > 0:
         if TRITON_BACKWARD and fusable(x, weight):
-            return _TorchForwardTritonBackward.apply(x, weight, eps)
+            return _RMSNorm.apply(x, weight, eps, True)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if fusable(x, weight):
         return _RMSNorm.apply(x, weight, eps)

@@ -74,27 +74,29 @@ def test_an_unknown_span_is_refused():
         span("gemm")
 
 
+def _event(name, eid, dur, kernels=(), parent=None, device=torch.autograd.DeviceType.CPU, annotation=False):
+    """A synthetic profiler event shaped like torch's (the fields step_profile reads)."""
+    from types import SimpleNamespace as NS
+
+    return NS(
+        name=name,
+        id=eid,
+        device_type=device,
+        is_async=False,
+        is_user_annotation=annotation,
+        cpu_parent=parent,
+        kernels=[NS(name=k, duration=d) for k, d in kernels],
+        time_range=NS(elapsed_us=lambda dur=dur: dur),
+    )
+
+
 def test_gpu_attribution_counts_each_launch_once_and_skips_mirrors_and_markers():
     """The device path on synthetic events shaped like torch's: a kernel is listed under every
     CPU event sharing its correlation id (here a range and the op inside it), GPU mirrors of
     ranges and CUPTI's queue-full marker ride along as 'kernels'."""
-    from types import SimpleNamespace as NS
-
     from moe.train.step_profile import attribute
 
-    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-
-    def ev(name, eid, dur, kernels=(), parent=None, device=cpu, annotation=False):
-        return NS(
-            name=name,
-            id=eid,
-            device_type=device,
-            is_async=False,
-            is_user_annotation=annotation,
-            cpu_parent=parent,
-            kernels=[NS(name=k, duration=d) for k, d in kernels],
-            time_range=NS(elapsed_us=lambda dur=dur: dur),
-        )
+    cuda, ev = torch.autograd.DeviceType.CUDA, _event
 
     step = ev("moe.optimizer", 1, 1000, kernels=[("moe.optimizer", 900.0)])
     adam = ev("aten::_fused_adamw_", 7, 100, kernels=[("multi_tensor_apply_kernel", 50.0)], parent=step)
@@ -134,23 +136,9 @@ def test_device_time_no_op_launched_is_attributed_by_kernel_name():
     """A Triton kernel launched inside a bare range has no CPU launcher in torch's trace (the
     AdamW step measured 26 ms of such kernels on an H200): its device records still count,
     once, by name; linked launches of the same name are not counted twice."""
-    from types import SimpleNamespace as NS
-
     from moe.train.step_profile import UNLINKED, attribute
 
-    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-
-    def ev(name, eid, dur, kernels=(), device=cpu, annotation=False):
-        return NS(
-            name=name,
-            id=eid,
-            device_type=device,
-            is_async=False,
-            is_user_annotation=annotation,
-            cpu_parent=None,
-            kernels=[NS(name=k, duration=d) for k, d in kernels],
-            time_range=NS(elapsed_us=lambda dur=dur: dur),
-        )
+    cuda, ev = torch.autograd.DeviceType.CUDA, _event
 
     op = ev("aten::add_", 3, 20, kernels=[("add_kernel", 40.0)])
     events = [
