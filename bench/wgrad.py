@@ -6,9 +6,14 @@
     python -m bench.wgrad --configs all        # every tile config of the fused kernel
     python -m bench.wgrad --fp8 [--configs all] # the FP8 weight gradient at paper and OLMoE width:
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
+    python -m bench.wgrad --epilogue           # the shipped tile with the fp32 epilogue as load-add-store
+                                               # or TMA reduce, experts in index order or heaviest first;
+                                               # each checked bitwise against load-add-store in index order
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
-Random routing (multinomial counts over the experts), dropless. Outputs are checked against an
+Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
+row to 8 of the experts (max/mean load 16 at 128 experts: what the Qwen-like `moe train` run's
+layers 1-7 show in its first steps). Outputs are checked against an
 fp32 per-expert reference before anything is timed. TFLOP/s = 2 * R * M * K / time (the GEMM
 alone; the accumulator's read and write are what the fused kernel hides in it).
 """
@@ -28,7 +33,9 @@ CASES = [
     ("paper-experts-8", 2048, 2048, 8, 4, 8192, torch.bfloat16),
     ("paper-experts-128", 2048, 2048, 128, 4, 8192, torch.bfloat16),
     ("qwen-like", 2048, 768, 128, 8, 16384, torch.float32),
+    ("qwen-like-collapsed", 2048, 768, 128, 8, 16384, torch.float32),
 ]
+COLLAPSED_EXPERTS = 8  # the experts a "-collapsed" case's rows all go to
 # name, d, h, experts, top_k, tokens per micro-batch (fp32 accumulator: the master gradient)
 FP8_CASES = [
     ("paper", 4096, 4096, 64, 4, 16384),
@@ -70,18 +77,64 @@ def _reference(grad, x, ends) -> torch.Tensor:
     return torch.stack(out)
 
 
-def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters) -> list[dict]:
+def case_counts(name: str, experts: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert: multinomial over all experts, or over COLLAPSED_EXPERTS random ones."""
+    device = gen.device
+    if name.endswith("-collapsed"):
+        hot = torch.randperm(experts, device=device, generator=gen)[:COLLAPSED_EXPERTS]
+        return torch.bincount(hot[torch.randint(0, COLLAPSED_EXPERTS, (rows,), device=device, generator=gen)], minlength=experts)
+    return torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
+
+
+def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, epilogue: bool = False) -> list[dict]:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     rows = tokens * top_k
-    counts = torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
-    ends = counts.cumsum(0).to(torch.int32)
+    ends = case_counts(name, experts, rows, gen).cumsum(0).to(torch.int32)
     out = []
     for weight, m, k in (("gate_up", 2 * h, d), ("down", d, h)):
         grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
-        out += time_weight(f"{name} {weight}", grad, x, ends, torch.zeros(experts, m, k, device=device, dtype=acc_dtype), configs, iters)
+        acc = torch.zeros(experts, m, k, device=device, dtype=acc_dtype)
+        time = time_epilogues if epilogue else time_weight
+        out += time(f"{name} {weight}", grad, x, ends, acc, configs, iters)
+        del grad, x, acc
         torch.cuda.empty_cache()
+    return out
+
+
+def time_epilogues(label, grad, x, ends, acc, configs, iters) -> list[dict]:
+    """The shipped tile accumulating into a non-zero fp32 sum four ways (epilogue load-add-store or
+    TMA reduce; experts in index order or heaviest first), each result checked bitwise against
+    load-add-store in index order before it is timed; and the expert ranking alone."""
+    from moe.kernels import grouped_wgrad as gw
+
+    flops = 2 * grad.shape[0] * grad.shape[1] * x.shape[1]
+    base = torch.randn(acc.shape, device=acc.device, generator=torch.Generator(device=acc.device).manual_seed(1)).to(acc.dtype)
+    want = base.clone()
+    gw.grouped_wgrad(grad, x, ends, want, accumulate=True, reduce=False, ordered=False)
+    ref = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])
+    err = ((want[:4].float() - base[:4].float() - ref).norm() / ref.norm()).item()
+    out = []
+    for reduce in (False, True):
+        for ordered in (False, True):
+            variant = f"{'reduce' if reduce else 'load-add-store'}, {'heaviest first' if ordered else 'index order'}"
+            got = base.clone()
+            gw.grouped_wgrad(grad, x, ends, got, accumulate=True, reduce=reduce, ordered=ordered)
+            same = torch.equal(got, want)
+            del got
+            row = {"case": label, "variant": variant, "accumulator": str(acc.dtype).removeprefix("torch."), "rel_err": err, "bitwise": same}
+            if not same:
+                out.append(row | {"median_ms": float("nan"), "tflops": float("nan"), "error": "differs from load-add-store"})
+                continue
+
+            def launch(reduce=reduce, ordered=ordered):
+                gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, reduce=reduce, ordered=ordered)
+
+            ms = time_cuda(launch, iters=iters)["median_ms"]
+            out.append(row | {"median_ms": ms, "tflops": flops / ms / 1e9})
+    ms = time_cuda(lambda: gw.expert_order(ends), iters=iters)["median_ms"]
+    out.append({"case": label, "variant": "expert_order alone", "accumulator": "-", "median_ms": ms, "tflops": None, "rel_err": None})
     return out
 
 
@@ -249,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="default", help="default (the shipped CUDA_CONFIG) or all")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
+    p.add_argument("--epilogue", action="store_true", help="the epilogue and tile-order variants of the shipped tile")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
@@ -264,25 +318,26 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows += run_fp8_case(*case, FP8_CONFIGS if args.configs == "all" else [gw.FP8_CUDA_CONFIG], args.iters)
     else:
         for case in [c for c in CASES if args.case is None or c[0] in args.case]:
-            rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters)
+            rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters, args.epilogue)
+    reference = ("grouped_mm + add_ (reference)", "bf16 fused (default)", "load-add-store, index order")
     for r in rows:
-        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in ("grouped_mm + add_ (reference)", "bf16 fused (default)"))
+        ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in reference)
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
     return rows
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     columns = ["case", "variant", "accumulator", "median_ms", "tflops", "reference_over_this", "rel_err"]
-    print_table(rows, columns + (["rel_err_vs_bf16_rows"] if args.fp8 else []))
+    print_table(rows, columns + (["rel_err_vs_bf16_rows"] if args.fp8 else []) + (["bitwise"] if args.epilogue else []))
     if not args.no_save:
         payload = {
             "environment": environment(),
             "config": {
-                "routing": "random, dropless",
+                "routing": "random, dropless; -collapsed cases: every row to 8 random experts",
                 "iters": args.iters,
                 "cases": [c[:6] for c in (FP8_CASES if args.fp8 else CASES)],
                 "flops": "2*R*M*K",
-                "reference": "bf16 fused (default)" if args.fp8 else "grouped_mm + add_",
+                "reference": "bf16 fused (default)" if args.fp8 else ("load-add-store, index order" if args.epilogue else "grouped_mm + add_"),
             },
             "matmul_peak_tflops": matmul_peak_tflops(),
             "rows": rows,

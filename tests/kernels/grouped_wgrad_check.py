@@ -65,6 +65,30 @@ def check_kernel() -> None:
         raise AssertionError("an fp16 accumulator was taken")
 
 
+def check_expert_order_and_tile_orders() -> None:
+    """The device ranking against torch's stable sort (ties, empty experts, more experts than a
+    ranking block); the kernel's results bitwise the same with the experts in index order and
+    heaviest first, writing and accumulating (each tile's sum does not depend on when it runs)."""
+    gen = torch.Generator().manual_seed(3)
+    for counts in ([7, 0, 33, 1, 20, 0, 33], [0] * 5, torch.randint(0, 4, (300,), generator=gen).tolist()):
+        c = torch.tensor(counts)
+        ends = c.cumsum(0).to(torch.int32)
+        want = torch.sort(c, descending=True, stable=True).indices.to(torch.int32)
+        assert torch.equal(gw.expert_order(ends), want), counts
+    counts = [7, 0, 33, 1, 20, 0, 33]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    grad = torch.randn(sum(counts), 24, generator=gen).bfloat16()
+    x = torch.randn(sum(counts), 40, generator=gen).bfloat16()
+    base = torch.randn(len(counts), 24, 40, generator=gen)
+    for accumulate in (False, True):
+        got = []
+        for ordered in (False, True):
+            out = base.clone()
+            gw.grouped_wgrad(grad, x, ends, out, accumulate=accumulate, ordered=ordered)
+            got.append(out)
+        assert torch.equal(got[0], got[1]), accumulate
+
+
 def check_fp8_kernel() -> None:
     """The FP8 kernel on quantize_cols_grouped's padded operands against the dequantised
     operands multiplied per expert in float64 (the kernel's only error is its fp32 sum)."""
@@ -202,6 +226,7 @@ def check_fp8_sink() -> None:
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     check_kernel()
+    check_expert_order_and_tile_orders()
     check_fp8_kernel()
     check_optimizer_sink()
     check_fp8_sink()
