@@ -42,7 +42,7 @@ def make_data(directory: Path, tokens: int, vocab: int) -> None:
 def profile_step(trainer: Trainer, rows: int) -> None:
     """One step under torch.profiler (moe.train.step_profile): kernel time per category, the
     largest kernels with the op that launched each, and GPU busy against wall time."""
-    from moe.train.step_profile import StepProfiler, top_entries
+    from moe.train.step_profile import StepProfiler, idle_gaps, top_entries
 
     profiler = StepProfiler(trainer.device).start()
     trainer.train_step()
@@ -58,6 +58,9 @@ def profile_step(trainer: Trainer, rows: int) -> None:
         print(f"  {key}: {value:.1f}")
     table = [{"category": c, "ms": round(ms, 2), "count": n, "kernel": k, "launched by": o} for c, k, o, ms, n in top_entries(events, True, rows)]
     print_table(table, ["category", "ms", "count", "kernel", "launched by"])
+    idle, gaps = idle_gaps(events, 15)
+    print(f"GPU idle between the step's first and last kernel: {idle:.1f} ms; the longest gaps:")
+    print_table([{"ms": round(ms, 3), "after": a[:70], "before": b[:70]} for ms, a, b in gaps], ["ms", "after", "before"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="olmoe",
         choices=list(WIDTHS),
         help="olmoe: d=2048, 64x1024 experts, top-8; paper: d=4096, 64x4096 experts, top-4, 32 heads; "
-        "narrow: d=1024, 64x1024 experts, top-8, 16 heads",
+        "narrow: d=1024, 64x1024 experts, top-8, 16 heads; qwen-like: experts of 768 (with --experts 128)",
     )
     p.add_argument(
         "--expert-grad-accum",
@@ -191,6 +194,7 @@ WIDTHS = {
     "olmoe": ({}, {}),
     "paper": ({"d_model": 4096, "n_heads": 32}, {"expert_hidden": 4096, "top_k": 4}),
     "narrow": ({"d_model": 1024, "n_heads": 16}, {"expert_hidden": 1024}),
+    "qwen-like": ({}, {"expert_hidden": 768}),  # with --experts 128: the Qwen3-30B-A3B-like experts
 }
 
 

@@ -166,6 +166,28 @@ def top_entries(events: Any, on_device: bool, rows: int = 30) -> list[tuple[str,
     return [(c, k, o, ms, int(n)) for (c, k, o), (ms, n) in ranked]
 
 
+def idle_gaps(events: Any, rows: int = 10) -> tuple[float, list[tuple[float, str, str]]]:
+    """Where the GPU waited between kernels: (the idle milliseconds between the first kernel's
+    start and the last one's end, over all streams together; the ``rows`` longest gaps as (ms,
+    the kernel before, the kernel after))."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith("moe.")
+        and not e.name.lower().startswith(_NOT_KERNELS)
+    )
+    idle, gaps, end, before = 0.0, [], None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            idle += start - end
+            gaps.append(((start - end) / 1e3, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    return idle / 1e3, sorted(gaps, reverse=True)[:rows]
+
+
 class StepProfiler:
     """Profile what runs between ``start()`` and ``stop()`` (one training step); ``stop()``
     returns ``profile/<category>_ms``, ``profile/total_ms`` (their sum) and ``profile/wall_ms``."""

@@ -150,3 +150,28 @@ def test_device_time_no_op_launched_is_attributed_by_kernel_name():
     ]
     rows = sorted(attribute(events, on_device=True))
     assert rows == [("optimizer", "_adamw_kernel", UNLINKED, 1.0), ("other", "add_kernel", "aten::add_", 0.04)]
+
+
+def test_idle_gaps_are_the_time_no_stream_ran_a_kernel():
+    """Two streams overlap (no gap), then the GPU waits 300 us and 50 us; ranges' GPU mirrors and
+    CUPTI's markers are not kernels."""
+    from types import SimpleNamespace as NS
+
+    from moe.train.step_profile import idle_gaps
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def kernel(name, start, end, annotation=False):
+        return NS(name=name, device_type=cuda, is_user_annotation=annotation, time_range=NS(start=start, end=end))
+
+    events = [
+        kernel("gemm", 0, 1000),
+        kernel("side_stream_add", 500, 1200),
+        kernel("norm", 1500, 1600),
+        kernel("moe.optimizer", 1600, 5000, annotation=True),
+        kernel("Command Buffer Full", 1600, 3000),
+        kernel("adamw", 1650, 1700),
+    ]
+    idle, gaps = idle_gaps(events)
+    assert idle == 0.35
+    assert gaps == [(0.3, "side_stream_add", "norm"), (0.05, "norm", "adamw")]
