@@ -6,9 +6,9 @@
     python -m bench.wgrad --configs all        # every tile config of the fused kernel
     python -m bench.wgrad --fp8 [--configs all] # the FP8 weight gradient at paper and OLMoE width:
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
-    python -m bench.wgrad --epilogue           # the shipped tile with the fp32 epilogue as load-add-store
-                                               # or TMA reduce, experts in index order or heaviest first;
-                                               # each checked bitwise against load-add-store in index order
+    python -m bench.wgrad --epilogue           # the shipped tile with its operand descriptors per tile or
+                                               # one per operand, experts in index order or heaviest first;
+                                               # each checked bitwise against the earlier kernel
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -104,32 +104,35 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, epil
 
 
 def time_epilogues(label, grad, x, ends, acc, configs, iters) -> list[dict]:
-    """The shipped tile accumulating into a non-zero fp32 sum four ways (epilogue load-add-store or
-    TMA reduce; experts in index order or heaviest first), each result checked bitwise against
-    load-add-store in index order before it is timed; and the expert ranking alone."""
+    """The shipped tile accumulating into a non-zero fp32 sum four ways (operand descriptors per
+    tile or one per operand; experts in index order or heaviest first), each result checked
+    bitwise against per-tile descriptors in index order (the earlier kernel) before it is timed;
+    and the expert ranking alone."""
     from moe.kernels import grouped_wgrad as gw
 
     flops = 2 * grad.shape[0] * grad.shape[1] * x.shape[1]
     base = torch.randn(acc.shape, device=acc.device, generator=torch.Generator(device=acc.device).manual_seed(1)).to(acc.dtype)
     want = base.clone()
-    gw.grouped_wgrad(grad, x, ends, want, accumulate=True, reduce=False, ordered=False)
-    ref = _reference(grad[: int(ends[3])], x[: int(ends[3])], ends[:4])
-    err = ((want[:4].float() - base[:4].float() - ref).norm() / ref.norm()).item()
+    gw.grouped_wgrad(grad, x, ends, want, accumulate=True, whole=False, ordered=False)
+    nonempty = int(torch.nonzero(torch.diff(ends, prepend=ends.new_zeros(1))).flatten()[0])
+    first = slice(int(ends[nonempty - 1]) if nonempty else 0, int(ends[nonempty]))
+    ref = grad[first].float().t() @ x[first].float()
+    err = ((want[nonempty].float() - base[nonempty].float() - ref).norm() / ref.norm()).item()
     out = []
-    for reduce in (False, True):
+    for whole in (False, True):
         for ordered in (False, True):
-            variant = f"{'reduce' if reduce else 'load-add-store'}, {'heaviest first' if ordered else 'index order'}"
+            variant = f"{'one descriptor per operand' if whole else 'descriptors per tile'}, {'heaviest first' if ordered else 'index order'}"
             got = base.clone()
-            gw.grouped_wgrad(grad, x, ends, got, accumulate=True, reduce=reduce, ordered=ordered)
+            gw.grouped_wgrad(grad, x, ends, got, accumulate=True, whole=whole, ordered=ordered)
             same = torch.equal(got, want)
             del got
             row = {"case": label, "variant": variant, "accumulator": str(acc.dtype).removeprefix("torch."), "rel_err": err, "bitwise": same}
             if not same:
-                out.append(row | {"median_ms": float("nan"), "tflops": float("nan"), "error": "differs from load-add-store"})
+                out.append(row | {"median_ms": float("nan"), "tflops": float("nan"), "error": "differs from the earlier kernel"})
                 continue
 
-            def launch(reduce=reduce, ordered=ordered):
-                gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, reduce=reduce, ordered=ordered)
+            def launch(whole=whole, ordered=ordered):
+                gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, whole=whole, ordered=ordered)
 
             ms = time_cuda(launch, iters=iters)["median_ms"]
             out.append(row | {"median_ms": ms, "tflops": flops / ms / 1e9})
@@ -302,7 +305,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="default", help="default (the shipped CUDA_CONFIG) or all")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
-    p.add_argument("--epilogue", action="store_true", help="the epilogue and tile-order variants of the shipped tile")
+    p.add_argument("--epilogue", action="store_true", help="the operand-descriptor and tile-order variants of the shipped tile")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
@@ -319,7 +322,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     else:
         for case in [c for c in CASES if args.case is None or c[0] in args.case]:
             rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters, args.epilogue)
-    reference = ("grouped_mm + add_ (reference)", "bf16 fused (default)", "load-add-store, index order")
+    reference = ("grouped_mm + add_ (reference)", "bf16 fused (default)", "descriptors per tile, index order")
     for r in rows:
         ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in reference)
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
@@ -337,7 +340,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
                 "iters": args.iters,
                 "cases": [c[:6] for c in (FP8_CASES if args.fp8 else CASES)],
                 "flops": "2*R*M*K",
-                "reference": "bf16 fused (default)" if args.fp8 else ("load-add-store, index order" if args.epilogue else "grouped_mm + add_"),
+                "reference": "bf16 fused (default)" if args.fp8 else ("descriptors per tile, index order" if args.epilogue else "grouped_mm + add_"),
             },
             "matmul_peak_tflops": matmul_peak_tflops(),
             "rows": rows,

@@ -11,14 +11,12 @@ The rows of both operands are contiguous per expert, so each tile reads them thr
 descriptors made on the device for its expert ([rows_g, M] and [rows_g, K]): the hardware
 zero-fills past the expert's last row, no masks in the loop.
 
-Three things keep skewed routing (a few experts with most rows, early in training) cheap: the
+Two things keep skewed routing (a few experts with most rows, early in training) cheap: the
 experts are visited heaviest first (an order ranked on the device, :func:`_rank_kernel`), so the
-fixed round-robin of tiles over the persistent programs spreads the long tiles evenly; an expert
-without rows costs nothing when accumulating (adding zero leaves the sum as it was); and the fp32
-epilogue can add through TMA's reduce (``cp.reduce.async.bulk``) instead of a load, an add and a
-store, so the block goes on to its next tile while the add completes in L2. Every output element
-still gets exactly one add per launch, in a fixed order over the rows: results are deterministic,
-bitwise those of the load-add-store epilogue.
+fixed round-robin of tiles over the persistent programs spreads the long tiles evenly; and an
+expert without rows costs nothing when accumulating (adding zero leaves the sum as it was). Each
+output element is computed by one tile, in a fixed order over its rows, wherever the tile runs:
+results are deterministic, and the same bits in either order.
 """
 
 from __future__ import annotations
@@ -40,29 +38,8 @@ if HAVE_TRITON:
         return tile // per_group, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
 
     @triton.jit
-    def _add_part(out_desc, part, g, m0, n0, dtype, ACCUMULATE: tl.constexpr, REDUCE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """out[g, m0:, n0:] (+)= part: a store, a TMA reduce-add (REDUCE, fp32 only), or a load,
-        an add in fp32 and a store."""
-        if ACCUMULATE and REDUCE:
-            out_desc.atomic_add([g, m0, n0], part.reshape(1, ROWS, COLS))
-        else:
-            if ACCUMULATE:
-                part += out_desc.load([g, m0, n0]).reshape(ROWS, COLS).to(tl.float32)
-            out_desc.store([g, m0, n0], part.to(dtype).reshape(1, ROWS, COLS))
-
-    @triton.jit
     def _add_tile(
-        out,
-        out_desc,
-        acc,
-        g,
-        m0,
-        n0,
-        ACCUMULATE: tl.constexpr,
-        SPLIT_EPILOGUE: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        REDUCE: tl.constexpr = False,
+        out, out_desc, acc, g, m0, n0, ACCUMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     ):
         """out[g, m0:, n0:] (+)= acc through the [G, M, K] accumulator's descriptor (boxes of one
         expert's rows: a tile past M or K is clipped), in two column halves when SPLIT_EPILOGUE
@@ -71,10 +48,16 @@ if HAVE_TRITON:
         dtype = out.dtype.element_ty
         if SPLIT_EPILOGUE:
             left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
-            _add_part(out_desc, left, g, m0, n0, dtype, ACCUMULATE, REDUCE, BLOCK_M, HALF)
-            _add_part(out_desc, right, g, m0, n0 + HALF, dtype, ACCUMULATE, REDUCE, BLOCK_M, HALF)
+            if ACCUMULATE:
+                left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
+            out_desc.store([g, m0, n0], left.to(dtype).reshape(1, BLOCK_M, HALF))
+            if ACCUMULATE:
+                right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
+            out_desc.store([g, m0, n0 + HALF], right.to(dtype).reshape(1, BLOCK_M, HALF))
         else:
-            _add_part(out_desc, acc, g, m0, n0, dtype, ACCUMULATE, REDUCE, BLOCK_M, BLOCK_N)
+            if ACCUMULATE:
+                acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+            out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
 
     @triton.jit
     def _rank_kernel(ends, order, G, BLOCK: tl.constexpr):
@@ -100,12 +83,13 @@ if HAVE_TRITON:
         ends,
         order,
         out,
+        R,
         G,
         M,
         K,
         ACCUMULATE: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
-        REDUCE: tl.constexpr,
+        WHOLE_OPERANDS: tl.constexpr,
         ORDERED: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -113,7 +97,10 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R, K]
-        row-major, out [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
+        row-major, out [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED.
+        WHOLE_OPERANDS: one descriptor per operand for the program (the whole [R, M] and [R, K]),
+        an expert's last partial block of rows read by masked loads; else two descriptors per tile
+        over the expert's own rows (TMA zero-fills past them)."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -124,24 +111,49 @@ if HAVE_TRITON:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
         else:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
+        if WHOLE_OPERANDS:
+            all_g = tl.make_tensor_descriptor(grad, shape=[R, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+            all_x = tl.make_tensor_descriptor(x, shape=[R, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
         for tile in range(pid, G * per_group, nprog):
             slot, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             g = tl.load(order + slot) if ORDERED else slot
-            start = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int64)
-            rows = (tl.load(ends + g).to(tl.int64) - start).to(tl.int32)
+            start = tl.load(ends + g - 1, mask=g > 0, other=0)
+            rows = tl.load(ends + g) - start
             if rows > 0 or not ACCUMULATE:  # adding an empty expert's zeros would change nothing
-                shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
-                g_desc = tl.make_tensor_descriptor(grad + start * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
-                x_desc = tl.make_tensor_descriptor(x + start * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rows, BLOCK_K):
-                    g_tile = g_desc.load([r0, m0])
-                    x_tile = x_desc.load([r0, n0])
-                    if IEEE:
-                        acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(tl.trans(g_tile), x_tile, acc)
-                _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N, REDUCE)
+                if WHOLE_OPERANDS:
+                    full = rows // BLOCK_K * BLOCK_K
+                    for r0 in range(0, full, BLOCK_K):
+                        g_tile = all_g.load([start + r0, m0])
+                        x_tile = all_x.load([start + r0, n0])
+                        if IEEE:
+                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+                        else:
+                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+                    if full < rows:  # the expert's last rows, masked (the next expert's follow them)
+                        r = start + full + tl.arange(0, BLOCK_K)
+                        live = r < start + rows
+                        cm = m0 + tl.arange(0, BLOCK_M)
+                        cn = n0 + tl.arange(0, BLOCK_N)
+                        g_tile = tl.load(grad + r.to(tl.int64)[:, None] * M + cm[None, :], mask=live[:, None] & (cm[None, :] < M), other=0.0)
+                        x_tile = tl.load(x + r.to(tl.int64)[:, None] * K + cn[None, :], mask=live[:, None] & (cn[None, :] < K), other=0.0)
+                        if IEEE:
+                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+                        else:
+                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+                else:
+                    start64 = start.to(tl.int64)
+                    shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
+                    g_desc = tl.make_tensor_descriptor(grad + start64 * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+                    x_desc = tl.make_tensor_descriptor(x + start64 * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
+                    for r0 in range(0, rows, BLOCK_K):
+                        g_tile = g_desc.load([r0, m0])
+                        x_tile = x_desc.load([r0, n0])
+                        if IEEE:
+                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+                        else:
+                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+                _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _grouped_wgrad_fp8_kernel(
@@ -204,10 +216,10 @@ if HAVE_TRITON:
 # reruns bitwise (an autotuner's timing-noise pick would change the summation order).
 CUDA_CONFIG = (128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
-# The fp32 epilogue through TMA's reduce-add, the experts heaviest first (bench/wgrad.py --epilogue);
-# MOE_WGRAD_EPILOGUE=load and MOE_WGRAD_ORDER=index keep the earlier kernel for a side-by-side.
-REDUCE_EPILOGUE = os.environ.get("MOE_WGRAD_EPILOGUE", "reduce") != "load"
+# The experts heaviest first, the operands through one descriptor each (bench/wgrad.py --epilogue);
+# MOE_WGRAD_ORDER=index and MOE_WGRAD_OPERANDS=per-tile keep the earlier kernel for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
+WHOLE_OPERANDS = os.environ.get("MOE_WGRAD_OPERANDS", "whole") != "per-tile"
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -252,16 +264,16 @@ def grouped_wgrad(
     *,
     accumulate: bool,
     config: tuple[int, ...] | None = None,
-    reduce: bool | None = None,
     ordered: bool | None = None,
+    whole: bool | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
     [G, M, K] in fp32 or bf16. fp32 accumulation; a group without rows gets zeros (or is left
     as it was when accumulating). Check :func:`supports` first. ``config``: (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``reduce`` (the
-    fp32 accumulator added by TMA's reduce, on sm90: the interpreter has none) and ``ordered``
-    (heaviest experts first) instead of REDUCE_EPILOGUE and ORDERED_TILES."""
+    BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
+    (heaviest experts first) and ``whole`` (one descriptor per operand) instead of ORDERED_TILES
+    and WHOLE_OPERANDS."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -273,8 +285,8 @@ def grouped_wgrad(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
-    reduce = (REDUCE_EPILOGUE if reduce is None else reduce) and accumulate and out.dtype == torch.float32 and not interpreted
     ordered = ORDERED_TILES if ordered is None else ordered
+    whole = WHOLE_OPERANDS if whole is None else whole
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -285,12 +297,13 @@ def grouped_wgrad(
         ends,
         expert_order(ends) if ordered else ends,
         out,
+        max(grad.shape[0], 1),  # a descriptor's box needs a row; no load happens without one
         groups,
         m,
         k,
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split,
-        REDUCE=reduce,
+        WHOLE_OPERANDS=whole,
         ORDERED=ordered,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
