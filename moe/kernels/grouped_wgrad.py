@@ -83,13 +83,11 @@ if HAVE_TRITON:
         ends,
         order,
         out,
-        R,
         G,
         M,
         K,
         ACCUMULATE: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
-        WHOLE_OPERANDS: tl.constexpr,
         ORDERED: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -97,10 +95,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R, K]
-        row-major, out [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED.
-        WHOLE_OPERANDS: one descriptor per operand for the program (the whole [R, M] and [R, K]),
-        an expert's last partial block of rows read by masked loads; else two descriptors per tile
-        over the expert's own rows (TMA zero-fills past them)."""
+        row-major, out [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -111,48 +106,24 @@ if HAVE_TRITON:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, HALF])
         else:
             out_desc = tl.make_tensor_descriptor(out, shape=[G, M, K], strides=[M * K, K, 1], block_shape=[1, BLOCK_M, BLOCK_N])
-        if WHOLE_OPERANDS:
-            all_g = tl.make_tensor_descriptor(grad, shape=[R, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
-            all_x = tl.make_tensor_descriptor(x, shape=[R, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
         for tile in range(pid, G * per_group, nprog):
             slot, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             g = tl.load(order + slot) if ORDERED else slot
             start = tl.load(ends + g - 1, mask=g > 0, other=0)
             rows = tl.load(ends + g) - start
             if rows > 0 or not ACCUMULATE:  # adding an empty expert's zeros would change nothing
+                start64 = start.to(tl.int64)
+                shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
+                g_desc = tl.make_tensor_descriptor(grad + start64 * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+                x_desc = tl.make_tensor_descriptor(x + start64 * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if WHOLE_OPERANDS:
-                    full = rows // BLOCK_K * BLOCK_K
-                    for r0 in range(0, full, BLOCK_K):
-                        g_tile = all_g.load([start + r0, m0])
-                        x_tile = all_x.load([start + r0, n0])
-                        if IEEE:
-                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-                        else:
-                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
-                    if full < rows:  # the expert's last rows, masked (the next expert's follow them)
-                        r = start + full + tl.arange(0, BLOCK_K)
-                        live = r < start + rows
-                        cm = m0 + tl.arange(0, BLOCK_M)
-                        cn = n0 + tl.arange(0, BLOCK_N)
-                        g_tile = tl.load(grad + r.to(tl.int64)[:, None] * M + cm[None, :], mask=live[:, None] & (cm[None, :] < M), other=0.0)
-                        x_tile = tl.load(x + r.to(tl.int64)[:, None] * K + cn[None, :], mask=live[:, None] & (cn[None, :] < K), other=0.0)
-                        if IEEE:
-                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-                        else:
-                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
-                else:
-                    start64 = start.to(tl.int64)
-                    shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
-                    g_desc = tl.make_tensor_descriptor(grad + start64 * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
-                    x_desc = tl.make_tensor_descriptor(x + start64 * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
-                    for r0 in range(0, rows, BLOCK_K):
-                        g_tile = g_desc.load([r0, m0])
-                        x_tile = x_desc.load([r0, n0])
-                        if IEEE:
-                            acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-                        else:
-                            acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+                for r0 in range(0, rows, BLOCK_K):
+                    g_tile = g_desc.load([r0, m0])
+                    x_tile = x_desc.load([r0, n0])
+                    if IEEE:
+                        acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(tl.trans(g_tile), x_tile, acc)
                 _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
     @triton.jit
@@ -216,10 +187,9 @@ if HAVE_TRITON:
 # reruns bitwise (an autotuner's timing-noise pick would change the summation order).
 CUDA_CONFIG = (128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
-# The experts heaviest first, the operands through one descriptor each (bench/wgrad.py --epilogue);
-# MOE_WGRAD_ORDER=index and MOE_WGRAD_OPERANDS=per-tile keep the earlier kernel for a side-by-side.
+# The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
+# MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
-WHOLE_OPERANDS = os.environ.get("MOE_WGRAD_OPERANDS", "whole") != "per-tile"
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -265,15 +235,13 @@ def grouped_wgrad(
     accumulate: bool,
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
-    whole: bool | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
     [G, M, K] in fp32 or bf16. fp32 accumulation; a group without rows gets zeros (or is left
     as it was when accumulating). Check :func:`supports` first. ``config``: (BLOCK_M, BLOCK_N,
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
-    (heaviest experts first) and ``whole`` (one descriptor per operand) instead of ORDERED_TILES
-    and WHOLE_OPERANDS."""
+    (heaviest experts first) instead of ORDERED_TILES."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -286,7 +254,6 @@ def grouped_wgrad(
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
-    whole = WHOLE_OPERANDS if whole is None else whole
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -297,13 +264,11 @@ def grouped_wgrad(
         ends,
         expert_order(ends) if ordered else ends,
         out,
-        max(grad.shape[0], 1),  # a descriptor's box needs a row; no load happens without one
         groups,
         m,
         k,
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split,
-        WHOLE_OPERANDS=whole,
         ORDERED=ordered,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,

@@ -24,8 +24,8 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
 
     extra = {}
     if kernel == "bf16":
-        fn, config, operands = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG, {"grad": "*bf16", "x": "*bf16", "order": "*i32", "R": "i32"}
-        extra = {"WHOLE_OPERANDS": gw.WHOLE_OPERANDS, "ORDERED": True}
+        fn, config, operands = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG, {"grad": "*bf16", "x": "*bf16", "order": "*i32"}
+        extra = {"ORDERED": True}
     else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
         fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
         operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}
