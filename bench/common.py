@@ -35,6 +35,10 @@ def git_commit() -> str:
     return f"{sha}+dirty" if changed.strip() else sha
 
 
+# Environment variables that choose between a kernel and its predecessor (moe/kernels).
+KERNEL_SWITCHES = ("MOE_NORM_BACKWARD", "MOE_WGRAD_ORDER", "MOE_DETERMINISTIC_FILL")
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "torch": torch.__version__,
@@ -42,6 +46,8 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "git_commit": git_commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        # the library's kernel switches this process ran with (the side-by-sides of bench/h200)
+        "switches": {k: os.environ[k] for k in KERNEL_SWITCHES if k in os.environ},
     }
     try:
         import triton
