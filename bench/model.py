@@ -89,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--expert-wgrad",
         default="gemm",
-        choices=["gemm", "separate"],
-        help="optim.expert_wgrad: the expert weight gradient accumulated inside its GEMM, or added by a separate pass",
+        choices=["gemm", "separate", "paired"],
+        help="optim.expert_wgrad: the expert weight gradient accumulated inside its GEMM, or added by a separate pass, "
+        "or one GEMM per two micro-batches (paired)",
     )
     p.add_argument("--recipe", default="bf16", help="precision.recipe (bf16, fp8_rowwise, ...)")
     p.add_argument("--fp8-min-dim", type=int, default=None, help="precision.fp8_min_dim (default: the library's)")

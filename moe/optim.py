@@ -9,7 +9,8 @@ The expert weights meet the optimizer through one declared call, :meth:`MasterWe
 sink it returns to the expert GEMM): ``expert_grad_accum="bf16"`` keeps their gradient in bf16
 until the step's last micro-batch (``last_micro_batch``) or the gradient sync
 (``fold_deferred``), whichever comes first; ``expert_wgrad="gemm"`` gives each a gradient sink
-that its weight-gradient GEMM adds into.
+that its weight-gradient GEMM adds into, and ``"paired"`` one that holds a micro-batch's rows
+for the next micro-batch's GEMM (one GEMM, one accumulator pass, per two micro-batches).
 
 The state is keyed by parameter name, so checkpoints do not depend on the parallel layout.
 """
@@ -73,6 +74,7 @@ class MasterWeightAdamW:
         self.cfg = cfg
         # parameters whose bf16 gradient waits for the last micro-batch (expert_grad_accum bf16)
         self.deferred: list[MasterParam] = []
+        self.sinks: list[_Sink] = []
         # parameters whose own low-precision values were dropped (release_weight): never written
         self.released: set[int] = set()
         self._fold_now = False
@@ -122,6 +124,8 @@ class MasterWeightAdamW:
         for p in self.params:
             p.grad_holder.grad = None
             p.param.grad = None
+        for sink in self.sinks:
+            sink.pending = None  # rows held from a step that did not finish
         self._fold_now = False
 
     def last_micro_batch(self) -> None:
@@ -133,6 +137,8 @@ class MasterWeightAdamW:
     def fold_deferred(self) -> None:
         """Every deferred bf16 gradient still waiting goes to its fp32 holder (before the
         gradient sync; a no-op when the last backward already folded them)."""
+        for sink in self.sinks:
+            sink.flush()  # rows held for a pair that did not come (before any fold)
         for p in self.deferred:
             if p.param.grad is not None:
                 _fold(p)
@@ -153,7 +159,11 @@ class MasterWeightAdamW:
         if self.cfg.expert_grad_accum == "bf16":
             entry.deferred = True
             self.deferred.append(entry)
-        return _Sink(self, entry) if self.cfg.expert_wgrad == "gemm" else None
+        if self.cfg.expert_wgrad == "separate":
+            return None
+        sink = _Sink(self, entry, paired=self.cfg.expert_wgrad == "paired")
+        self.sinks.append(sink)
+        return sink
 
     def _accumulate_hook(self, p: MasterParam) -> Callable[[torch.Tensor], None]:
         """Each micro-batch's low-precision gradient into the fp32 holder, or, for a deferred
@@ -298,10 +308,37 @@ class _Sink:
     counts the parameter as ready; the optimizer's own hooks find no bf16 gradient to add): by
     autograd where it runs them for a None gradient, else here."""
 
-    def __init__(self, opt: MasterWeightAdamW, entry: MasterParam) -> None:
-        self.opt, self.entry = opt, entry
+    def __init__(self, opt: MasterWeightAdamW, entry: MasterParam, paired: bool = False) -> None:
+        self.opt, self.entry, self.paired = opt, entry, paired
+        # optim.expert_wgrad=paired: (write_rows, rows) of a micro-batch waiting for the next one
+        self.pending: tuple[Callable, tuple] | None = None
+
+    def accumulate_rows(self, rows: tuple, write_rows: Callable[[tuple, tuple | None, torch.Tensor, bool], None]) -> None:
+        """A micro-batch's weight-gradient operands (``rows``, e.g. (grad, x, offsets)): their
+        GEMM adds into the gradient now (``write_rows(rows, None, buffer, add)``), or, paired,
+        the first of two waits and the second's GEMM takes both (``write_rows(rows, earlier,
+        buffer, add)``). Not held at the step's last micro-batch (``last_micro_batch``); one left
+        waiting is written by ``fold_deferred``."""
+        if self.paired and self.pending is None and not self.opt._fold_now:
+            self.pending = (write_rows, rows)
+            self._run_hooks()
+            return
+        earlier = self.pending[1] if self.pending is not None else None
+        self.pending = None
+        self.accumulate(lambda buf, add: write_rows(rows, earlier, buf, add))
+
+    def flush(self) -> None:
+        """The rows still waiting for a pair, written alone (hooks not run again)."""
+        if self.pending is not None:
+            write_rows, rows = self.pending
+            self.pending = None
+            self._write(lambda buf, add: write_rows(rows, None, buf, add))
 
     def accumulate(self, write: Callable[[torch.Tensor, bool], None]) -> None:
+        self._write(write)
+        self._run_hooks()
+
+    def _write(self, write: Callable[[torch.Tensor, bool], None]) -> None:
         p = self.entry
         if p.deferred and not self.opt._fold_now:
             into, dtype = p.param, p.param.dtype
@@ -315,6 +352,9 @@ class _Sink:
             into.grad = buf
         else:
             write(into.grad, True)
+
+    def _run_hooks(self) -> None:
+        p = self.entry
         if not _autograd_runs_hooks_without_grad():
             for hook in tuple((getattr(p.param, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(p.param)

@@ -102,6 +102,7 @@ class ExperimentConfig(Config):
             (par.overlap_grad_reduce, "not with parallel.overlap_grad_reduce (integer sums are reduced after the backward)"),
             (par.grad_reduce_dtype != "fp32", f"not with parallel.grad_reduce_dtype={par.grad_reduce_dtype} (gradients travel as int64)"),
             (self.optim.expert_grad_accum != "fp32", "not with optim.expert_grad_accum=bf16 (a bf16 sum over a rank's micro-batches)"),
+            (self.optim.expert_wgrad == "paired", "not with optim.expert_wgrad=paired (a sum over two micro-batches before it is counted)"),
             # its token counts are summed over the micro-batches the ranks run at once: the layout's
             (moe.lb_loss_scope != "micro_batch", f"not with model.moe.lb_loss_scope={moe.lb_loss_scope} (use micro_batch)"),
         ]

@@ -37,7 +37,11 @@ class OptimizerConfig(Config):
     # fp32 sum no longer rounds each micro-batch's gradient to bf16 first: bench/NOTES.md).
     # separate: torch's grouped GEMM writes the gradient and a second pass adds it (the
     # reference, and the path everywhere the kernel does not run: CPU, fp32 weights).
-    expert_wgrad: Literal["gemm", "separate"] = "gemm"
+    # paired: as gemm, with one GEMM per two micro-batches (the first's rows wait for the
+    # second's backward), so the accumulator is read and written half as often: 12 instead of
+    # 28 bytes per expert parameter per step at accum 4, for one micro-batch's expert rows held
+    # (both weights' operands, every MoE layer: moe plan counts them). bench/NOTES.md has both.
+    expert_wgrad: Literal["gemm", "separate", "paired"] = "gemm"
     # The step's kernel on CUDA. triton: one pass per tensor steps the fp32 master and writes
     # its bf16 copy (30 bytes per parameter; moe/kernels/adamw.py). torch: torch's fused AdamW,
     # then a copy into the bf16 parameters (38 bytes), and the path wherever Triton does not run.
@@ -50,7 +54,9 @@ class OptimizerConfig(Config):
         require(self.eps > 0, _k(p, "eps"), "must be > 0")
         require(self.weight_decay >= 0, _k(p, "weight_decay"), "must be >= 0")
         require(self.expert_grad_accum in ("fp32", "bf16"), _k(p, "expert_grad_accum"), f"must be fp32 or bf16, got {self.expert_grad_accum!r}")
-        require(self.expert_wgrad in ("gemm", "separate"), _k(p, "expert_wgrad"), f"must be gemm or separate, got {self.expert_wgrad!r}")
+        require(
+            self.expert_wgrad in ("gemm", "separate", "paired"), _k(p, "expert_wgrad"), f"must be gemm, separate or paired, got {self.expert_wgrad!r}"
+        )
         require(self.step_kernel in ("triton", "torch"), _k(p, "step_kernel"), f"must be triton or torch, got {self.step_kernel!r}")
 
 

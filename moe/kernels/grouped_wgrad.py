@@ -60,27 +60,57 @@ if HAVE_TRITON:
             out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
 
     @triton.jit
-    def _rank_kernel(ends, order, G, BLOCK: tl.constexpr):
+    def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
+        """Rows of groups ``idx`` (0 past G): over ``ends``, plus ``ends2``'s when PAIRED."""
+        live = idx < G
+        rows = tl.load(ends + idx, mask=live, other=0) - tl.load(ends + idx - 1, mask=(idx > 0) & live, other=0)
+        if PAIRED:
+            rows += tl.load(ends2 + idx, mask=live, other=0) - tl.load(ends2 + idx - 1, mask=(idx > 0) & live, other=0)
+        return rows
+
+    @triton.jit
+    def _rank_kernel(ends, ends2, order, G, PAIRED: tl.constexpr, BLOCK: tl.constexpr):
         """order[i] = the expert with the i-th most rows (ties: the lower index first), for
-        the groups ending at ``ends``: each program ranks BLOCK experts against all G."""
+        the groups ending at ``ends`` (and ``ends2``: rows summed, when PAIRED): each program
+        ranks BLOCK experts against all G."""
         mine = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mine_end = tl.load(ends + mine, mask=mine < G, other=0)
-        mine_rows = mine_end - tl.load(ends + mine - 1, mask=(mine > 0) & (mine < G), other=0)
+        mine_rows = _group_rows(ends, ends2, mine, G, PAIRED)
         rank = tl.zeros((BLOCK,), dtype=tl.int32)
         for h0 in range(0, G, BLOCK):
             other = h0 + tl.arange(0, BLOCK)
-            other_end = tl.load(ends + other, mask=other < G, other=0)
-            other_rows = other_end - tl.load(ends + other - 1, mask=(other > 0) & (other < G), other=0)
+            other_rows = _group_rows(ends, ends2, other, G, PAIRED)
             ahead = (other_rows[None, :] > mine_rows[:, None]) | ((other_rows[None, :] == mine_rows[:, None]) & (other[None, :] < mine[:, None]))
             ahead = ahead & (other[None, :] < G)
             rank += tl.sum(ahead.to(tl.int32), axis=1)
         tl.store(order + rank, mine, mask=mine < G)
 
     @triton.jit
+    def _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc + group g's grad rows^T @ its x rows (the [m0:, n0:] block), through TMA descriptors
+        over the group's own rows (the hardware zero-fills past its last row)."""
+        start = tl.load(ends + g - 1, mask=g > 0, other=0)
+        rows = tl.load(ends + g) - start
+        start64 = start.to(tl.int64)
+        shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
+        g_desc = tl.make_tensor_descriptor(grad + start64 * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
+        x_desc = tl.make_tensor_descriptor(x + start64 * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
+        for r0 in range(0, rows, BLOCK_K):
+            g_tile = g_desc.load([r0, m0])
+            x_tile = x_desc.load([r0, n0])
+            if IEEE:
+                acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+        return acc
+
+    @triton.jit
     def _grouped_wgrad_kernel(
         grad,
         x,
         ends,
+        grad2,
+        x2,
+        ends2,
         order,
         out,
         G,
@@ -89,13 +119,15 @@ if HAVE_TRITON:
         ACCUMULATE: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
         ORDERED: tl.constexpr,
+        PAIRED: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R, K]
-        row-major, out [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
+        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
+        over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major, out
+        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -109,21 +141,12 @@ if HAVE_TRITON:
         for tile in range(pid, G * per_group, nprog):
             slot, m0, n0 = _tile_of(tile, per_group, n_blocks, BLOCK_M, BLOCK_N)
             g = tl.load(order + slot) if ORDERED else slot
-            start = tl.load(ends + g - 1, mask=g > 0, other=0)
-            rows = tl.load(ends + g) - start
+            rows = _group_rows(ends, ends2, g, G, PAIRED)
             if rows > 0 or not ACCUMULATE:  # adding an empty expert's zeros would change nothing
-                start64 = start.to(tl.int64)
-                shape_rows = tl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
-                g_desc = tl.make_tensor_descriptor(grad + start64 * M, shape=[shape_rows, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_M])
-                x_desc = tl.make_tensor_descriptor(x + start64 * K, shape=[shape_rows, K], strides=[K, 1], block_shape=[BLOCK_K, BLOCK_N])
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rows, BLOCK_K):
-                    g_tile = g_desc.load([r0, m0])
-                    x_tile = x_desc.load([r0, n0])
-                    if IEEE:
-                        acc = tl.dot(tl.trans(g_tile).to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(tl.trans(g_tile), x_tile, acc)
+                acc = _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                if PAIRED:
+                    acc = _add_rows(acc, grad2, x2, ends2, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
                 _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
     @triton.jit
@@ -218,11 +241,13 @@ def _allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
-def expert_order(ends: torch.Tensor) -> torch.Tensor:
-    """The experts by rows, most first (ties: the lower index first), on the device: int32 [G]."""
+def expert_order(ends: torch.Tensor, ends2: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts by rows (over ``ends``, plus ``ends2``'s), most first (ties: the lower index
+    first), on the device: int32 [G]."""
     groups = ends.numel()
     order = torch.empty(groups, dtype=torch.int32, device=ends.device)
-    _rank_kernel[(triton.cdiv(groups, RANK_BLOCK),)](ends, order, groups, BLOCK=RANK_BLOCK, num_warps=RANK_WARPS)
+    grid = (triton.cdiv(groups, RANK_BLOCK),)
+    _rank_kernel[grid](ends, ends if ends2 is None else ends2, order, groups, PAIRED=ends2 is not None, BLOCK=RANK_BLOCK, num_warps=RANK_WARPS)
     return order
 
 
@@ -235,18 +260,26 @@ def grouped_wgrad(
     accumulate: bool,
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
+    pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
     [G, M, K] in fp32 or bf16. fp32 accumulation; a group without rows gets zeros (or is left
     as it was when accumulating). Check :func:`supports` first. ``config``: (BLOCK_M, BLOCK_N,
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
-    (heaviest experts first) instead of ORDERED_TILES."""
+    (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
+    ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
+    two micro-batches)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
     if ends.numel() != groups or grad.shape[1] != m or x.shape[1] != k or grad.shape[0] != x.shape[0]:
         raise ValueError(f"grouped_wgrad: grad {tuple(grad.shape)}, x {tuple(x.shape)}, {ends.numel()} groups, out {tuple(out.shape)}")
+    if pair is not None:
+        grad2, x2, ends2 = pair
+        if ends2.numel() != groups or grad2.shape[1] != m or x2.shape[1] != k or grad2.shape[0] != x2.shape[0] or grad2.dtype != grad.dtype:
+            raise ValueError(f"grouped_wgrad: pair grad {tuple(grad2.shape)}, x {tuple(x2.shape)}, {ends2.numel()} groups, out {tuple(out.shape)}")
+        ends2 = ends2.to(torch.int32)
     if not (groups and m and k):
         return
     ends = ends.to(torch.int32)
@@ -258,11 +291,13 @@ def grouped_wgrad(
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
+    second = (grad2, x2, ends2) if pair is not None else (grad, x, ends)  # not read unless PAIRED
     _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
         x,
         ends,
-        expert_order(ends) if ordered else ends,
+        *second,
+        expert_order(ends, ends2 if pair is not None else None) if ordered else ends,
         out,
         groups,
         m,
@@ -270,6 +305,7 @@ def grouped_wgrad(
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split,
         ORDERED=ordered,
+        PAIRED=pair is not None,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -110,6 +110,11 @@ class GradientSink(Protocol):
         ``buffer``; then do what autograd's AccumulateGrad would have done after it."""
         ...
 
+    def accumulate_rows(self, rows: tuple, write_rows) -> None:
+        """As ``accumulate`` for a GEMM over ``rows``: ``write_rows(rows, earlier, buffer, add)``,
+        where ``earlier`` is another micro-batch's rows the sink held for this GEMM, or None."""
+        ...
+
 
 def sink_route(sink: GradientSink | None, grad: torch.Tensor, fp8: bool) -> str | None:
     """Where an expert weight's gradient goes, decided here for every backend: ``"fp8"`` (the
@@ -146,8 +151,15 @@ def sink_weight_grad(
     x = rows()
     if not fused_wgrad.supports(grad, x):
         return False
-    sink.accumulate(lambda buf, add: fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add))
+    sink.accumulate_rows((grad, x, offsets), _write_rows)
     return True
+
+
+def _write_rows(rows: tuple, earlier: tuple | None, buf: torch.Tensor, add: bool) -> None:
+    """The bf16 accumulating GEMM over a micro-batch's (grad, x, offsets), and an earlier
+    micro-batch's in the same sum where the sink held them (optim.expert_wgrad=paired)."""
+    grad, x, offsets = rows
+    fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier)
 
 
 class GroupedLinear(torch.autograd.Function):

@@ -57,7 +57,7 @@ class ExpertFp8:
     down: Fp8Gemms  # down's (Fp8Rule.plan_down: it follows the up projection)
     released: bool  # bf16 weights dropped: copies come from the fp32 masters
     token_rows: bool  # local dispatcher: the GEMMs read token rows through the permutation
-    sink: bool  # the optimizer's gradient sink takes the weight gradients (optim.expert_wgrad=gemm)
+    sink: bool  # the optimizer's gradient sink takes the weight gradients (optim.expert_wgrad=gemm or paired)
     down_params: int  # elements of the down weight on this rank
 
     @property
@@ -128,7 +128,8 @@ def rank_fp8(model: nn.Module, cfg: ExperimentConfig, broadcasts_expert_weights:
         module = getattr(layer, "experts", None)
         if not isinstance(module, GroupedExperts) or not isinstance(module.gemm, Fp8GroupedGemm):
             continue
-        experts = _expert_fp8(layer, module, tokens * cfg.model.moe.top_k, id(module.gate_up) in released, cfg.optim.expert_wgrad == "gemm")
+        sink = cfg.optim.expert_wgrad in ("gemm", "paired")
+        experts = _expert_fp8(layer, module, tokens * cfg.model.moe.top_k, id(module.gate_up) in released, sink)
         copies += weight_copy_bytes(tuple(module.gate_up.shape), experts.up, experts.released)
         copies += weight_copy_bytes(tuple(module.down.shape), experts.down, experts.released)
     return RankFp8(released=sum(2 * p.numel() for p in log.params), copies=copies, experts=experts)

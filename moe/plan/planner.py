@@ -6,7 +6,8 @@ Calibrated where it cannot: activation bytes per token per layer (moe.plan.activ
 Peak of one rank = weights + fp32 masters + AdamW moments (each owned parameter's, ZeRO-1)
 + fp32 gradients (present while activations are when micro-batches accumulate or pipeline)
 + activations of the micro-batches in flight + the head's logits + one block recomputed in
-backward + expert-parallel all-to-all buffers + a CUDA workspace allowance. An FP8 recipe adds
+backward + expert-parallel all-to-all buffers (+ the expert rows a paired weight gradient holds
+over a micro-batch, optim.expert_wgrad=paired) + a CUDA workspace allowance. An FP8 recipe adds
 its own lines (moe.plan.fp8): the bf16 expert weights it releases, its weight copies, the bf16
 expert rows its GEMMs do not save and what its down projection's backward holds at once.
 
@@ -130,6 +131,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved: ResolvedLayou
         # the FP8 down projection's backward, beyond the line above (its block's activations are in)
         "FP8 expert backward": max(0.0, recompute + backward - max(head, recompute)) if backward else 0.0,
         "EP buffers": _ep_buffers(m, resolved, tokens, layers),
+        "expert rows held for the paired weight gradient": _paired_rows(cfg, resolved, tokens, layers, fp8.experts),
         "FSDP gathered blocks and gradient": _fsdp_gathered(m, resolved),
         "CUDA workspace allowance": WORKSPACE_GIB * GIB,
     }
@@ -143,6 +145,7 @@ def rank_memory(cfg: ExperimentConfig, state: RankState, resolved: ResolvedLayou
         "head or recomputed block": state.transient_grad,
         "FP8 expert backward": max(0.0, backward - state.transient_grad),
         "EP buffers": 0.0,
+        "expert rows held for the paired weight gradient": 0.0,
     }
     if sum(end.values()) > sum(lines.values()):
         lines = end
@@ -183,6 +186,19 @@ class _Blocks:
             return 0.0
         per_token, fixed = backward_bytes(self.model, self.experts)
         return tokens * per_token + fixed
+
+
+def _paired_rows(cfg: ExperimentConfig, resolved: ResolvedLayout, tokens: int, layers: list[int], experts: ExpertFp8 | None) -> float:
+    """optim.expert_wgrad=paired: while a step's last micro-batch runs, the one before it has
+    left each expert weight's gradient operands in its sink (gate_up: its output's gradient
+    [R, 2h] and its input rows [R, d]; down: [R, d] and [R, h]; R = tokens x top_k, bf16), every
+    MoE layer. None with one micro-batch, nor for a weight whose gradient the FP8 GEMM takes."""
+    if cfg.optim.expert_wgrad != "paired" or resolved.grad_accum < 2:
+        return 0.0
+    m = cfg.model
+    d, h = m.d_model, m.moe.expert_hidden
+    per_row = (0 if experts and experts.up.wgrad else 2 * h + d) + (0 if experts and experts.down.wgrad else d + h)
+    return tokens * m.moe.top_k * 2 * per_row * sum(1 for i in layers if m.is_moe_layer(i))
 
 
 def _ep_buffers(m: ModelConfig, resolved: ResolvedLayout, tokens: int, layers: list[int]) -> float:

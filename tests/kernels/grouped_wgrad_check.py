@@ -87,6 +87,20 @@ def check_expert_order_and_tile_orders() -> None:
             gw.grouped_wgrad(grad, x, ends, out, accumulate=accumulate, ordered=ordered)
             got.append(out)
         assert torch.equal(got[0], got[1]), accumulate
+    # a pair (optim.expert_wgrad=paired): a second micro-batch's rows in the same sum, ranked by both
+    counts2 = [0, 5, 2, 40, 0, 0, 1]
+    ends2 = torch.tensor(counts2).cumsum(0).to(torch.int32)
+    total = torch.tensor(counts) + torch.tensor(counts2)
+    assert torch.equal(gw.expert_order(ends, ends2), torch.sort(total, descending=True, stable=True).indices.to(torch.int32))
+    grad2 = torch.randn(sum(counts2), 24, generator=gen).bfloat16()
+    x2 = torch.randn(sum(counts2), 40, generator=gen).bfloat16()
+    want = reference(grad, x, counts) + reference(grad2, x2, counts2)
+    for accumulate in (False, True):
+        out = base.clone()
+        gw.grouped_wgrad(grad, x, ends, out, accumulate=accumulate, pair=(grad2, x2, ends2))
+        expect = want + base.double() if accumulate else want
+        assert (out.double() - expect).abs().max().item() < 1e-5 * expect.abs().max().item(), accumulate
+        assert not accumulate or torch.equal(out[5], base[5]), "an expert empty in both micro-batches is left as it was"
 
 
 def check_fp8_kernel() -> None:

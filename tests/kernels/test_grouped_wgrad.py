@@ -24,8 +24,9 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
 
     extra = {}
     if kernel == "bf16":
-        fn, config, operands = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG, {"grad": "*bf16", "x": "*bf16", "order": "*i32"}
-        extra = {"ORDERED": True}
+        fn, config = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG
+        operands = {"grad": "*bf16", "x": "*bf16", "grad2": "*bf16", "x2": "*bf16", "ends2": "*i32", "order": "*i32"}
+        extra = {"ORDERED": True, "PAIRED": True}  # the paired kernel: the larger of the two
     else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
         fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
         operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}
@@ -56,5 +57,6 @@ def test_the_expert_ranking_compiles_for_sm90_without_spills():
     from moe.kernels import grouped_wgrad as gw
     from tests.kernels.sm90 import compile_for_sm90
 
-    stats = compile_for_sm90(gw._rank_kernel, {"ends": "*i32", "order": "*i32", "G": "i32"}, {"BLOCK": gw.RANK_BLOCK}, num_warps=gw.RANK_WARPS)
+    types = {"ends": "*i32", "ends2": "*i32", "order": "*i32", "G": "i32"}
+    stats = compile_for_sm90(gw._rank_kernel, types, {"PAIRED": True, "BLOCK": gw.RANK_BLOCK}, num_warps=gw.RANK_WARPS)
     assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats

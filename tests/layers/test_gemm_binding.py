@@ -49,13 +49,15 @@ def test_no_module_keeps_a_mutable_table_of_sinks():
 def _fake_kernel(monkeypatch, launches: list) -> None:
     """The accumulating kernel's contract in torch (CPU, no Triton): out (+)= grad_g^T @ x_g."""
 
-    def grouped_wgrad(grad, x, ends, out, *, accumulate, config=None):
-        launches.append(accumulate)
-        start = 0
-        for g, end in enumerate(ends.tolist()):
-            part = grad[start:end].float().t() @ x[start:end].float()
-            out[g] = (out[g].float() + part).to(out.dtype) if accumulate else part.to(out.dtype)
-            start = end
+    def grouped_wgrad(grad, x, ends, out, *, accumulate, config=None, pair=None):
+        launches.append(accumulate if pair is None else ("paired", accumulate))
+        parts = [torch.zeros(out.shape)]
+        for g_rows, x_rows, e in [(grad, x, ends)] + ([pair] if pair is not None else []):
+            start = 0
+            for g, end in enumerate(e.tolist()):
+                parts[0][g] += g_rows[start:end].float().t() @ x_rows[start:end].float()
+                start = end
+        out.copy_((out.float() + parts[0]).to(out.dtype) if accumulate else parts[0].to(out.dtype))
 
     monkeypatch.setattr(gemm.fused_wgrad, "supports", lambda grad, x: True)
     monkeypatch.setattr(gemm.fused_wgrad, "grouped_wgrad", grouped_wgrad)
@@ -68,7 +70,10 @@ class _Experts(nn.Module):
         self.experts.reset_parameters(0.5)
 
 
-def _grads(wgrad: str, monkeypatch) -> tuple[list[torch.Tensor], list]:
+def _grads(wgrad: str, monkeypatch, micro_batches: int = 2, signal_last: bool = False) -> tuple[list[torch.Tensor], list]:
+    """fp32 gradients after ``micro_batches`` backwards (``signal_last``: the trainer's
+    last_micro_batch() before the last one), then the optimizer's fold_deferred(); and the
+    kernel launches."""
     torch.manual_seed(0)
     model = _Experts().bfloat16()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_wgrad=wgrad), master_weights=True)
@@ -76,9 +81,12 @@ def _grads(wgrad: str, monkeypatch) -> tuple[list[torch.Tensor], list]:
     launches: list = []
     _fake_kernel(monkeypatch, launches)
     counts = torch.tensor([3, 0, 5, 8])
-    for seed in range(2):
+    for seed in range(micro_batches):
+        if signal_last and seed == micro_batches - 1:
+            opt.last_micro_batch()
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed)).bfloat16()
         (model.experts(x, counts).float() ** 2).sum().backward()
+    opt.fold_deferred()
     assert all(p.grad is None for p in model.parameters())
     return [p.grad for p in opt.params], launches
 
@@ -93,6 +101,38 @@ def test_expert_wgrad_gemm_reaches_the_kernel_through_the_bound_sink(monkeypatch
     for a, b in zip(fused, separate, strict=True):
         assert a.dtype == torch.float32
         assert ((a - b).norm() / b.norm()).item() < 1e-2  # separate rounds each micro-batch to bf16
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4])
+@pytest.mark.parametrize("signal_last", [True, False])
+def test_paired_wgrad_runs_one_gemm_per_two_micro_batches_and_sums_the_same(monkeypatch, micro_batches, signal_last):
+    """optim.expert_wgrad: paired: the first of two micro-batches' rows wait in the sink, the
+    second's GEMM takes both; at the step's last micro-batch nothing waits, and a micro-batch
+    left without a pair (no last_micro_batch() signal) is written by fold_deferred. The sums are
+    gemm's (to fp32 rounding: one sum over two micro-batches instead of two adds)."""
+    paired, launches = _grads("paired", monkeypatch, micro_batches, signal_last)
+    gemm_, _ = _grads("gemm", monkeypatch, micro_batches, signal_last)
+    pairs, alone = micro_batches // 2, micro_batches % 2
+    assert sum(1 for x in launches if isinstance(x, tuple)) == 2 * pairs, launches
+    assert sum(1 for x in launches if not isinstance(x, tuple)) == 2 * alone, launches
+    assert [x[1] if isinstance(x, tuple) else x for x in launches][:2] == [False, False]  # the first GEMM writes
+    for a, b in zip(paired, gemm_, strict=True):
+        assert a.dtype == torch.float32
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_did_not_finish_leaves_no_rows_waiting(monkeypatch):
+    """zero_grad drops rows a paired sink held (a step abandoned after its first micro-batch)."""
+    model = _Experts().bfloat16()
+    opt = MasterWeightAdamW(model, OptimizerConfig(expert_wgrad="paired"), master_weights=True)
+    resolve_recipe("bf16", torch.device("cpu")).attach_optimizer(model, opt, broadcasts_expert_weights=False)
+    _fake_kernel(monkeypatch, [])
+    (model.experts(torch.randn(16, 16).bfloat16(), torch.tensor([3, 0, 5, 8])).float() ** 2).sum().backward()
+    assert all(s.pending is not None for s in opt.sinks)
+    opt.zero_grad()
+    assert all(s.pending is None for s in opt.sinks)
+    opt.fold_deferred()
+    assert all(p.grad is None for p in opt.params)
 
 
 def test_bind_is_one_owner_per_weight_and_refuses_what_the_gemm_cannot_take():

@@ -127,3 +127,29 @@ def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
 
 def test_there_are_held_out_measurements():
     assert len(HELD_OUT) >= 6 and len(FP8_HELD_OUT) >= 5
+
+
+def test_a_paired_weight_gradient_plans_the_rows_it_holds():
+    """optim.expert_wgrad=paired: one micro-batch's expert rows (both weights' operands, bf16,
+    every MoE layer) on top of gemm's peak; nothing with a single micro-batch."""
+
+    def peak(wgrad: str, accum: int) -> tuple[float, dict]:
+        cfg = ExperimentConfig.load(
+            {
+                "recipe": "olmoe-1b-7b",
+                "model": {"n_layers": 4},
+                "optim": {"expert_wgrad": wgrad},
+                "train": {"micro_batch_size": 2, "global_batch_size": 2 * accum, "device": "cuda", "max_steps": 5000},
+            }
+        )
+        plan = make_plan(cfg, "h200", 1, knobs=False)
+        return plan.peak_gib, plan.to_dict()
+
+    gemm_peak, _ = peak("gemm", 4)
+    paired_peak, plan = peak("paired", 4)
+    m = ExperimentConfig.load({"recipe": "olmoe-1b-7b", "train": {"max_steps": 5000}}).model
+    rows = 2 * m.max_seq_len * m.moe.top_k
+    held = rows * 2 * (3 * m.moe.expert_hidden + 2 * m.d_model) * 4 / 2**30
+    assert paired_peak == pytest.approx(gemm_peak + held, rel=1e-6)
+    assert "expert rows held for the paired weight gradient" in json.dumps(plan)
+    assert peak("paired", 1)[0] == pytest.approx(peak("gemm", 1)[0], rel=1e-9)

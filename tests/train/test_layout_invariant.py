@@ -145,6 +145,7 @@ def test_the_default_mode_differs_at_dp4(runs):
         ({"grad_reduce_dtype": "bf16"}, {}, {}, "train.layout_invariant: not with parallel.grad_reduce_dtype=bf16"),
         ({}, {"moe": {"lb_loss_scope": "global_batch"}}, {}, "train.layout_invariant: not with model.moe.lb_loss_scope=global_batch"),
         ({}, {}, {"expert_grad_accum": "bf16"}, "train.layout_invariant: not with optim.expert_grad_accum=bf16"),
+        ({}, {}, {"expert_wgrad": "paired"}, "train.layout_invariant: not with optim.expert_wgrad=paired"),
     ],
 )
 def test_what_the_mode_cannot_make_invariant_is_refused_in_one_line(tmp_path, parallel, model, optim, message):
