@@ -304,6 +304,8 @@ def _knobs(cfg: ExperimentConfig, gpu: str, gpus: int, mfu: float, peak: float, 
     candidates.append(f"parallel.pp={par.pp * 2}")
     if not par.shard_optimizer and par.data_parallel == "ddp":
         candidates.append("parallel.shard_optimizer=true")
+    if cfg.optim.expert_wgrad == "paired":
+        candidates.append("optim.expert_wgrad=gemm")  # no expert rows held between micro-batches
     out = []
     for override in candidates:
         p = _plan_with(cfg, [override], gpu, gpus, mfu, calibration)
