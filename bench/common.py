@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -46,8 +47,8 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "git_commit": git_commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        # the library's kernel switches this process ran with (the side-by-sides of bench/h200)
-        "switches": {k: os.environ[k] for k in KERNEL_SWITCHES if k in os.environ},
+        # the library's kernel switches this process ran with (the side-by-sides of bench/h200), or None
+        "switches": " ".join(f"{k}={os.environ[k]}" for k in KERNEL_SWITCHES if k in os.environ) or None,
     }
     try:
         import triton
@@ -151,8 +152,20 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     device = payload.get("environment", {}).get("device", "cpu").replace(" ", "-")
     path = out_dir / f"{name}-{device}-{stamp}.json"
-    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(_finite_or_null(payload), indent=2, sort_keys=True, allow_nan=False) + "\n")
     return path
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a variant not timed, a ratio of nothing) as None:
+    the file stays JSON that any reader takes (NaN is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 def save_result(name: str, payload: dict[str, Any], save: bool = True, out_dir: Path | None = None) -> Path | None:

@@ -34,3 +34,34 @@ def test_exposed_communication_is_what_no_compute_kernel_covers():
     assert r["comm_ms"] == pytest.approx(0.140)
     assert r["compute_ms"] == pytest.approx(0.160)
     assert r["exposed_comm_ms"] == pytest.approx(0.100)
+
+
+def test_a_result_with_nan_or_infinity_is_written_as_json_any_reader_takes(tmp_path):
+    """A variant that was not timed (median NaN) or a ratio of nothing (inf) becomes null: NaN is
+    not JSON, and `moe bench log` (pipeline.bench_tracking) refuses a file that holds it. The
+    environment records the kernel switches the process ran with, as text."""
+    import json
+    import math
+
+    from bench.common import environment, write_result
+    from pipeline.bench_tracking import load_result
+
+    payload = {
+        "environment": environment(),
+        "rows": [{"variant": "a", "median_ms": math.nan, "ratio": math.inf, "tflops": 1.5}],
+        "matmul_peak_tflops": 700.0,
+    }
+    path = write_result("nan-check", payload, tmp_path)
+    row = json.loads(path.read_text())["rows"][0]
+    assert row == {"variant": "a", "median_ms": None, "ratio": None, "tflops": 1.5}
+    load_result(path)
+
+
+def test_the_environment_names_the_kernel_switches_as_text(monkeypatch):
+    from bench.common import environment
+
+    monkeypatch.setenv("MOE_WGRAD_ORDER", "index")
+    monkeypatch.setenv("MOE_PIPELINE_KEY", "not-a-switch")
+    assert environment()["switches"] == "MOE_WGRAD_ORDER=index"
+    monkeypatch.delenv("MOE_WGRAD_ORDER")
+    assert environment()["switches"] is None
