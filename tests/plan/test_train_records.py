@@ -12,7 +12,9 @@ from moe.config import ExperimentConfig, ResolvedLayout
 from moe.plan.planner import make_plan
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench/results/train_memory"
-RUNS = sorted(p.name.removesuffix(".job.json") for p in RESULTS.glob("*.job.json"))
+# and the Qwen-like runs of bench/h200/wgrad_paired.sh and qwen_log_every.sh (optim.expert_wgrad gemm and paired)
+PAIRED = RESULTS.parent / "wgrad_paired"
+RUNS = sorted(str(p).removesuffix(".job.json") for d in (RESULTS, PAIRED) for p in d.glob("*.job.json"))
 
 
 def measured_peak_gib(metrics: Path) -> float:
@@ -31,15 +33,19 @@ def replanned_peak_gib(job: Path) -> float:
     return make_plan(cfg, "h200", world, knobs=False).peak_gib
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_the_plan_is_within_five_percent_of_the_trained_peak(name):
-    planned = replanned_peak_gib(RESULTS / f"{name}.job.json")
-    measured = measured_peak_gib(RESULTS / f"{name}.jsonl")
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: Path(r).name)
+def test_the_plan_is_within_five_percent_of_the_trained_peak(run):
+    planned = replanned_peak_gib(Path(f"{run}.job.json"))
+    measured = measured_peak_gib(Path(f"{run}.jsonl"))
+    name = Path(run).name
     assert 0.98 * measured <= planned <= 1.05 * measured, (name, planned, measured)
 
 
-def test_the_records_cover_both_recipes_at_both_widths():
-    assert RUNS == ["olmoe-bf16", "olmoe-fp8_rowwise", "paper-bf16", "paper-fp8_rowwise"]
+def test_the_records_cover_both_recipes_at_both_widths_and_both_expert_wgrads():
+    names = [Path(r).name for r in RUNS]
+    assert names[:4] == ["olmoe-bf16", "olmoe-fp8_rowwise", "paper-bf16", "paper-fp8_rowwise"]
+    wgrads = {json.loads(Path(f"{r}.job.json").read_text())["config"]["optim"]["expert_wgrad"] for r in RUNS[4:]}
+    assert wgrads == {"gemm", "paired"}
 
 
 def test_the_legacy_metric_name_is_read(tmp_path):
