@@ -8,6 +8,8 @@
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
     python -m bench.wgrad --orders             # the shipped tile with its experts in index order and
                                                # heaviest first (checked bitwise against each other)
+    python -m bench.wgrad --prefetch           # the shipped tile without and with its accumulator
+                                               # tile asked of L2 first (checked bitwise)
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -85,7 +87,7 @@ def case_counts(name: str, experts: int, rows: int, gen: torch.Generator) -> tor
     return torch.bincount(torch.randint(0, experts, (rows,), device=device, generator=gen), minlength=experts)
 
 
-def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, orders: bool = False) -> list[dict]:
+def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, switch: str | None = None) -> list[dict]:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     rows = tokens * top_k
@@ -95,44 +97,55 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, orde
         grad = torch.randn(rows, m, device=device, dtype=torch.bfloat16, generator=gen)
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
         acc = torch.zeros(experts, m, k, device=device, dtype=acc_dtype)
-        time = time_orders if orders else time_weight
-        out += time(f"{name} {weight}", grad, x, ends, acc, configs, iters)
+        if switch:
+            out += time_switch(f"{name} {weight}", grad, x, ends, acc, switch, iters)
+        else:
+            out += time_weight(f"{name} {weight}", grad, x, ends, acc, configs, iters)
         del grad, x, acc
         torch.cuda.empty_cache()
     return out
 
 
-def time_orders(label, grad, x, ends, acc, configs, iters) -> list[dict]:
-    """The shipped tile accumulating into a non-zero fp32 sum with the experts in index order
-    and heaviest first, the second result checked bitwise against the first before either is
-    timed; and the expert ranking alone. (One descriptor per operand with a masked last block of
-    rows, and the fp32 sum added by TMA's reduce, were measured here too and lost at every
-    shape: wgrad-NVIDIA-H200-20261204T174833Z.json, -T175331Z.json; removed.)"""
+# The side-by-side switches (--orders, --prefetch): (flag, [(variant, grouped_wgrad keyword)]); the
+# first variant is the reference every other is checked bitwise against before anything is timed.
+SWITCHES = {
+    "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
+    "prefetch": [("no prefetch", {"prefetch": False}), ("L2 prefetch", {"prefetch": True})],
+}
+
+
+def time_switch(label, grad, x, ends, acc, switch, iters) -> list[dict]:
+    """The shipped tile accumulating into a non-zero fp32 sum under each variant of one switch
+    (SWITCHES), every result checked bitwise against the first variant's before any is timed.
+    For orders, also the expert ranking alone. (One descriptor per operand with a masked last
+    block of rows, and the fp32 sum added by TMA's reduce, were measured here too and lost at
+    every shape: wgrad-NVIDIA-H200-20261204T174833Z.json, -T175331Z.json; removed.)"""
     from moe.kernels import grouped_wgrad as gw
 
+    variants = SWITCHES[switch]
     flops = 2 * grad.shape[0] * grad.shape[1] * x.shape[1]
     base = torch.randn(acc.shape, device=acc.device, generator=torch.Generator(device=acc.device).manual_seed(1)).to(acc.dtype)
     want = base.clone()
-    gw.grouped_wgrad(grad, x, ends, want, accumulate=True, ordered=False)
+    gw.grouped_wgrad(grad, x, ends, want, accumulate=True, **variants[0][1])
     nonempty = int(torch.nonzero(torch.diff(ends, prepend=ends.new_zeros(1))).flatten()[0])
     first = slice(int(ends[nonempty - 1]) if nonempty else 0, int(ends[nonempty]))
     ref = grad[first].float().t() @ x[first].float()
     err = ((want[nonempty].float() - base[nonempty].float() - ref).norm() / ref.norm()).item()
     out = []
-    for ordered in (False, True):
+    for variant, kwargs in variants:
         got = base.clone()
-        gw.grouped_wgrad(grad, x, ends, got, accumulate=True, ordered=ordered)
+        gw.grouped_wgrad(grad, x, ends, got, accumulate=True, **kwargs)
         same = torch.equal(got, want)
         del got
-        variant = "heaviest first" if ordered else "index order"
         row = {"case": label, "variant": variant, "accumulator": str(acc.dtype).removeprefix("torch."), "rel_err": err, "bitwise": same}
         if not same:
-            out.append(row | {"median_ms": float("nan"), "tflops": float("nan"), "error": "differs from index order"})
+            out.append(row | {"median_ms": float("nan"), "tflops": float("nan"), "error": f"differs from {variants[0][0]}"})
             continue
-        ms = time_cuda(lambda ordered=ordered: gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, ordered=ordered), iters=iters)["median_ms"]
+        ms = time_cuda(lambda kwargs=kwargs: gw.grouped_wgrad(grad, x, ends, acc, accumulate=True, **kwargs), iters=iters)["median_ms"]
         out.append(row | {"median_ms": ms, "tflops": flops / ms / 1e9})
-    ms = time_cuda(lambda: gw.expert_order(ends), iters=iters)["median_ms"]
-    out.append({"case": label, "variant": "expert_order alone", "accumulator": "-", "median_ms": ms, "tflops": None, "rel_err": None})
+    if switch == "orders":
+        ms = time_cuda(lambda: gw.expert_order(ends), iters=iters)["median_ms"]
+        out.append({"case": label, "variant": "expert_order alone", "accumulator": "-", "median_ms": ms, "tflops": None, "rel_err": None})
     return out
 
 
@@ -301,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--orders", action="store_true", help="the shipped tile with its experts in index order and heaviest first")
+    p.add_argument("--prefetch", action="store_true", help="the shipped tile with and without the accumulator tile asked of L2 first")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)
@@ -316,17 +330,22 @@ def run(args: argparse.Namespace) -> list[dict]:
             rows += run_fp8_case(*case, FP8_CONFIGS if args.configs == "all" else [gw.FP8_CUDA_CONFIG], args.iters)
     else:
         for case in [c for c in CASES if args.case is None or c[0] in args.case]:
-            rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters, args.orders)
-    reference = ("grouped_mm + add_ (reference)", "bf16 fused (default)", "index order")
+            rows += run_case(*case, CONFIGS if args.configs == "all" else [gw.CUDA_CONFIG], args.iters, switch(args))
+    reference = ("grouped_mm + add_ (reference)", "bf16 fused (default)") + tuple(v[0][0] for v in SWITCHES.values())
     for r in rows:
         ref = next(x for x in rows if x["case"] == r["case"] and x["variant"] in reference)
         r["reference_over_this"] = ref["median_ms"] / r["median_ms"] if r["median_ms"] == r["median_ms"] else None
     return rows
 
 
+def switch(args: argparse.Namespace) -> str | None:
+    """The side-by-side switch asked for (SWITCHES), if any."""
+    return next((name for name in SWITCHES if getattr(args, name)), None)
+
+
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     columns = ["case", "variant", "accumulator", "median_ms", "tflops", "reference_over_this", "rel_err"]
-    print_table(rows, columns + (["rel_err_vs_bf16_rows"] if args.fp8 else []) + (["bitwise"] if args.orders else []))
+    print_table(rows, columns + (["rel_err_vs_bf16_rows"] if args.fp8 else []) + (["bitwise"] if switch(args) else []))
     if not args.no_save:
         payload = {
             "environment": environment(),
@@ -335,7 +354,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
                 "iters": args.iters,
                 "cases": [c[:6] for c in (FP8_CASES if args.fp8 else CASES)],
                 "flops": "2*R*M*K",
-                "reference": "bf16 fused (default)" if args.fp8 else ("index order" if args.orders else "grouped_mm + add_"),
+                "reference": "bf16 fused (default)" if args.fp8 else (SWITCHES[switch(args)][0][0] if switch(args) else "grouped_mm + add_"),
             },
             "matmul_peak_tflops": matmul_peak_tflops(),
             "rows": rows,
