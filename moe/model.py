@@ -28,8 +28,12 @@ class Block(nn.Module):
         self.mlp: nn.Module = MoELayer(cfg.d_model, cfg.moe, expert_gemm) if cfg.is_moe_layer(index) else SwiGLU(cfg.d_model, cfg.dense_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        # x + attn(attn_norm(x)), then h + mlp(mlp_norm(h)); each norm hands back the residual so
+        # that its backward adds the residual's gradient in its own pass (RMSNorm.with_residual)
+        x, normed = self.attn_norm.with_residual(x)
+        x = x + self.attn(normed)
+        x, normed = self.mlp_norm.with_residual(x)
+        return x + self.mlp(normed)
 
 
 def run_stack(m: nn.Module, x: torch.Tensor, head: bool = True) -> torch.Tensor:

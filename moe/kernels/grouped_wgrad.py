@@ -60,19 +60,6 @@ if HAVE_TRITON:
             out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
 
     @triton.jit
-    def _prefetch_tile(out, g, m0, n0, M, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Ask L2 for out[g, m0:, n0:] (one request per 128-byte line, kept as evict-last) before
-        the main loop, so that the epilogue's read of the accumulator after it hits L2 instead of
-        waiting on DRAM while the tensor cores idle: the DRAM read moves under the main loop."""
-        LINE: tl.constexpr = 1024 // out.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-        rows = tl.minimum(m0 + tl.arange(0, BLOCK_M), M - 1).to(tl.int64)
-        cols = tl.minimum(n0 + tl.arange(0, BLOCK_N // LINE) * LINE, K - 1)
-        lines = out + g.to(tl.int64) * M * K + rows[:, None] * K + cols[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32, is_pure=False, pack=1
-        )
-
-    @triton.jit
     def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
         """Rows of groups ``idx`` (0 past G): over ``ends``, plus ``ends2``'s when PAIRED."""
         live = idx < G
@@ -133,7 +120,6 @@ if HAVE_TRITON:
         SPLIT_EPILOGUE: tl.constexpr,
         ORDERED: tl.constexpr,
         PAIRED: tl.constexpr,
-        PREFETCH: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -157,8 +143,6 @@ if HAVE_TRITON:
             g = tl.load(order + slot) if ORDERED else slot
             rows = _group_rows(ends, ends2, g, G, PAIRED)
             if rows > 0 or not ACCUMULATE:  # adding an empty expert's zeros would change nothing
-                if ACCUMULATE and PREFETCH:
-                    _prefetch_tile(out, g, m0, n0, M, K, BLOCK_M, BLOCK_N)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc = _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
                 if PAIRED:
@@ -229,9 +213,6 @@ INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 # The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
 # MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
-# The accumulator tile asked of L2 before the main loop (bench/wgrad.py --prefetch);
-# MOE_WGRAD_PREFETCH=0 turns it off for a side-by-side. (Not under the interpreter: inline PTX.)
-PREFETCH_TILES = os.environ.get("MOE_WGRAD_PREFETCH", "1") != "0"
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -280,7 +261,6 @@ def grouped_wgrad(
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    prefetch: bool | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -289,8 +269,7 @@ def grouped_wgrad(
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
-    two micro-batches). ``prefetch``: the accumulator tile asked of L2 before the main loop, instead
-    of PREFETCH_TILES."""
+    two micro-batches)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -308,7 +287,6 @@ def grouped_wgrad(
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
-    prefetch = (PREFETCH_TILES if prefetch is None else prefetch) and not interpreted
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -328,7 +306,6 @@ def grouped_wgrad(
         SPLIT_EPILOGUE=split,
         ORDERED=ordered,
         PAIRED=pair is not None,
-        PREFETCH=prefetch,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

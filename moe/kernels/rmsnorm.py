@@ -58,7 +58,21 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rmsnorm_bwd(
-        dy, x, w, rstd, dx, dw, M, D, rows_per_program, HAS_DW: tl.constexpr, ROUND_N: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+        dy,
+        x,
+        w,
+        rstd,
+        dx,
+        dw,
+        res,
+        M,
+        D,
+        rows_per_program,
+        HAS_DW: tl.constexpr,
+        ROUND_N: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -83,7 +97,10 @@ if HAVE_TRITON:
                     acc += tl.sum(g * nh, axis=0)
             dn = g * wv[None, :]
             c = tl.sum(dn * nh, axis=1) / D
-            tl.store(dx + offs, (r[:, None] * (dn - nh * c[:, None])).to(dx.dtype.element_ty), mask=mask)
+            grad_x = r[:, None] * (dn - nh * c[:, None])
+            if HAS_RES:  # the gradient x also gets through the residual stream, added here
+                grad_x += tl.load(res + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx + offs, grad_x.to(dx.dtype.element_ty), mask=mask)
         if HAS_DW:
             tl.store(dw + pid.to(tl.int64) * D + cols, acc, mask=cmask)
 
@@ -124,8 +141,10 @@ def rms_norm_backward(
     warps: int | None = None,
     stages: int | None = None,
     round_normalised: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x.
+    """(dx in x's dtype, dweight in weight's dtype or None) for 2-D contiguous grad and x;
+    ``residual`` (x's shape): a gradient x gets through another use, added to dx in the pass.
     ``programs``, ``rows`` per iteration, ``warps``, ``stages``: the launch (bench.norm_tiles).
     ``round_normalised``: the forward rounded the normalised rows before the weight (ours, OLMoE's
     order), else it rounded once (torch's fused forward)."""
@@ -139,7 +158,25 @@ def rms_norm_backward(
     block = triton.next_power_of_2(d)
     rows = rows or _rows(block)
     launch = {"num_warps": warps or _warps(rows * block), **({"num_stages": stages} if stages else {})}
-    _rmsnorm_bwd[(n_prog,)](grad, x, weight, rstd, dx, partial, m, d, per, HAS_DW=need_dw, ROUND_N=round_normalised, ROWS=rows, BLOCK=block, **launch)
+    res = residual.contiguous() if residual is not None else x
+    _rmsnorm_bwd[(n_prog,)](
+        grad,
+        x,
+        weight,
+        rstd,
+        dx,
+        partial,
+        res,
+        m,
+        d,
+        per,
+        HAS_DW=need_dw,
+        ROUND_N=round_normalised,
+        HAS_RES=residual is not None,
+        ROWS=rows,
+        BLOCK=block,
+        **launch,
+    )
     return dx, partial.sum(0).to(weight.dtype) if need_dw else None
 
 
@@ -175,6 +212,53 @@ class _RMSNorm(torch.autograd.Function):
         launch = {"round_normalised": False, **TORCH_FORWARD_BACKWARD_LAUNCH} if ctx.torch_forward else {}
         dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], **launch)
         return dx.view(ctx.shape), dw, None, None
+
+
+class _ResidualRMSNorm(torch.autograd.Function):
+    """(x, norm(x)) for a norm whose input also goes on in the residual stream (a pre-norm
+    block's ``x + f(norm(x))``): x comes back as an output of this Function, so its backward gets
+    both gradients, the residual's and the norm's, and adds them in the norm's backward pass
+    (autograd would otherwise sum the two uses of x in an add kernel of its own: read two, write
+    one, per norm). Forward: torch's fused norm, as :func:`rms_norm`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        weight = weight.contiguous()
+        if x2.is_cuda:
+            y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
+            rstd = rstd.reshape(-1)
+        else:  # the interpreter (tests): our forward
+            y, rstd = rms_norm_forward(x2, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        return x.view_as(x), y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_residual: torch.Tensor | None, grad: torch.Tensor | None):
+        x2, weight, rstd = ctx.saved_tensors
+        if grad is None:  # the normalised rows were not used
+            return grad_residual, None, None
+        grad = grad.reshape(x2.shape).contiguous()
+        residual = grad_residual.reshape(x2.shape) if grad_residual is not None else None
+        launch = {"round_normalised": not x2.is_cuda, **(TORCH_FORWARD_BACKWARD_LAUNCH if x2.is_cuda else {})}
+        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], residual=residual, **launch)
+        return dx.view(ctx.shape), dw, None
+
+
+# MOE_RESIDUAL_NORM=0: the residual's gradient summed by autograd instead (side-by-side benchmarks).
+RESIDUAL_IN_BACKWARD = os.environ.get("MOE_RESIDUAL_NORM", "1") != "0"
+
+
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, rms_norm(x)) for a caller that adds into x's residual stream: use the first output
+    as the residual. On CUDA with x and weight of one dtype (where :func:`rms_norm` runs our
+    backward), one backward pass adds the residual's gradient to the norm's; elsewhere x itself
+    and :func:`rms_norm`."""
+    if RESIDUAL_IN_BACKWARD and TRITON_BACKWARD and x.dtype == weight.dtype and fusable(x, weight):
+        return _ResidualRMSNorm.apply(x, weight, eps)
+    return x, rms_norm(x, weight, eps)
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:

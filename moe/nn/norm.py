@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.kernels.rmsnorm import rms_norm
+from moe.kernels.rmsnorm import rms_norm, rms_norm_with_residual
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x for the residual stream, the normalised x): the same values as (x, self(x)), with
+        both gradients of x summed in the norm's backward pass where the fused path runs."""
+        return rms_norm_with_residual(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -189,6 +189,36 @@ def check_torch_forward_triton_backward():
         torch.testing.assert_close(wr.grad.double(), w64.grad, rtol=2.0**-7, atol=2.0**-7 * w64.grad.abs().max().item())
 
 
+def check_residual() -> None:
+    """rms_norm_with_residual: (x, the norm) whose backward adds the residual stream's gradient
+    to the norm's in one pass; both gradients against the eager norm plus autograd's sum, and
+    with only one of the two outputs used."""
+    for shape in ((7, 40), (2, 5, 96)):
+        x, w, g = inputs(shape, torch.float32, seed=5)
+        f = torch.randn(shape[-1], shape[-1], generator=torch.Generator().manual_seed(6)) / shape[-1] ** 0.5
+        grads = []
+        for fn in (rmsnorm.rms_norm_with_residual, lambda x, w, eps: (x, rms_norm_reference(x, w, eps))):
+            xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            h, y = fn(xr, wr, EPS)
+            assert torch.equal(h, x)
+            ((h + y @ f) * g).sum().backward()
+            grads.append((y.detach(), xr.grad, wr.grad))
+        for got, ref, name in zip(grads[0], grads[1], ("y", "dx", "dweight"), strict=True):
+            assert rel(got, ref) < 1e-5, (shape, name, rel(got, ref))
+        xr = x.clone().requires_grad_(True)
+        h, _ = rmsnorm.rms_norm_with_residual(xr, w, EPS)
+        (h * g).sum().backward()
+        assert torch.equal(xr.grad, g), "only the residual used: its gradient passes unchanged"
+        _, ref_dx, _ = run(rms_norm_reference, x, w, g)
+        xr = x.clone().requires_grad_(True)
+        _, y = rmsnorm.rms_norm_with_residual(xr, w, EPS)
+        y.backward(g)
+        assert rel(xr.grad, ref_dx) < 1e-5, "only the norm used"
+    x, w, _ = inputs((3, 40), torch.float32)
+    h, _ = rmsnorm.rms_norm_with_residual(x.requires_grad_(True), w, EPS)
+    assert "ResidualRMSNorm" in type(h.grad_fn).__name__, "the fused path ran"
+
+
 def main() -> int:
     torch.manual_seed(0)
     check_fp32()
@@ -200,6 +230,7 @@ def main() -> int:
     check_module()
     check_recompute()
     check_torch_forward_triton_backward()
+    check_residual()
     print("rmsnorm kernels ok")
     return 0
 

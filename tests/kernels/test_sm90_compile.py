@@ -50,6 +50,35 @@ def test_combine_weight_gradient_kernel_compiles_for_sm90():
     assert stats["spill_stack_bytes"] == 0, stats
 
 
+def test_row_gather_kernel_compiles_for_sm90_with_vector_loads():
+    from moe.kernels import routing
+
+    stats = compile_for_sm90(
+        routing._gather_rows_kernel,
+        {"src": "*bf16", "row_index": "*i64", "out": "*bf16", "R": "i32", "D": "i32"},
+        {"BLOCK_R": routing.GATHER_ROWS, "BLOCK_D": routing.GATHER_COLS},
+        num_warps=4,
+        return_ptx=True,
+    )
+    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+    assert "ld.global.v4" in stats["ptx"] and "st.global.v4" in stats["ptx"], "16-byte loads and stores"
+
+
+def test_norm_backward_with_the_residual_gradient_compiles_for_sm90_without_spills():
+    from moe.kernels import rmsnorm
+
+    launch = rmsnorm.TORCH_FORWARD_BACKWARD_LAUNCH
+    types = {"dy": "*bf16", "x": "*bf16", "w": "*bf16", "rstd": "*fp32", "dx": "*bf16", "dw": "*fp32", "res": "*bf16"}
+    stats = compile_for_sm90(
+        rmsnorm._rmsnorm_bwd,
+        types | {"M": "i32", "D": "i32", "rows_per_program": "i32"},
+        {"HAS_DW": True, "ROUND_N": False, "HAS_RES": True, "ROWS": launch["rows"], "BLOCK": 2048},
+        num_warps=launch["warps"],
+        num_stages=launch["stages"],
+    )
+    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+
+
 def test_single_group_column_quantiser_compiles_for_sm90_without_spills():
     stats = compile_for_sm90(
         fp8._quant_cols_kernel,
