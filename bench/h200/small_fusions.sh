@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# Small levers of the step, side by side on one H200 (MOE_GIT_COMMIT=$(git rev-parse HEAD)): the forward
-# row gather in Triton (MOE_GATHER_ROWS=torch: index_select), the residual's gradient added in the norm's
-# backward pass (MOE_RESIDUAL_NORM=0: autograd's add), the gradient norm in one multi-tensor launch (no
-# switch: against the earlier calls), and the wgrad kernel's left half of each old sum loaded before its
-# main loop (MOE_WGRAD_PRELOAD=1, off by default). bench.gather and bench.wgrad --preload first (outputs
-# checked bitwise), then bench.model at OLMoE width (8 layers, micro 4 x accum 4) under each switch,
-# the Qwen-like `moe train` run, and one profiled OLMoE-width step.
+# Small levers of the step, side by side on one H200 (MOE_GIT_COMMIT=$(git rev-parse HEAD)), each opt-in
+# until measured: the forward row gather in Triton (MOE_GATHER_ROWS=triton; default index_select), the
+# residual's gradient added in the norm's backward pass (MOE_RESIDUAL_NORM=1; default autograd's add), and
+# the wgrad kernel's left half of each old sum loaded before its main loop (MOE_WGRAD_PRELOAD=1); the
+# gradient norm in one multi-tensor launch is the default (against the earlier calls). bench.gather and
+# bench.wgrad --preload first (outputs checked bitwise), then bench.model at OLMoE width (8 layers, micro
+# 4 x accum 4) under each switch, the Qwen-like `moe train` run, and one profiled OLMoE-width step.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 step=(--layers 8 --micro 4 --accum 4 --warmup 2 --steps 8)
+on=(MOE_GATHER_ROWS=triton MOE_RESIDUAL_NORM=1)
 run python3 -m bench.gather
 run python3 -m bench.wgrad --preload --case olmoe --case qwen-like --case qwen-like-collapsed
-run python3 -m bench.model "${step[@]}"
-run env MOE_WGRAD_PRELOAD=1 python3 -m bench.model "${step[@]}"
-run env MOE_GATHER_ROWS=torch python3 -m bench.model "${step[@]}"
-run env MOE_RESIDUAL_NORM=0 python3 -m bench.model "${step[@]}"
-run env MOE_GATHER_ROWS=torch MOE_RESIDUAL_NORM=0 python3 -m bench.model "${step[@]}"
-run python3 -m bench.model "${step[@]}"
-run env MOE_WGRAD_PRELOAD=1 python3 -m bench.model "${step[@]}"
-run env MOE_GATHER_ROWS=torch MOE_RESIDUAL_NORM=0 python3 -m bench.model "${step[@]}"
+for i in 1 2; do
+  run python3 -m bench.model "${step[@]}"
+  run env "${on[@]}" python3 -m bench.model "${step[@]}"
+  run env MOE_GATHER_ROWS=triton python3 -m bench.model "${step[@]}"
+  run env MOE_RESIDUAL_NORM=1 python3 -m bench.model "${step[@]}"
+  run env MOE_WGRAD_PRELOAD=1 python3 -m bench.model "${step[@]}"
+done
 tokens_8k
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
-qwen_like_train qwen-like-small-fusions
-MOE_WGRAD_PRELOAD=1 qwen_like_train qwen-like-small-fusions-preload
-MOE_GATHER_ROWS=torch MOE_RESIDUAL_NORM=0 qwen_like_train qwen-like-small-fusions-off
-run python3 -m bench.model "${step[@]}" --profile 30 --no-save
+qwen_like_train qwen-like-small-fusions-off
+export "${on[@]}" && qwen_like_train qwen-like-small-fusions-on && unset MOE_GATHER_ROWS MOE_RESIDUAL_NORM
+MOE_WGRAD_PRELOAD=1 qwen_like_train qwen-like-wgrad-preload
+run env "${on[@]}" python3 -m bench.model "${step[@]}" --profile 30 --no-save
 exit $status

@@ -94,8 +94,9 @@ def _block(d: int) -> int:
 
 # Output rows per program of the row gather and its column block (at most): 16 KiB of bf16 per program.
 GATHER_ROWS, GATHER_COLS = 8, 1024
-# MOE_GATHER_ROWS=torch: torch's index_select for the forward gather instead (side-by-side benchmarks).
-GATHER_WITH_TRITON = os.environ.get("MOE_GATHER_ROWS", "triton") != "torch"
+# MOE_GATHER_ROWS=triton: the forward gather in our Triton pass; off by default until it is measured
+# on the H200 (bench/h200/small_fusions.sh), torch's index_select otherwise.
+GATHER_WITH_TRITON = os.environ.get("MOE_GATHER_ROWS", "torch") == "triton"
 
 
 def gather_rows_copy(src: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:

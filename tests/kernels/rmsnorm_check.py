@@ -192,7 +192,8 @@ def check_torch_forward_triton_backward():
 def check_residual() -> None:
     """rms_norm_with_residual: (x, the norm) whose backward adds the residual stream's gradient
     to the norm's in one pass; both gradients against the eager norm plus autograd's sum, and
-    with only one of the two outputs used."""
+    with only one of the two outputs used (the opt-in path, MOE_RESIDUAL_NORM=1)."""
+    rmsnorm.RESIDUAL_IN_BACKWARD = True
     for shape in ((7, 40), (2, 5, 96)):
         x, w, g = inputs(shape, torch.float32, seed=5)
         f = torch.randn(shape[-1], shape[-1], generator=torch.Generator().manual_seed(6)) / shape[-1] ** 0.5
