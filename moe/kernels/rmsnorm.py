@@ -185,6 +185,19 @@ def rms_norm_backward(
 TORCH_FORWARD_BACKWARD_LAUNCH = {"programs": 1056, "rows": 4, "warps": 8, "stages": 3}
 
 
+def _forward_rows(x2: torch.Tensor, weight: torch.Tensor, eps: float, torch_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd [M]) of 2-D x: torch's fused forward (one rounding) or ours (OLMoE's order)."""
+    if torch_forward:
+        y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
+        return y, rstd.reshape(-1)
+    return rms_norm_forward(x2, weight, eps)
+
+
+def _backward_launch(torch_forward: bool) -> dict:
+    """The backward's keywords for the forward that ran (its rounding, and the launch chosen for it)."""
+    return {"round_normalised": False, **TORCH_FORWARD_BACKWARD_LAUNCH} if torch_forward else {}
+
+
 class _RMSNorm(torch.autograd.Function):
     """Our Triton backward under our Triton forward (OLMoE's rounding order), or, with
     ``torch_forward``, under torch's fused forward (``aten._fused_rms_norm``: 51 us at [16384,
@@ -193,13 +206,8 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, torch_forward: bool = False) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        weight = weight.contiguous()
-        if torch_forward:
-            y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
-            rstd = rstd.reshape(-1)
-        else:
-            y, rstd = rms_norm_forward(x2, weight, eps)
+        x2, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
+        y, rstd = _forward_rows(x2, weight, eps, torch_forward)
         ctx.save_for_backward(x2, weight, rstd)  # x is the caller's tensor: no new activation but rstd
         ctx.shape, ctx.torch_forward = x.shape, torch_forward
         return y.view(x.shape)
@@ -209,8 +217,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         grad = grad.reshape(x2.shape).contiguous()
-        launch = {"round_normalised": False, **TORCH_FORWARD_BACKWARD_LAUNCH} if ctx.torch_forward else {}
-        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], **launch)
+        dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], **_backward_launch(ctx.torch_forward))
         return dx.view(ctx.shape), dw, None, None
 
 
@@ -223,13 +230,8 @@ class _ResidualRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        weight = weight.contiguous()
-        if x2.is_cuda:
-            y, rstd = torch.ops.aten._fused_rms_norm(x2, [x2.shape[-1]], weight, eps)
-            rstd = rstd.reshape(-1)
-        else:  # the interpreter (tests): our forward
-            y, rstd = rms_norm_forward(x2, weight, eps)
+        x2, weight = x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous()
+        y, rstd = _forward_rows(x2, weight, eps, x2.is_cuda)  # our forward under the interpreter (tests)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return x.view_as(x), y.view(x.shape)
@@ -242,7 +244,7 @@ class _ResidualRMSNorm(torch.autograd.Function):
             return grad_residual, None, None
         grad = grad.reshape(x2.shape).contiguous()
         residual = grad_residual.reshape(x2.shape) if grad_residual is not None else None
-        launch = {"round_normalised": not x2.is_cuda, **(TORCH_FORWARD_BACKWARD_LAUNCH if x2.is_cuda else {})}
+        launch = _backward_launch(x2.is_cuda)
         dx, dw = rms_norm_backward(grad, x2, weight, rstd, need_dw=ctx.needs_input_grad[1], residual=residual, **launch)
         return dx.view(ctx.shape), dw, None
 
