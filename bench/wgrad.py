@@ -29,6 +29,7 @@ import sys
 import torch
 
 from bench.common import environment, matmul_peak_tflops, print_table, save_result, time_cuda
+from moe.kernels import grouped_wgrad_overlap as overlap
 
 # name, d, h, experts, top_k, tokens per micro-batch, accumulator dtype
 CASES = [
@@ -115,7 +116,8 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
 SWITCHES = {
     "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
     "preload": [("TMA epilogue", {"preload": False}), ("left half preloaded", {"preload": True})],
-    "overlap": [("Triton kernel", {"kernel": "triton"}), ("Gluon, old sum under the main loop", {"kernel": "overlap"})],
+    "overlap": [("Triton kernel", {"kernel": "triton"})]
+    + [(f"Gluon, old sum under the main loop: {name}", {"kernel": "overlap", "overlap_config": cfg}) for name, cfg in overlap.CONFIGS.items()],
 }
 
 

@@ -36,9 +36,13 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps): a 128 x 128 fp32 tile (64 KiB of shared memory for
-# the old sum) beside four 32 KiB operand stages fits an sm90 block's 227 KiB.
-CONFIG = (128, 128, 64, 4, 8)
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SUM_BUFFERS, SUM_AT, warps). A 128 x 128 fp32 tile's old sum
+# takes 64 KiB of shared memory; an sm90 block has 227 KiB: four 32 KiB operand stages beside one
+# sum buffer, or three beside two. With one buffer the old sum is asked for at main-loop step
+# SUM_AT (the previous tile's store must have left the buffer first; later steps leave it time);
+# with two, at step 0, only the store before the previous one waited for.
+CONFIG = (128, 128, 64, 3, 2, 0, 8)
+CONFIGS = {"one sum buffer, 4 stages": (128, 128, 64, 4, 1, 2, 8), "two sum buffers, 3 stages": CONFIG}
 # MOE_WGRAD_KERNEL=overlap routes the unpaired bf16 wgrad here (opt-in until measured on the H200).
 USE_OVERLAP = os.environ.get("MOE_WGRAD_KERNEL", "triton") == "overlap"
 
@@ -95,6 +99,8 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
+        SUM_BUFFERS: gl.constexpr,
+        SUM_AT: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R,
@@ -112,7 +118,7 @@ if HAVE_GLUON:
 
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        c_buf = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], c_layout)
+        c_bufs = gl.allocate_shared_memory(out_dtype, [SUM_BUFFERS, BLOCK_M, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
@@ -136,6 +142,7 @@ if HAVE_GLUON:
         produced = 0
         consumed = 0
         sum_phase = 0
+        stored = 0  # TMA stores issued: the next one goes from sum buffer stored % SUM_BUFFERS
         for _j in gl.static_range(STAGES - 1):
             p_tile, p_row, p_m0, p_n0, p_rows, g_desc, x_desc, produced = _produce(
                 grad,
@@ -178,12 +185,12 @@ if HAVE_GLUON:
                 s = consumed % STAGES
                 mbarrier.wait(ready.index(s), (consumed // STAGES) & 1)
                 acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-                if ACCUMULATE and r0 == 0:
-                    # the old sum into shared memory while the tensor cores work (the previous
-                    # tile's TMA store must have read the buffer first)
-                    tma.store_wait(pendings=0)
+                if ACCUMULATE and r0 == gl.minimum(SUM_AT * BLOCK_K, (rows - 1) // BLOCK_K * BLOCK_K):
+                    # the old sum into shared memory while the tensor cores work, once the last
+                    # TMA store from this buffer has read it
+                    tma.store_wait(pendings=SUM_BUFFERS - 1)
                     mbarrier.expect(summed, BLOCK_M * BLOCK_N * out_dtype.primitive_bitwidth // 8)
-                    tma.async_copy_global_to_shared(out_desc, [g * M + m0, n0], summed, c_buf)
+                    tma.async_copy_global_to_shared(out_desc, [g * M + m0, n0], summed, c_bufs.index(stored % SUM_BUFFERS))
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 consumed += 1
                 p_tile, p_row, p_m0, p_n0, p_rows, g_desc, x_desc, produced = _produce(
@@ -224,11 +231,13 @@ if HAVE_GLUON:
                 if rows > 0:  # adding an empty expert's zeros would change nothing
                     mbarrier.wait(summed, sum_phase)
                     sum_phase ^= 1
-                    acc += c_buf.load(acc_layout).to(gl.float32)
-                    _store_tile(out_desc, c_buf, acc, g * M + m0, n0)
+                    acc += c_bufs.index(stored % SUM_BUFFERS).load(acc_layout).to(gl.float32)
+                    _store_tile(out_desc, c_bufs.index(stored % SUM_BUFFERS), acc, g * M + m0, n0)
+                    stored += 1
             else:
-                tma.store_wait(pendings=0)
-                _store_tile(out_desc, c_buf, acc, g * M + m0, n0)
+                tma.store_wait(pendings=SUM_BUFFERS - 1)
+                _store_tile(out_desc, c_bufs.index(stored % SUM_BUFFERS), acc, g * M + m0, n0)
+                stored += 1
         tma.store_wait(pendings=0)
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
@@ -335,7 +344,7 @@ def grouped_wgrad_overlap(
     groups, m, k = out.shape
     if not (groups and m and k):
         return
-    block_m, block_n, block_k, stages, warps = config or CONFIG
+    block_m, block_n, block_k, stages, sum_buffers, sum_at, warps = config or CONFIG
     tiles = groups * (m // block_m) * triton.cdiv(k, block_n)
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
@@ -355,5 +364,7 @@ def grouped_wgrad_overlap(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages,
+        SUM_BUFFERS=sum_buffers,
+        SUM_AT=sum_at,
         num_warps=warps,
     )

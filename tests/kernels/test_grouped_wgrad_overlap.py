@@ -17,16 +17,27 @@ needs_gluon = pytest.mark.skipif(not overlap.HAVE_GLUON, reason="this Triton has
 
 
 @needs_gluon
+@pytest.mark.parametrize("config", list(overlap.CONFIGS))
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_the_overlap_kernel_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(accumulator, accumulate):
+def test_the_overlap_kernel_compiles_for_sm90_with_wgmma_no_spills_and_fits_shared_memory(config, accumulator, accumulate):
     from tests.kernels.sm90 import compile_for_sm90
 
-    block_m, block_n, block_k, stages, warps = overlap.CONFIG
+    block_m, block_n, block_k, stages, sum_buffers, sum_at, warps = overlap.CONFIGS[config]
     stats = compile_for_sm90(
         overlap._grouped_wgrad_overlap_kernel,
         {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
-        {"ACCUMULATE": accumulate, "ORDERED": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages, "num_warps": warps},
+        {
+            "ACCUMULATE": accumulate,
+            "ORDERED": True,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "STAGES": stages,
+            "SUM_BUFFERS": sum_buffers,
+            "SUM_AT": sum_at,
+            "num_warps": warps,
+        },
         num_warps=warps,
         return_ptx=True,
     )
