@@ -25,7 +25,6 @@ import os
 
 import torch
 
-from moe.kernels import grouped_wgrad_overlap as overlap
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:
@@ -291,8 +290,6 @@ def grouped_wgrad(
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     preload: bool | None = None,
-    kernel: str | None = None,
-    overlap_config: tuple[int, ...] | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -302,10 +299,7 @@ def grouped_wgrad(
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
     two micro-batches). ``preload``: the left half of each tile's old sum loaded before its main
-    loop, instead of PRELOAD_HALF (accumulating with a split epilogue only). ``kernel``: "overlap"
-    for the Gluon kernel whose accumulator read runs under its main loop (moe.kernels.
-    grouped_wgrad_overlap, where it applies) or "triton", instead of MOE_WGRAD_KERNEL;
-    ``overlap_config``: that kernel's tile config instead of its shipped one (benchmarks)."""
+    loop, instead of PRELOAD_HALF (accumulating with a split epilogue only)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -319,15 +313,10 @@ def grouped_wgrad(
     if not (groups and m and k):
         return
     ends = ends.to(torch.int32)
-    ordered = ORDERED_TILES if ordered is None else ordered
-    use_overlap = overlap.USE_OVERLAP if kernel is None else kernel == "overlap"
-    if use_overlap and config is None and overlap.supports(grad, x, out, paired=pair is not None):
-        order = expert_order(ends) if ordered else None
-        overlap.grouped_wgrad_overlap(grad, x, ends, order, out, accumulate=accumulate, config=overlap_config)
-        return
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
+    ordered = ORDERED_TILES if ordered is None else ordered
     preload = (PRELOAD_HALF if preload is None else preload) and accumulate and split
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)

@@ -28,11 +28,8 @@ def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict[str, object
         else:
             raise KeyError(f"{kernel.__name__}: no type or constexpr for argument {name!r}")
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if signature[name] != "constexpr" and name != "G"}
-    source = ASTSource
-    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels (explicit layouts) have their own front end
-        from triton.experimental.gluon._runtime import GluonASTSource as source
     compiled = triton.compile(
-        source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options
     )
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
