@@ -8,8 +8,6 @@
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
     python -m bench.wgrad --orders             # the shipped tile with its experts in index order and
                                                # heaviest first (checked bitwise against each other)
-    python -m bench.wgrad --preload            # the shipped tile with and without the left half of
-                                               # each tile's old sum loaded before its main loop
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -106,7 +104,7 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
     return out
 
 
-# The side-by-side switches (--orders, --preload): (flag, [(variant, grouped_wgrad keyword)]); the first variant
+# The side-by-side switches (--orders): (flag, [(variant, grouped_wgrad keyword)]); the first variant
 # is the reference every other is checked bitwise against before anything is timed. (The accumulator
 # tile asked of L2 before the main loop, PTX prefetch.global.L2::evict_last, was measured this way and
 # lost: 0.91-0.93x on random routing, tied in the step; bench/results/wgrad_prefetch/; removed. A Gluon
@@ -114,7 +112,6 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
 # bitwise equal and 0.90-0.92x at best: bench/results/wgrad_overlap/, `git show 28eab87`; removed.)
 SWITCHES = {
     "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
-    "preload": [("TMA epilogue", {"preload": False}), ("left half preloaded", {"preload": True})],
 }
 
 
@@ -318,7 +315,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--orders", action="store_true", help="the shipped tile with its experts in index order and heaviest first")
-    p.add_argument("--preload", action="store_true", help="the shipped tile with and without the left half of its old sum loaded first")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)

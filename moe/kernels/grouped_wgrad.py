@@ -39,30 +39,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_tile(
-        out,
-        out_desc,
-        acc,
-        g,
-        m0,
-        n0,
-        early,
-        ACCUMULATE: tl.constexpr,
-        SPLIT_EPILOGUE: tl.constexpr,
-        PRELOAD: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        out, out_desc, acc, g, m0, n0, ACCUMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     ):
         """out[g, m0:, n0:] (+)= acc through the [G, M, K] accumulator's descriptor (boxes of one
         expert's rows: a tile past M or K is clipped), in two column halves when SPLIT_EPILOGUE
-        (the staging buffer of a wide fp32 tile then fits in shared memory); with PRELOAD the left
-        half's old sum is ``early`` (loaded before the main loop, :func:`_preload_half`)."""
+        (the staging buffer of a wide fp32 tile then fits in shared memory)."""
         HALF: tl.constexpr = BLOCK_N // 2
         dtype = out.dtype.element_ty
         if SPLIT_EPILOGUE:
             left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
-            if ACCUMULATE and PRELOAD:
-                left += early.to(tl.float32)
-            elif ACCUMULATE:
+            if ACCUMULATE:
                 left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
             out_desc.store([g, m0, n0], left.to(dtype).reshape(1, BLOCK_M, HALF))
             if ACCUMULATE:
@@ -72,15 +58,6 @@ if HAVE_TRITON:
             if ACCUMULATE:
                 acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
             out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
-
-    @triton.jit
-    def _preload_half(out, g, m0, n0, M, K, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
-        """The left column half of out[g, m0:, n0:] by plain loads, issued before the main loop:
-        registers wait on them only where the epilogue adds, so the read runs under the GEMM."""
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, HALF)
-        where = out + g.to(tl.int64) * M * K + rows[:, None].to(tl.int64) * K + cols[None, :]
-        return tl.load(where, mask=(rows < M)[:, None] & (cols < K)[None, :], other=0.0)
 
     @triton.jit
     def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
@@ -143,7 +120,6 @@ if HAVE_TRITON:
         SPLIT_EPILOGUE: tl.constexpr,
         ORDERED: tl.constexpr,
         PAIRED: tl.constexpr,
-        PRELOAD: tl.constexpr,
         IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -167,12 +143,11 @@ if HAVE_TRITON:
             g = tl.load(order + slot) if ORDERED else slot
             rows = _group_rows(ends, ends2, g, G, PAIRED)
             if rows > 0 or not ACCUMULATE:  # adding an empty expert's zeros would change nothing
-                early = _preload_half(out, g, m0, n0, M, K, BLOCK_M, HALF) if PRELOAD else out
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc = _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
                 if PAIRED:
                     acc = _add_rows(acc, grad2, x2, ends2, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-                _add_tile(out, out_desc, acc, g, m0, n0, early, ACCUMULATE, SPLIT_EPILOGUE, PRELOAD, BLOCK_M, BLOCK_N)
+                _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _grouped_wgrad_fp8_kernel(
@@ -227,7 +202,7 @@ if HAVE_TRITON:
             scale_m = tl.load(sg + g * M + rows_m, mask=rows_m < M, other=0.0)
             scale_n = tl.load(sx + g * K + cols_n, mask=cols_n < K, other=0.0)
             acc = acc * scale_m[:, None] * scale_n[None, :]
-            _add_tile(out, out_desc, acc, g, m0, n0, out, ACCUMULATE, SPLIT_EPILOGUE, False, BLOCK_M, BLOCK_N)
+            _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
@@ -238,9 +213,6 @@ INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 # The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
 # MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
-# The left half of each tile's old sum loaded before its main loop (bench/wgrad.py --preload);
-# MOE_WGRAD_PRELOAD=1 turns it on for a side-by-side.
-PRELOAD_HALF = os.environ.get("MOE_WGRAD_PRELOAD", "0") == "1"
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -289,7 +261,6 @@ def grouped_wgrad(
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    preload: bool | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -298,8 +269,7 @@ def grouped_wgrad(
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
-    two micro-batches). ``preload``: the left half of each tile's old sum loaded before its main
-    loop, instead of PRELOAD_HALF (accumulating with a split epilogue only)."""
+    two micro-batches)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -317,7 +287,6 @@ def grouped_wgrad(
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
-    preload = (PRELOAD_HALF if preload is None else preload) and accumulate and split
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -337,7 +306,6 @@ def grouped_wgrad(
         SPLIT_EPILOGUE=split,
         ORDERED=ordered,
         PAIRED=pair is not None,
-        PRELOAD=preload,
         IEEE=grad.dtype == torch.float32 or interpreted,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -45,17 +45,6 @@ if HAVE_TRITON:
         return rows.to(tl.int64)
 
     @triton.jit
-    def _gather_rows_kernel(src, row_index, out, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """out[r] = src[row_index[r]] for a [BLOCK_R, BLOCK_D] block of output rows and columns."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        live = rows < R
-        mask = live[:, None] & (cols < D)[None, :]
-        source = tl.load(row_index + rows, mask=live, other=0).to(tl.int64)
-        v = tl.load(src + source[:, None] * D + cols[None, :], mask=mask)
-        tl.store(out + rows[:, None].to(tl.int64) * D + cols[None, :], v, mask=mask)
-
-    @triton.jit
     def _gather_reduce_kernel(src, idx, w, out, D, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -92,29 +81,6 @@ def _block(d: int) -> int:
     return min(1024, triton.next_power_of_2(d))
 
 
-# Output rows per program of the row gather and its column block (at most): 16 KiB of bf16 per program.
-GATHER_ROWS, GATHER_COLS = 8, 1024
-# MOE_GATHER_ROWS=triton: the forward gather in our Triton pass; off by default until it is measured
-# on the H200 (bench/h200/small_fusions.sh), torch's index_select otherwise.
-GATHER_WITH_TRITON = os.environ.get("MOE_GATHER_ROWS", "torch") == "triton"
-
-
-def gather_rows_copy(src: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-    """src[row_index] ([len(row_index), D], src's dtype): one Triton pass that reads each source
-    row where it is and writes the copies in order (torch's index_select moved 2.2 TB/s here)."""
-    if not (use_triton(src) and GATHER_WITH_TRITON) or src.dim() != 2:
-        return src.index_select(0, row_index)
-    src, row_index = src.contiguous(), row_index.contiguous()
-    rows, d = row_index.numel(), src.shape[1]
-    out = torch.empty(rows, d, dtype=src.dtype, device=src.device)
-    if rows and d:
-        block_d = min(GATHER_COLS, triton.next_power_of_2(d))
-        _gather_rows_kernel[(triton.cdiv(rows, GATHER_ROWS), triton.cdiv(d, block_d))](
-            src, row_index, out, rows, d, BLOCK_R=GATHER_ROWS, BLOCK_D=block_d
-        )
-    return out
-
-
 def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
     """out[t] = sum_j (weights[t, j] *) src[idx[t*k + j]]  -> [len(idx) // k, D], src's dtype."""
     n_tokens, d = idx.numel() // k, src.shape[1]
@@ -138,7 +104,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, row_index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return gather_rows_copy(x, row_index)
+        return x.index_select(0, row_index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

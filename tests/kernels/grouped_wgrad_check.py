@@ -87,14 +87,6 @@ def check_expert_order_and_tile_orders() -> None:
             gw.grouped_wgrad(grad, x, ends, out, accumulate=accumulate, ordered=ordered)
             got.append(out)
         assert torch.equal(got[0], got[1]), accumulate
-    # the left half of each tile's old sum loaded before the main loop (a split epilogue): the same bits
-    split = (32, 32, 16, 4, 1, 1, True)
-    got = []
-    for preload in (False, True):
-        out = base.clone()
-        gw.grouped_wgrad(grad, x, ends, out, accumulate=True, config=split, preload=preload)
-        got.append(out)
-    assert torch.equal(got[0], got[1]), "preloaded half"
     # a pair (optim.expert_wgrad=paired): a second micro-batch's rows in the same sum, ranked by both
     counts2 = [0, 5, 2, 40, 0, 0, 1]
     ends2 = torch.tensor(counts2).cumsum(0).to(torch.int32)

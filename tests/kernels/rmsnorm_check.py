@@ -192,7 +192,7 @@ def check_torch_forward_triton_backward():
 def check_residual() -> None:
     """rms_norm_with_residual: (x, the norm) whose backward adds the residual stream's gradient
     to the norm's in one pass; both gradients against the eager norm plus autograd's sum, and
-    with only one of the two outputs used (the opt-in path, MOE_RESIDUAL_NORM=1)."""
+    with only one of the two outputs used (the default path; MOE_RESIDUAL_NORM=0 turns it off)."""
     rmsnorm.RESIDUAL_IN_BACKWARD = True
     for shape in ((7, 40), (2, 5, 96)):
         x, w, g = inputs(shape, torch.float32, seed=5)

@@ -17,7 +17,6 @@ def check(t_out, r_out, name, tol=1e-5):
 
 def main() -> int:
     torch.manual_seed(0)
-    routing.GATHER_WITH_TRITON = True  # the opt-in Triton row gather (MOE_GATHER_ROWS=triton)
     for n_tokens, k, d, e in [(7, 2, 24, 4), (33, 3, 40, 8), (5, 1, 8, 3)]:
         x = torch.randn(n_tokens, d, requires_grad=True)
         experts = torch.randint(0, e, (n_tokens, k))

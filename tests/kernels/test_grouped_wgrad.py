@@ -26,12 +26,7 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
     if kernel == "bf16":
         fn, config = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG
         operands = {"grad": "*bf16", "x": "*bf16", "grad2": "*bf16", "x2": "*bf16", "ends2": "*i32", "order": "*i32"}
-        # the paired kernel (the larger of the two), with the opt-in preload where it applies
-        extra = {
-            "ORDERED": True,
-            "PAIRED": True,
-            "PRELOAD": gw.split_epilogue(config[1], torch.float32 if accumulator == "*fp32" else torch.bfloat16),
-        }
+        extra = {"ORDERED": True, "PAIRED": True}  # the paired kernel: the larger of the two
     else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
         fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
         operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}

@@ -50,20 +50,6 @@ def test_combine_weight_gradient_kernel_compiles_for_sm90():
     assert stats["spill_stack_bytes"] == 0, stats
 
 
-def test_row_gather_kernel_compiles_for_sm90_with_vector_loads():
-    from moe.kernels import routing
-
-    stats = compile_for_sm90(
-        routing._gather_rows_kernel,
-        {"src": "*bf16", "row_index": "*i64", "out": "*bf16", "R": "i32", "D": "i32"},
-        {"BLOCK_R": routing.GATHER_ROWS, "BLOCK_D": routing.GATHER_COLS},
-        num_warps=4,
-        return_ptx=True,
-    )
-    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
-    assert "ld.global.v4" in stats["ptx"] and "st.global.v4" in stats["ptx"], "16-byte loads and stores"
-
-
 def test_norm_backward_with_the_residual_gradient_compiles_for_sm90_without_spills():
     from moe.kernels import rmsnorm
 
