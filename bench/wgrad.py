@@ -8,6 +8,7 @@
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
     python -m bench.wgrad --orders             # the shipped tile with its experts in index order and
                                                # heaviest first (checked bitwise against each other)
+    python -m bench.wgrad --stagger            # its programs started all at once and in phases
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -112,6 +113,9 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
 # bitwise equal and 0.90-0.92x at best: bench/results/wgrad_overlap/, `git show 28eab87`; removed.)
 SWITCHES = {
     "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
+    # the programs started in P phases over f of a typical tile (moe/kernels/grouped_wgrad.py STAGGER)
+    "stagger": [("all at once", {"stagger": (1, 0.0)})]
+    + [(f"{p} phases over {f} tile", {"stagger": (p, f)}) for p, f in ((2, 1.0), (4, 0.5), (4, 1.0), (4, 2.0), (8, 1.0), (16, 1.0))],
 }
 
 
@@ -315,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--orders", action="store_true", help="the shipped tile with its experts in index order and heaviest first")
+    p.add_argument("--stagger", action="store_true", help="the shipped kernel with its programs started all at once and in phases")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)

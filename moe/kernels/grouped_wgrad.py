@@ -60,6 +60,18 @@ if HAVE_TRITON:
             out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
 
     @triton.jit
+    def _globaltimer():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait_ns(ns):
+        """Spin for ``ns`` nanoseconds of the GPU's global timer."""
+        start = _globaltimer()
+        now = start
+        while now - start < ns:
+            now = _globaltimer()
+
+    @triton.jit
     def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
         """Rows of groups ``idx`` (0 past G): over ``ends``, plus ``ends2``'s when PAIRED."""
         live = idx < G
@@ -116,8 +128,10 @@ if HAVE_TRITON:
         G,
         M,
         K,
+        phase_ns,
         ACCUMULATE: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
+        STAGGER: tl.constexpr,
         ORDERED: tl.constexpr,
         PAIRED: tl.constexpr,
         IEEE: tl.constexpr,
@@ -127,9 +141,13 @@ if HAVE_TRITON:
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
         over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major, out
-        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
+        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED. STAGGER > 1: program p
+        starts (p % STAGGER) * phase_ns nanoseconds late, so the programs' epilogues fall at
+        different moments instead of all at once."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
+        if STAGGER > 1:
+            _wait_ns((pid % STAGGER).to(tl.int64) * phase_ns)
         m_blocks = tl.cdiv(M, BLOCK_M)
         n_blocks = tl.cdiv(K, BLOCK_N)
         per_group = m_blocks * n_blocks
@@ -213,6 +231,12 @@ INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 # The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
 # MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
+# MOE_WGRAD_STAGGER="P:f": the persistent programs start in P phases spread over f of a typical
+# tile's main loop (bench.wgrad --stagger); off by default until it is measured.
+STAGGER = tuple(float(v) for v in os.environ.get("MOE_WGRAD_STAGGER", "1:0").split(":"))
+# A 128 x 256 tile's main loop per row of its expert on one H200 SM: 2 * 128 * 256 FLOP at about
+# 5.3 TFLOP/s (700 TFLOP/s over 132 SMs); the stagger's unit of time.
+TILE_NS_PER_ROW = 2 * 128 * 256 / 5.3e3
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -261,6 +285,7 @@ def grouped_wgrad(
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stagger: tuple[float, float] | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -269,7 +294,7 @@ def grouped_wgrad(
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
-    two micro-batches)."""
+    two micro-batches). ``stagger``: (phases, fraction of a typical tile) instead of STAGGER."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -292,6 +317,10 @@ def grouped_wgrad(
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
     second = (grad2, x2, ends2) if pair is not None else (grad, x, ends)  # not read unless PAIRED
+    phases, fraction = STAGGER if stagger is None else stagger
+    phases = 1 if interpreted else int(phases)
+    rows = grad.shape[0] + (pair[0].shape[0] if pair is not None else 0)
+    phase_ns = int(fraction * TILE_NS_PER_ROW * rows / groups / max(phases, 1))  # a typical tile: rows / groups
     _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
         x,
@@ -302,8 +331,10 @@ def grouped_wgrad(
         groups,
         m,
         k,
+        phase_ns,
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split,
+        STAGGER=phases,
         ORDERED=ordered,
         PAIRED=pair is not None,
         IEEE=grad.dtype == torch.float32 or interpreted,
