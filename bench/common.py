@@ -37,7 +37,14 @@ def git_commit() -> str:
 
 
 # Environment variables that choose between a kernel and its predecessor (moe/kernels).
-KERNEL_SWITCHES = ("MOE_NORM_BACKWARD", "MOE_RESIDUAL_NORM", "MOE_WGRAD_ORDER", "MOE_WGRAD_STAGGER", "MOE_DETERMINISTIC_FILL")
+KERNEL_SWITCHES = (
+    "MOE_NORM_BACKWARD",
+    "MOE_RESIDUAL_NORM",
+    "MOE_WGRAD_ORDER",
+    "MOE_WGRAD_KERNEL",
+    "MOE_WGRAD_PINGPONG_STAGES",
+    "MOE_DETERMINISTIC_FILL",
+)
 
 
 def environment() -> dict[str, Any]:

@@ -8,7 +8,7 @@
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
     python -m bench.wgrad --orders             # the shipped tile with its experts in index order and
                                                # heaviest first (checked bitwise against each other)
-    python -m bench.wgrad --stagger            # its programs started all at once and in phases
+    python -m bench.wgrad --pingpong           # the Triton kernel against the warp-specialised Gluon one
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -26,6 +26,7 @@ import sys
 import torch
 
 from bench.common import environment, matmul_peak_tflops, print_table, save_result, time_cuda
+from moe.kernels.grouped_wgrad_pingpong import CONFIGS as PINGPONG_CONFIGS
 
 # name, d, h, experts, top_k, tokens per micro-batch, accumulator dtype
 CASES = [
@@ -113,9 +114,9 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
 # bitwise equal and 0.90-0.92x at best: bench/results/wgrad_overlap/, `git show 28eab87`; removed.)
 SWITCHES = {
     "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
-    # the programs started in P phases over f of a typical tile (moe/kernels/grouped_wgrad.py STAGGER)
-    "stagger": [("all at once", {"stagger": (1, 0.0)})]
-    + [(f"{p} phases over {f} tile", {"stagger": (p, f)}) for p, f in ((2, 1.0), (4, 0.5), (4, 1.0), (4, 2.0), (8, 1.0), (16, 1.0))],
+    # the warp-specialised ping-pong Gluon kernel (moe/kernels/grouped_wgrad_pingpong.py) beside the Triton one
+    "pingpong": [("triton", {"kernel": "triton"})]
+    + [(f"pingpong {name}", {"kernel": "pingpong", "pingpong_config": cfg}) for name, cfg in PINGPONG_CONFIGS.items()],
 }
 
 
@@ -319,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--orders", action="store_true", help="the shipped tile with its experts in index order and heaviest first")
-    p.add_argument("--stagger", action="store_true", help="the shipped kernel with its programs started all at once and in phases")
+    p.add_argument("--pingpong", action="store_true", help="the Triton kernel against the warp-specialised Gluon one (bitwise checked)")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)

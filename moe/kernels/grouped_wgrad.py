@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from moe.kernels import grouped_wgrad_pingpong as pingpong
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:
@@ -58,18 +59,6 @@ if HAVE_TRITON:
             if ACCUMULATE:
                 acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
             out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
-
-    @triton.jit
-    def _globaltimer():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-    @triton.jit
-    def _wait_ns(ns):
-        """Spin for ``ns`` nanoseconds of the GPU's global timer."""
-        start = _globaltimer()
-        now = start
-        while now - start < ns:
-            now = _globaltimer()
 
     @triton.jit
     def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
@@ -128,10 +117,8 @@ if HAVE_TRITON:
         G,
         M,
         K,
-        phase_ns,
         ACCUMULATE: tl.constexpr,
         SPLIT_EPILOGUE: tl.constexpr,
-        STAGGER: tl.constexpr,
         ORDERED: tl.constexpr,
         PAIRED: tl.constexpr,
         IEEE: tl.constexpr,
@@ -141,13 +128,9 @@ if HAVE_TRITON:
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
         over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major, out
-        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED. STAGGER > 1: program p
-        starts (p % STAGGER) * phase_ns nanoseconds late, so the programs' epilogues fall at
-        different moments instead of all at once."""
+        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        if STAGGER > 1:
-            _wait_ns((pid % STAGGER).to(tl.int64) * phase_ns)
         m_blocks = tl.cdiv(M, BLOCK_M)
         n_blocks = tl.cdiv(K, BLOCK_N)
         per_group = m_blocks * n_blocks
@@ -231,12 +214,6 @@ INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 # The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
 # MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
 ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
-# MOE_WGRAD_STAGGER="P:f": the persistent programs start in P phases spread over f of a typical
-# tile's main loop (bench.wgrad --stagger); off by default until it is measured.
-STAGGER = tuple(float(v) for v in os.environ.get("MOE_WGRAD_STAGGER", "1:0").split(":"))
-# A 128 x 256 tile's main loop per row of its expert on one H200 SM: 2 * 128 * 256 FLOP at about
-# 5.3 TFLOP/s (700 TFLOP/s over 132 SMs); the stagger's unit of time.
-TILE_NS_PER_ROW = 2 * 128 * 256 / 5.3e3
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)
@@ -285,7 +262,8 @@ def grouped_wgrad(
     config: tuple[int, ...] | None = None,
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    stagger: tuple[float, float] | None = None,
+    kernel: str | None = None,
+    pingpong_config: tuple[int, ...] | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -294,7 +272,10 @@ def grouped_wgrad(
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
-    two micro-batches). ``stagger``: (phases, fraction of a typical tile) instead of STAGGER."""
+    two micro-batches). ``kernel``: "pingpong" for the warp-specialised Gluon kernel whose
+    epilogue runs under the next tile's main loop (moe.kernels.grouped_wgrad_pingpong, where it
+    applies) or "triton", instead of MOE_WGRAD_KERNEL; ``pingpong_config``: its tile config
+    instead of its shipped one (benchmarks)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -312,15 +293,16 @@ def grouped_wgrad(
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
+    use_pingpong = pingpong.USE_PINGPONG if kernel is None else kernel == "pingpong"
+    if use_pingpong and config is None and pingpong.supports(grad, x, out, paired=pair is not None):
+        order = expert_order(ends) if ordered else None
+        pingpong.grouped_wgrad_pingpong(grad, x, ends, order, out, accumulate=accumulate, config=pingpong_config)
+        return
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
     second = (grad2, x2, ends2) if pair is not None else (grad, x, ends)  # not read unless PAIRED
-    phases, fraction = STAGGER if stagger is None else stagger
-    phases = 1 if interpreted else int(phases)
-    rows = grad.shape[0] + (pair[0].shape[0] if pair is not None else 0)
-    phase_ns = int(fraction * TILE_NS_PER_ROW * rows / groups / max(phases, 1))  # a typical tile: rows / groups
     _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
         x,
@@ -331,10 +313,8 @@ def grouped_wgrad(
         groups,
         m,
         k,
-        phase_ns,
         ACCUMULATE=accumulate,
         SPLIT_EPILOGUE=split,
-        STAGGER=phases,
         ORDERED=ordered,
         PAIRED=pair is not None,
         IEEE=grad.dtype == torch.float32 or interpreted,

@@ -1,0 +1,88 @@
+"""Run on an sm90 GPU (Gluon has no interpreter): the warp-specialised ping-pong wgrad kernel
+(moe/kernels/grouped_wgrad_pingpong.py), in each of its tile configs, against a per-expert float64
+loop and against the Triton kernel, at awkward row counts (empty experts, one row, rows past a block, a
+run of empty experts between long ones), accumulating and not, into fp32 and bf16, in index
+order and heaviest first; then twice over to show it is deterministic, and at the step's shapes.
+
+    python tests/kernels/grouped_wgrad_pingpong_gpu_check.py   # exits non-zero on any failure
+"""
+
+import sys
+
+import torch
+
+from moe.kernels import grouped_wgrad as gw
+from moe.kernels import grouped_wgrad_pingpong as pingpong
+
+
+def reference(grad, x, counts):
+    out, start = [], 0
+    for c in counts:
+        out.append(grad[start : start + c].double().t() @ x[start : start + c].double())
+        start += c
+    return torch.stack(out)
+
+
+def case(counts, m, k, out_dtype, ordered, gen, config=None) -> list[str]:
+    failures = []
+    ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    grad = torch.randn(sum(counts), m, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(sum(counts), k, generator=gen, device="cuda").bfloat16()
+    ref = reference(grad, x, counts)
+    scale = ref.abs().max().item()
+    label = f"counts={counts if len(counts) < 9 else f'{len(counts)} experts'} m={m} k={k} out={out_dtype} ordered={ordered} config={config}"
+    if not pingpong.supports(grad, x, torch.empty(len(counts), m, k, dtype=out_dtype, device="cuda")):
+        return [f"{label}: not supported"]
+    for accumulate in (False, True):
+        base = torch.randn(len(counts), m, k, generator=gen, device="cuda").to(out_dtype)
+        got = base.clone() if accumulate else torch.full_like(base, float("nan"))
+        want = base.clone() if accumulate else torch.full_like(base, float("nan"))
+        gw.grouped_wgrad(grad, x, ends, got, accumulate=accumulate, ordered=ordered, kernel="pingpong", pingpong_config=config)
+        gw.grouped_wgrad(grad, x, ends, want, accumulate=accumulate, ordered=ordered, kernel="triton")
+        torch.cuda.synchronize()
+        expect = (base.double() if accumulate else 0) + ref
+        tol = 1e-5 * scale + 1e-6 if out_dtype == torch.float32 else 2**-7 * expect.abs().max().item()
+        err = (got.double() - expect).abs().max().item()
+        same = torch.equal(got, want)
+        print(f"{label} accumulate={accumulate}: max err {err:.3g} (tol {tol:.3g}), bitwise as the Triton kernel: {same}")
+        if not err <= tol:
+            failures.append(f"{label} accumulate={accumulate}: err {err}")
+        empty = [g for g, c in enumerate(counts) if c == 0]
+        if empty and accumulate and not torch.equal(got[empty], base[empty]):
+            failures.append(f"{label}: an empty expert's sum changed")
+        if empty and not accumulate and not (got[empty] == 0).all():
+            failures.append(f"{label}: an empty expert did not get zeros")
+        again = base.clone() if accumulate else torch.full_like(base, float("nan"))
+        gw.grouped_wgrad(grad, x, ends, again, accumulate=accumulate, ordered=ordered, kernel="pingpong", pingpong_config=config)
+        if not torch.equal(again, got):
+            failures.append(f"{label} accumulate={accumulate}: a rerun differs")
+    return failures
+
+
+def main() -> int:
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        print("needs an sm90 GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    failures = []
+    small = [7, 0, 33, 1, 200, 0, 0, 0, 64, 129]
+    for config in pingpong.CONFIGS.values():
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for ordered in (False, True):
+                failures += case(small, 256, 384, out_dtype, ordered, gen, config)
+        failures += case([300] * 7, 128, 256, torch.float32, True, gen, config)  # an odd tile count per program
+    failures += case(small, 128, 200, torch.float32, True, gen)  # K not a multiple of the tile: clipped by TMA
+    # the step's shapes: Qwen-like gate_up and down (128 experts, 16,384 tokens x top-8), OLMoE width
+    counts = torch.multinomial(torch.ones(128), 16384 * 8, replacement=True, generator=torch.Generator().manual_seed(1)).bincount(minlength=128)
+    failures += case(counts.tolist(), 1536, 2048, torch.float32, True, gen)
+    failures += case(counts.tolist(), 2048, 768, torch.float32, True, gen)
+    counts = torch.multinomial(torch.ones(64), 16384 * 8, replacement=True, generator=torch.Generator().manual_seed(2)).bincount(minlength=64)
+    failures += case(counts.tolist(), 2048, 2048, torch.float32, True, gen)
+    for f in failures:
+        print("FAIL", f)
+    print("ok" if not failures else f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

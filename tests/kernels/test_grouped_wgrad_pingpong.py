@@ -1,0 +1,55 @@
+"""The warp-specialised ping-pong wgrad kernel (moe/kernels/grouped_wgrad_pingpong.py) compiled for
+sm90 here: wgmma from shared memory, register reallocation between the partitions, no spills,
+within an sm90 block's shared memory, the operands and the old sum through TMA. Its results are
+checked on the GPU (tests/kernels/grouped_wgrad_pingpong_gpu_check.py); where it does not apply,
+the Triton kernel serves (CPU, interpreter, paired micro-batches)."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe.kernels import grouped_wgrad_pingpong as pingpong  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not pingpong.HAVE_GLUON, reason="this Triton has no Gluon")
+
+
+@needs_gluon
+@pytest.mark.parametrize("config", list(pingpong.CONFIGS))
+@pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_the_pingpong_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
+    from tests.kernels.sm90 import compile_for_sm90
+
+    block_m, block_n, block_k, stages = pingpong.CONFIGS[config]
+    stats = compile_for_sm90(
+        pingpong._grouped_wgrad_pingpong_kernel,
+        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
+        {
+            "ACCUMULATE": accumulate,
+            "ORDERED": True,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "STAGES": stages,
+            "CONSUMER_REGS": pingpong.CONSUMER_REGS,
+        },
+        num_warps=4,
+        maxnreg=pingpong.MAX_REGS,
+        return_ptx=True,
+    )
+    assert stats["wgmma"] and stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, {k: v for k, v in stats.items() if k != "ptx"}
+    assert stats["shared_bytes"] <= 227 * 1024, stats["shared_bytes"]
+    assert "setmaxnreg" in stats["ptx"], "the consumers take the registers the producer does not need"
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", stats["ptx"]))  # ::cluster or ::cta by version
+    assert loads >= (3 if accumulate else 2), "operand loads (and the old sum's, when accumulating) through TMA"
+
+
+def test_it_declines_what_it_cannot_take():
+    """CPU tensors, paired micro-batches and an M that is not a multiple of the tile go to the Triton kernel."""
+    grad, x = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.bfloat16)
+    out = torch.zeros(2, 256, 128)
+    assert not pingpong.supports(grad, x, out)
+    assert not pingpong.supports(grad, x, out, paired=True)
