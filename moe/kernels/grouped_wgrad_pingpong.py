@@ -41,9 +41,13 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): each consumer's tile is BLOCK_M x BLOCK_N fp32 in one
 # warpgroup's registers (128 x 128: 128 per thread); its old sum takes 64 KiB of shared memory, two
 # of them beside three 32 KiB operand stages (or six 16 KiB ones) fill an sm90 block's 227 KiB.
-CONFIGS = {"3 stages of 64 rows": (128, 128, 64, 3), "6 stages of 32 rows": (128, 128, 32, 6)}
+CONFIGS = {
+    "6 stages of 32 rows": (128, 128, 32, 6, False),
+    "10 stages of 32 rows, halves": (128, 128, 32, 10, True),
+    "5 stages of 64 rows, halves": (128, 128, 64, 5, True),
+}
 # MOE_WGRAD_PINGPONG_STAGES=6 picks the other config for a side-by-side in the step.
-CONFIG = next(c for c in CONFIGS.values() if c[3] == int(os.environ.get("MOE_WGRAD_PINGPONG_STAGES", "3")))
+CONFIG = next(c for c in CONFIGS.values() if c[3] == int(os.environ.get("MOE_WGRAD_PINGPONG_STAGES", "6")))
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
 # MOE_WGRAD_KERNEL=pingpong routes the unpaired wgrad here (opt-in until measured on the GPU).
 USE_PINGPONG = os.environ.get("MOE_WGRAD_KERNEL", "triton") == "pingpong"
@@ -89,10 +93,23 @@ if HAVE_GLUON:
                 count += 1
 
     @gluon.jit
+    def _add_and_store(part, c_buf, sum_bar, phase, out_desc, row, col, ACCUMULATE: gl.constexpr):
+        """part (+ the old sum TMA brought into c_buf, when ACCUMULATE) into c_buf, then to
+        out[row:, col:] by TMA, not waited for; returns the sum barrier's next phase."""
+        if ACCUMULATE:
+            mbarrier.wait(sum_bar, phase)
+            phase ^= 1
+            part += c_buf.load(part.type.layout).to(gl.float32)
+        c_buf.store(part.to(c_buf.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_buf)
+        return phase
+
+    @gluon.jit
     def _consume(
         ROLE: gl.constexpr, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty, summed, turn,
         ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        SUM_BYTES: gl.constexpr,
+        SPLIT: gl.constexpr, SUM_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Consumer ROLE's tiles (i % 2 == ROLE): main loop on the tensor cores, then the old sum
         (asked of TMA when the main loop began) added and stored, not waited for."""
@@ -126,19 +143,26 @@ if HAVE_GLUON:
                 mbarrier.arrive(turn.index(1 - ROLE), count=1)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((count + steps + STAGES - 1) % STAGES), count=1, pred=live)
-                if ACCUMULATE:
-                    if live:  # adding an empty expert's zeros would change nothing
-                        mbarrier.wait(sum_bar, phase)
-                        phase ^= 1
-                        acc += c_buf.load(acc_layout).to(gl.float32)
-                        c_buf.store(acc.to(c_buf.dtype))
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(out_desc, [row, n0], c_buf)
+                if SPLIT:  # the tile in two column halves through a half-size buffer
+                    left, right = gl.split(acc.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute([0, 2, 1]))
+                    if ACCUMULATE:
+                        if live:  # adding an empty expert's zeros would change nothing
+                            phase = _add_and_store(left, c_buf, sum_bar, phase, out_desc, row, n0, True)
+                            tma.store_wait(pendings=0)
+                            mbarrier.expect(sum_bar, SUM_BYTES)
+                            tma.async_copy_global_to_shared(out_desc, [row, n0 + BLOCK_N // 2], sum_bar, c_buf)
+                            phase = _add_and_store(right, c_buf, sum_bar, phase, out_desc, row, n0 + BLOCK_N // 2, True)
+                    else:
+                        tma.store_wait(pendings=0)
+                        phase = _add_and_store(left, c_buf, sum_bar, phase, out_desc, row, n0, False)
+                        tma.store_wait(pendings=0)
+                        phase = _add_and_store(right, c_buf, sum_bar, phase, out_desc, row, n0 + BLOCK_N // 2, False)
+                elif ACCUMULATE:
+                    if live:
+                        phase = _add_and_store(acc, c_buf, sum_bar, phase, out_desc, row, n0, True)
                 else:
                     tma.store_wait(pendings=0)
-                    c_buf.store(acc.to(c_buf.dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(out_desc, [row, n0], c_buf)
+                    phase = _add_and_store(acc, c_buf, sum_bar, phase, out_desc, row, n0, False)
             count += steps
         tma.store_wait(pendings=0)
 
@@ -158,6 +182,7 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
+        SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R,
@@ -166,10 +191,11 @@ if HAVE_GLUON:
         out_dtype: gl.constexpr = out.dtype.element_ty
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], out_dtype)
+        SUM_N: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N  # the old-sum buffer's columns
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, SUM_N], out_dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        c_bufs = gl.allocate_shared_memory(out_dtype, [2, BLOCK_M, BLOCK_N], c_layout)
+        c_bufs = gl.allocate_shared_memory(out_dtype, [2, BLOCK_M, SUM_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         summed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -180,7 +206,7 @@ if HAVE_GLUON:
         for j in gl.static_range(2):
             mbarrier.init(summed.index(j), count=1)
             mbarrier.init(turn.index(j), count=1)
-        out_desc = tma.make_tensor_descriptor(out, [G * M, K], [K, 1], [BLOCK_M, BLOCK_N], c_layout)
+        out_desc = tma.make_tensor_descriptor(out, [G * M, K], [K, 1], [BLOCK_M, SUM_N], c_layout)
 
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
@@ -188,7 +214,7 @@ if HAVE_GLUON:
         per_group = (M // BLOCK_M) * n_blocks
         n_tiles = gl.cdiv(G * per_group - pid, nprog)
         STEP_BYTES: gl.constexpr = BLOCK_K * (BLOCK_M + BLOCK_N) * dtype.primitive_bitwidth // 8
-        SUM_BYTES: gl.constexpr = BLOCK_M * BLOCK_N * out_dtype.primitive_bitwidth // 8
+        SUM_BYTES: gl.constexpr = BLOCK_M * SUM_N * out_dtype.primitive_bitwidth // 8
         # the producer in the kernel's own warps (one warpgroup: it needs few registers), each
         # consumer a worker warpgroup with most of the register file
         gl.warp_specialize(
@@ -196,9 +222,9 @@ if HAVE_GLUON:
                 (_producer, (grad, x, ends, order, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, ready, empty,
                              ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STEP_BYTES)),
                 (_consume, (0, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs,
-                            ready, empty, summed, turn, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SUM_BYTES)),
+                            ready, empty, summed, turn, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT, SUM_BYTES)),
                 (_consume, (1, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs,
-                            ready, empty, summed, turn, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SUM_BYTES)),
+                            ready, empty, summed, turn, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SPLIT, SUM_BYTES)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
@@ -246,7 +272,7 @@ def grouped_wgrad_pingpong(
     groups, m, k = out.shape
     if not (groups and m and k):
         return
-    block_m, block_n, block_k, stages = config or CONFIG
+    block_m, block_n, block_k, stages, split = config or CONFIG
     tiles = groups * (m // block_m) * triton.cdiv(k, block_n)
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(_allocate_scratch)
@@ -266,6 +292,7 @@ def grouped_wgrad_pingpong(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         STAGES=stages,
+        SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
         maxnreg=MAX_REGS,

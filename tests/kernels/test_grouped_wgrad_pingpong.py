@@ -23,7 +23,7 @@ needs_gluon = pytest.mark.skipif(not pingpong.HAVE_GLUON, reason="this Triton ha
 def test_the_pingpong_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
     from tests.kernels.sm90 import compile_for_sm90
 
-    block_m, block_n, block_k, stages = pingpong.CONFIGS[config]
+    block_m, block_n, block_k, stages, split = pingpong.CONFIGS[config]
     stats = compile_for_sm90(
         pingpong._grouped_wgrad_pingpong_kernel,
         {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
@@ -34,6 +34,7 @@ def test_the_pingpong_kernel_compiles_for_sm90_warp_specialised_without_spills(c
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
             "STAGES": stages,
+            "SPLIT": split,
             "CONSUMER_REGS": pingpong.CONSUMER_REGS,
         },
         num_warps=4,
