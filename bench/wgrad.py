@@ -8,7 +8,7 @@
                                                # bf16 fused, FP8 GEMM + add_, FP8 fused (+ quantisation)
     python -m bench.wgrad --orders             # the shipped tile with its experts in index order and
                                                # heaviest first (checked bitwise against each other)
-    python -m bench.wgrad --pingpong           # the Triton kernel against the warp-specialised Gluon one
+    python -m bench.wgrad --ws                 # the Triton kernel against the warp-specialised Gluon one
 
 Per case, both expert weights (gate_up: grad [R, 2h], x [R, d]; down: grad [R, d], x [R, h]).
 Random routing (multinomial counts over the experts), dropless; the "-collapsed" cases send every
@@ -26,7 +26,7 @@ import sys
 import torch
 
 from bench.common import environment, matmul_peak_tflops, print_table, save_result, time_cuda
-from moe.kernels.grouped_wgrad_pingpong import CONFIGS as PINGPONG_CONFIGS
+from moe.kernels.grouped_wgrad_ws import CONFIGS as WS_CONFIGS
 
 # name, d, h, experts, top_k, tokens per micro-batch, accumulator dtype
 CASES = [
@@ -114,9 +114,8 @@ def run_case(name, d, h, experts, top_k, tokens, acc_dtype, configs, iters, swit
 # bitwise equal and 0.90-0.92x at best: bench/results/wgrad_overlap/, `git show 28eab87`; removed.)
 SWITCHES = {
     "orders": [("index order", {"ordered": False}), ("heaviest first", {"ordered": True})],
-    # the warp-specialised ping-pong Gluon kernel (moe/kernels/grouped_wgrad_pingpong.py) beside the Triton one
-    "pingpong": [("triton", {"kernel": "triton"})]
-    + [(f"pingpong {name}", {"kernel": "pingpong", "pingpong_config": cfg}) for name, cfg in PINGPONG_CONFIGS.items()],
+    # the warp-specialised Gluon kernel (moe/kernels/grouped_wgrad_ws.py) beside the Triton one
+    "ws": [("triton", {"kernel": "triton"})] + [(f"ws {name}", {"kernel": "ws", "ws_config": cfg}) for name, cfg in WS_CONFIGS.items()],
 }
 
 
@@ -320,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--fp8", action="store_true", help="the FP8 weight-gradient cases (FP8_CASES)")
     p.add_argument("--orders", action="store_true", help="the shipped tile with its experts in index order and heaviest first")
-    p.add_argument("--pingpong", action="store_true", help="the Triton kernel against the warp-specialised Gluon one (bitwise checked)")
+    p.add_argument("--ws", action="store_true", help="the Triton kernel against the warp-specialised Gluon one (bitwise checked)")
     p.add_argument("--case", action="append", default=None, help="only this case (repeatable; default: every case)")
     p.add_argument("--no-save", action="store_true")
     return p.parse_args(argv)

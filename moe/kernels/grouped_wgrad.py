@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from moe.kernels import grouped_wgrad_pingpong as pingpong
+from moe.kernels import grouped_wgrad_ws as ws
 from moe.kernels.routing import HAVE_TRITON, use_triton
 
 if HAVE_TRITON:
@@ -263,7 +263,7 @@ def grouped_wgrad(
     ordered: bool | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kernel: str | None = None,
-    pingpong_config: tuple[int, ...] | None = None,
+    ws_config: tuple[int, ...] | None = None,
 ) -> None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
@@ -272,10 +272,9 @@ def grouped_wgrad(
     BLOCK_K, warps, stages) instead of the shipped choice (benchmarks, tests); ``ordered``
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
-    two micro-batches). ``kernel``: "pingpong" for the warp-specialised Gluon kernel whose
-    epilogue runs under the next tile's main loop (moe.kernels.grouped_wgrad_pingpong, where it
-    applies) or "triton", instead of MOE_WGRAD_KERNEL; ``pingpong_config``: its tile config
-    instead of its shipped one (benchmarks)."""
+    two micro-batches). ``kernel``: "ws" for the warp-specialised Gluon kernel that fetches
+    the old sum under the main loop (moe.kernels.grouped_wgrad_ws, where it applies) or "triton",
+    instead of MOE_WGRAD_KERNEL; ``ws_config``: its config instead of its shipped one (benchmarks)."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -293,10 +292,10 @@ def grouped_wgrad(
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
-    use_pingpong = pingpong.USE_PINGPONG if kernel is None else kernel == "pingpong"
-    if use_pingpong and config is None and pingpong.supports(grad, x, out, paired=pair is not None):
+    use_ws = ws.USE_WS if kernel is None else kernel == "ws"
+    if use_ws and config is None and ws.supports(grad, x, out, paired=pair is not None):
         order = expert_order(ends) if ordered else None
-        pingpong.grouped_wgrad_pingpong(grad, x, ends, order, out, accumulate=accumulate, config=pingpong_config)
+        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config)
         return
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)

@@ -1,8 +1,8 @@
-"""The warp-specialised ping-pong wgrad kernel (moe/kernels/grouped_wgrad_pingpong.py) compiled for
-sm90 here: wgmma from shared memory, register reallocation between the partitions, no spills,
-within an sm90 block's shared memory, the operands and the old sum through TMA. Its results are
-checked on the GPU (tests/kernels/grouped_wgrad_pingpong_gpu_check.py); where it does not apply,
-the Triton kernel serves (CPU, interpreter, paired micro-batches)."""
+"""The warp-specialised wgrad kernel (moe/kernels/grouped_wgrad_ws.py) compiled for sm90 here:
+wgmma from shared memory, register reallocation between the partitions, no spills, within an sm90
+block's shared memory, the operands and the old sum through TMA. Its results are checked on the
+GPU (tests/kernels/grouped_wgrad_ws_gpu_check.py); where it does not apply, the Triton kernel
+serves (CPU, interpreter, paired micro-batches)."""
 
 import re
 
@@ -11,21 +11,21 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe.kernels import grouped_wgrad_pingpong as pingpong  # noqa: E402
+from moe.kernels import grouped_wgrad_ws as ws  # noqa: E402
 
-needs_gluon = pytest.mark.skipif(not pingpong.HAVE_GLUON, reason="this Triton has no Gluon")
+needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no Gluon")
 
 
 @needs_gluon
-@pytest.mark.parametrize("config", list(pingpong.CONFIGS))
+@pytest.mark.parametrize("config", list(ws.CONFIGS))
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_the_pingpong_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
+def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
     from tests.kernels.sm90 import compile_for_sm90
 
-    block_m, block_n, block_k, stages, split = pingpong.CONFIGS[config]
+    block_m, block_n, block_k, stages, lead = ws.CONFIGS[config]
     stats = compile_for_sm90(
-        pingpong._grouped_wgrad_pingpong_kernel,
+        ws._grouped_wgrad_ws_kernel,
         {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
         {
             "ACCUMULATE": accumulate,
@@ -34,11 +34,11 @@ def test_the_pingpong_kernel_compiles_for_sm90_warp_specialised_without_spills(c
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
             "STAGES": stages,
-            "SPLIT": split,
-            "CONSUMER_REGS": pingpong.CONSUMER_REGS,
+            "LEAD": lead,
+            "CONSUMER_REGS": ws.CONSUMER_REGS,
         },
         num_warps=4,
-        maxnreg=pingpong.MAX_REGS,
+        maxnreg=ws.MAX_REGS,
         return_ptx=True,
     )
     assert stats["wgmma"] and stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, {k: v for k, v in stats.items() if k != "ptx"}
@@ -52,5 +52,5 @@ def test_it_declines_what_it_cannot_take():
     """CPU tensors, paired micro-batches and an M that is not a multiple of the tile go to the Triton kernel."""
     grad, x = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 128)
-    assert not pingpong.supports(grad, x, out)
-    assert not pingpong.supports(grad, x, out, paired=True)
+    assert not ws.supports(grad, x, out)
+    assert not ws.supports(grad, x, out, paired=True)

@@ -1,10 +1,10 @@
-"""Run on an sm90 GPU (Gluon has no interpreter): the warp-specialised ping-pong wgrad kernel
-(moe/kernels/grouped_wgrad_pingpong.py), in each of its tile configs, against a per-expert float64
+"""Run on an sm90 GPU (Gluon has no interpreter): the warp-specialised wgrad kernel
+(moe/kernels/grouped_wgrad_ws.py), in each of its tile configs, against a per-expert float64
 loop and against the Triton kernel, at awkward row counts (empty experts, one row, rows past a block, a
 run of empty experts between long ones), accumulating and not, into fp32 and bf16, in index
 order and heaviest first; then twice over to show it is deterministic, and at the step's shapes.
 
-    python tests/kernels/grouped_wgrad_pingpong_gpu_check.py   # exits non-zero on any failure
+    python tests/kernels/grouped_wgrad_ws_gpu_check.py   # exits non-zero on any failure
 """
 
 import sys
@@ -12,7 +12,7 @@ import sys
 import torch
 
 from moe.kernels import grouped_wgrad as gw
-from moe.kernels import grouped_wgrad_pingpong as pingpong
+from moe.kernels import grouped_wgrad_ws as ws
 
 
 def reference(grad, x, counts):
@@ -31,13 +31,13 @@ def case(counts, m, k, out_dtype, ordered, gen, config=None) -> list[str]:
     ref = reference(grad, x, counts)
     scale = ref.abs().max().item()
     label = f"counts={counts if len(counts) < 9 else f'{len(counts)} experts'} m={m} k={k} out={out_dtype} ordered={ordered} config={config}"
-    if not pingpong.supports(grad, x, torch.empty(len(counts), m, k, dtype=out_dtype, device="cuda")):
+    if not ws.supports(grad, x, torch.empty(len(counts), m, k, dtype=out_dtype, device="cuda")):
         return [f"{label}: not supported"]
     for accumulate in (False, True):
         base = torch.randn(len(counts), m, k, generator=gen, device="cuda").to(out_dtype)
         got = base.clone() if accumulate else torch.full_like(base, float("nan"))
         want = base.clone() if accumulate else torch.full_like(base, float("nan"))
-        gw.grouped_wgrad(grad, x, ends, got, accumulate=accumulate, ordered=ordered, kernel="pingpong", pingpong_config=config)
+        gw.grouped_wgrad(grad, x, ends, got, accumulate=accumulate, ordered=ordered, kernel="ws", ws_config=config)
         gw.grouped_wgrad(grad, x, ends, want, accumulate=accumulate, ordered=ordered, kernel="triton")
         torch.cuda.synchronize()
         expect = (base.double() if accumulate else 0) + ref
@@ -53,7 +53,7 @@ def case(counts, m, k, out_dtype, ordered, gen, config=None) -> list[str]:
         if empty and not accumulate and not (got[empty] == 0).all():
             failures.append(f"{label}: an empty expert did not get zeros")
         again = base.clone() if accumulate else torch.full_like(base, float("nan"))
-        gw.grouped_wgrad(grad, x, ends, again, accumulate=accumulate, ordered=ordered, kernel="pingpong", pingpong_config=config)
+        gw.grouped_wgrad(grad, x, ends, again, accumulate=accumulate, ordered=ordered, kernel="ws", ws_config=config)
         if not torch.equal(again, got):
             failures.append(f"{label} accumulate={accumulate}: a rerun differs")
     return failures
@@ -66,7 +66,7 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = []
     small = [7, 0, 33, 1, 200, 0, 0, 0, 64, 129]
-    for config in pingpong.CONFIGS.values():
+    for config in ws.CONFIGS.values():
         for out_dtype in (torch.float32, torch.bfloat16):
             for ordered in (False, True):
                 failures += case(small, 256, 384, out_dtype, ordered, gen, config)
