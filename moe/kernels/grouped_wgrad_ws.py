@@ -39,9 +39,13 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD): the Triton kernel's tile and stages (144 KiB) beside four
 # 16 KiB old-sum slots; LEAD: main-loop steps before a tile's end at which its old sum is asked for.
-CONFIGS = {"lead 8": (128, 256, 64, 3, 8), "lead 16": (128, 256, 64, 3, 16)}
-# MOE_WGRAD_WS_LEAD=16 picks the other config for a side-by-side in the step.
-CONFIG = CONFIGS[f"lead {os.environ.get('MOE_WGRAD_WS_LEAD', '8')}"]
+CONFIGS = {
+    "k64-s3-lead8": (128, 256, 64, 3, 8),
+    "k32-s6-lead16": (128, 256, 32, 6, 16),
+    "k32-s6-lead8": (128, 256, 32, 6, 8),
+}
+# MOE_WGRAD_WS_CONFIG=<name> picks another config for a side-by-side in the step.
+CONFIG = CONFIGS[os.environ.get("MOE_WGRAD_WS_CONFIG", "k64-s3-lead8")]
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
 # MOE_WGRAD_KERNEL=ws routes the unpaired wgrad here (opt-in until measured on the GPU).
 USE_WS = os.environ.get("MOE_WGRAD_KERNEL", "triton") == "ws"
