@@ -236,12 +236,6 @@ def split_epilogue(block_n: int, out_dtype: torch.dtype) -> bool:
     return block_n >= 256 and out_dtype == torch.float32
 
 
-def _allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the tensor descriptors the kernel makes on the device."""
-    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
 def expert_order(ends: torch.Tensor, ends2: torch.Tensor | None = None) -> torch.Tensor:
     """The experts by rows (over ``ends``, plus ``ends2``'s), most first (ties: the lower index
     first), on the device: int32 [G]."""
@@ -300,7 +294,7 @@ def grouped_wgrad(
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
-    triton.set_allocator(_allocate_scratch)
+    triton.set_allocator(ws.allocate_scratch)
     second = (grad2, x2, ends2) if pair is not None else (grad, x, ends)  # not read unless PAIRED
     _grouped_wgrad_kernel[(min(tiles, slots),)](
         grad,
@@ -376,7 +370,7 @@ def grouped_wgrad_fp8(
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(gt.device).multi_processor_count
-    triton.set_allocator(_allocate_scratch)
+    triton.set_allocator(ws.allocate_scratch)
     _grouped_wgrad_fp8_kernel[(min(tiles, slots),)](
         gt,
         g_scales.float().contiguous(),

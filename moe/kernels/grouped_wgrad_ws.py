@@ -254,6 +254,13 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
+def allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors a kernel makes on the device (this one's and
+    moe.kernels.grouped_wgrad's)."""
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
 def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, paired: bool = False) -> bool:
     """Whether this kernel takes the case: Gluon, an sm90 GPU, bf16/fp16 operands with 16-byte
     aligned rows, an fp32 or bf16 accumulator whose M is a multiple of BLOCK_M, unpaired."""
@@ -290,15 +297,13 @@ def grouped_wgrad_ws(
 ) -> None:
     """out[g] (+)= grad_g^T @ x_g over group g's rows (``ends`` [G] int32 on the device), experts
     visited in ``order`` (or index order when None); check :func:`supports` first."""
-    from moe.kernels.grouped_wgrad import _allocate_scratch  # (that module imports this one)
-
     groups, m, k = out.shape
     if not (groups and m and k):
         return
     block_m, block_n, block_k, stages, lead = config or CONFIG
     tiles = groups * (m // block_m) * triton.cdiv(k, block_n)
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
-    triton.set_allocator(_allocate_scratch)
+    triton.set_allocator(allocate_scratch)
     ends = ends.to(torch.int32)
     _grouped_wgrad_ws_kernel[(min(tiles, slots),)](
         grad,
