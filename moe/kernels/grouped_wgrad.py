@@ -17,6 +17,10 @@ fixed round-robin of tiles over the persistent programs spreads the long tiles e
 expert without rows costs nothing when accumulating (adding zero leaves the sum as it was). Each
 output element is computed by one tile, in a fixed order over its rows, wherever the tile runs:
 results are deterministic, and the same bits in either order.
+
+On sm90 the unpaired case goes to :mod:`moe.kernels.grouped_wgrad_ws` (the same tile, warp-specialised,
+the old sum fetched under the main loop; the same bits), which this module's kernel backs everywhere
+else (CPU, the interpreter, paired micro-batches, ``MOE_WGRAD_KERNEL=triton``).
 """
 
 from __future__ import annotations
@@ -267,8 +271,8 @@ def grouped_wgrad(
     (heaviest experts first) instead of ORDERED_TILES. ``pair``: a second micro-batch's (grad, x,
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
     two micro-batches). ``kernel``: "ws" for the warp-specialised Gluon kernel that fetches
-    the old sum under the main loop (moe.kernels.grouped_wgrad_ws, where it applies) or "triton",
-    instead of MOE_WGRAD_KERNEL; ``ws_config``: its config instead of its shipped one (benchmarks)."""
+    the old sum under the main loop (moe.kernels.grouped_wgrad_ws, where it applies: the default)
+    or "triton", instead of MOE_WGRAD_KERNEL; ``ws_config``: its config instead of its shipped one."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")

@@ -14,7 +14,8 @@ TMA stages guarded by ready/empty barriers) and moves the old sum's read off the
 
 Same contract as ``grouped_wgrad`` for the unpaired case (fp32 accumulation, each output element
 summed by one tile in a fixed order over its rows: deterministic, and the same bits as the Triton
-kernel); :func:`supports` says when it applies. Gluon has no interpreter: the CPU path stays on the
+kernel); :func:`supports` says when it applies, and there it is the default (``MOE_WGRAD_KERNEL=triton``
+keeps the Triton kernel for a side-by-side). Gluon has no interpreter: the CPU path stays on the
 Triton kernel, this one is checked on the GPU (tests/kernels/grouped_wgrad_ws_gpu_check.py) and
 compiled for sm90 in the CPU tests.
 """
@@ -37,18 +38,18 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD): the Triton kernel's tile and stages (144 KiB) beside four
-# 16 KiB old-sum slots; LEAD: main-loop steps before a tile's end at which its old sum is asked for.
-CONFIGS = {
-    "k64-s3-lead8": (128, 256, 64, 3, 8),
-    "k32-s6-lead16": (128, 256, 32, 6, 16),
-    "k32-s6-lead8": (128, 256, 32, 6, 8),
-}
-# MOE_WGRAD_WS_CONFIG=<name> picks another config for a side-by-side in the step.
-CONFIG = CONFIGS[os.environ.get("MOE_WGRAD_WS_CONFIG", "k64-s3-lead8")]
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD): the Triton kernel's tile in six 24 KiB stages of 32 rows
+# beside four 16 KiB old-sum slots (213 KiB); LEAD: main-loop steps before a tile's end at which its
+# old sum is asked for. Chosen on an H100 over three stage shapes and two leads (bench/NOTES.md, "Three
+# wgrad kernels against the exposed epilogue"): 1.11-1.20x the Triton kernel on random routing.
+CONFIG = (128, 256, 32, 6, 16)
+CONFIGS = {"k32-s6-lead16": CONFIG}
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
-# MOE_WGRAD_KERNEL=ws routes the unpaired wgrad here (opt-in until measured on the GPU).
-USE_WS = os.environ.get("MOE_WGRAD_KERNEL", "triton") == "ws"
+# The default on sm90 wherever it applies; MOE_WGRAD_KERNEL=triton keeps the Triton kernel (side-by-sides).
+KERNEL_SWITCH = os.environ.get("MOE_WGRAD_KERNEL", "ws")
+if KERNEL_SWITCH not in ("ws", "triton"):
+    raise ValueError(f"MOE_WGRAD_KERNEL={KERNEL_SWITCH!r}: expected 'ws' (the default) or 'triton'")
+USE_WS = KERNEL_SWITCH == "ws"
 
 if HAVE_GLUON:
 

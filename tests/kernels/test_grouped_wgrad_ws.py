@@ -54,3 +54,20 @@ def test_it_declines_what_it_cannot_take():
     out = torch.zeros(2, 256, 128)
     assert not ws.supports(grad, x, out)
     assert not ws.supports(grad, x, out, paired=True)
+
+
+def test_it_is_the_default_and_a_bad_switch_names_itself():
+    """Unset, MOE_WGRAD_KERNEL picks this kernel where it applies; a value that is neither 'ws' nor
+    'triton' stops the import with one line naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOE_WGRAD_KERNEL"}
+    probe = "from moe.kernels import grouped_wgrad_ws as ws; print(ws.USE_WS)"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip() == "True"
+    env["MOE_WGRAD_KERNEL"] = "triton"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip() == "False"
+    env["MOE_WGRAD_KERNEL"] = "cutlass"
+    bad = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "MOE_WGRAD_KERNEL='cutlass'" in bad.stderr
