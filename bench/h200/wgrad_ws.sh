@@ -17,6 +17,7 @@ RUN_TIMEOUT=150 run python3 tests/kernels/grouped_wgrad_ws_gpu_check.py  # a han
 CUBLAS_WORKSPACE_CONFIG=:4096:8 RUN_TIMEOUT=300 run python3 tests/train/layout_invariant_gpu_check.py \
   "bench/results/layout_invariant/ranks-on-one-gpu-wgrad-ws-$(date -u +%Y%m%dT%H%M%SZ).json"
 run python3 -m bench.wgrad --ws --case olmoe --case qwen-like --case qwen-like-collapsed
+run python3 -m bench.wgrad --case olmoe  # the default mode: the shipped ws kernel beside the Triton tile configs
 step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
 for i in 1 2; do
   run python3 -m bench.model "${step[@]}"
