@@ -49,12 +49,10 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves
 CONFIG = (128, 256, 32, 6, 16, 2, 0)
 CONFIGS = {
     "k32-s6-lead16": CONFIG,
-    # the whole old sum fetched under the main loop (eight slots, 200 KiB), slots handed back late
-    "k32-s3-lead16-p4-r2": (128, 256, 32, 3, 16, 4, 2),
-    "k32-s4-lead16-p4-r2": (128, 256, 32, 4, 16, 4, 2),  # 224 KiB
-    # three of four strips fetched (six slots, 216 KiB)
-    "k32-s5-lead16-p3-r2": (128, 256, 32, 5, 16, 3, 2),
-    "k32-s6-lead16-r2": (128, 256, 32, 6, 16, 2, 2),
+    "k32-s6-lead16-r2": (128, 256, 32, 6, 16, 2, 2),  # slots handed back late in the next tile
+    # the old sum straight to and from registers, shared memory for the stages (and the compiler's scratch)
+    "k32-s7-direct": (128, 256, 32, 7, 16, 0, 0),
+    "k32-s8-direct": (128, 256, 32, 8, 16, 0, 0),
 }
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
 # The default on sm90 wherever it applies; MOE_WGRAD_KERNEL=triton keeps the Triton kernel (side-by-sides).
@@ -132,6 +130,32 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(out_desc, [row, col], buf)
 
     @gluon.jit
+    def _direct_out(q0, q1, q2, q3, out, row, n0, K, ROWS: gl.constexpr, STRIP: gl.constexpr, ACCUMULATE: gl.constexpr):
+        """The four strips (+ the old sum, loaded two strips at a time straight into registers) to
+        out[row:, n0:] from registers: no shared slots, so every byte of shared memory feeds the
+        main loop."""
+        layout: gl.constexpr = q0.type.layout
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        c = gl.arange(0, STRIP, layout=gl.SliceLayout(0, layout))
+        at = out + (row + r).to(gl.int64)[:, None] * K + (n0 + c)[None, :]
+        fits = (n0 + c)[None, :] + gl.full([ROWS, STRIP], 0, gl.int32, layout) < K
+        if ACCUMULATE:
+            old0 = gl.load(at, mask=fits)
+            old1 = gl.load(at + STRIP, mask=fits & (n0 + STRIP + c[None, :] < K))
+            gl.store(at, (q0 + old0.to(gl.float32)).to(old0.dtype), mask=fits)
+            gl.store(at + STRIP, (q1 + old1.to(gl.float32)).to(old1.dtype), mask=fits & (n0 + STRIP + c[None, :] < K))
+            old2 = gl.load(at + 2 * STRIP, mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
+            old3 = gl.load(at + 3 * STRIP, mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
+            gl.store(at + 2 * STRIP, (q2 + old2.to(gl.float32)).to(old2.dtype), mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
+            gl.store(at + 3 * STRIP, (q3 + old3.to(gl.float32)).to(old3.dtype), mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
+        else:
+            dtype: gl.constexpr = out.dtype.element_ty
+            gl.store(at, q0.to(dtype), mask=fits)
+            gl.store(at + STRIP, q1.to(dtype), mask=fits & (n0 + STRIP + c[None, :] < K))
+            gl.store(at + 2 * STRIP, q2.to(dtype), mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
+            gl.store(at + 3 * STRIP, q3.to(dtype), mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
+
+    @gluon.jit
     def _quarters(acc, ROWS: gl.constexpr, COLS: gl.constexpr):
         """acc [ROWS, COLS] as four column strips, left to right."""
         h0, h1 = gl.split(acc.reshape([ROWS, 2, COLS // 2]).permute([0, 2, 1]))
@@ -187,7 +211,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(
-        ROLE: gl.constexpr, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_free,
+        ROLE: gl.constexpr, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
+        c_ready, c_free,
         ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
         LEAD: gl.constexpr, PREFETCH: gl.constexpr, RELEASE: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
@@ -209,7 +234,7 @@ if HAVE_GLUON:
             release_at = gl.minimum(gl.maximum(steps - LEAD, 0), RELEASE)
             acc = gl.full((HALF_M, BLOCK_N), 0.0, gl.float32, acc_layout)  # (gl.zeros is a call: no warp count in a partition)
             for j in range(steps):
-                if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if ACCUMULATE and PREFETCH > 0:  # noqa: SIM102 (a compile-time branch around a run-time one)
                     if (owed == 1) & (j == release_at):  # before waiting on step j: the producer may be waiting at its fetch
                         _release(c_free, base, PREFETCH)
                         owed = 0
@@ -223,7 +248,10 @@ if HAVE_GLUON:
             count += steps
             row = g * M + m0 + ROLE * HALF_M
             q0, q1, q2, q3 = _quarters(acc, HALF_M, BLOCK_N)
-            if ACCUMULATE:
+            if PREFETCH == 0:
+                if live or not ACCUMULATE:
+                    _direct_out(q0, q1, q2, q3, out, row, n0, K, HALF_M, STRIP, ACCUMULATE)
+            elif ACCUMULATE:
                 if live:  # adding an empty expert's zeros would change nothing
                     _accumulate_out(q0, q1, q2, q3, c_bufs, c_ready, base, done, out_desc, row, n0, PREFETCH, STRIP, STRIP_BYTES)
                     owed = 1
@@ -273,8 +301,10 @@ if HAVE_GLUON:
         a0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, HALF_M], a_layout)
         a1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, HALF_M], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        SLOTS: gl.constexpr = 2 * PREFETCH  # PREFETCH >= 2: a consumer stores through two slots in turn
-        c_bufs = gl.allocate_shared_memory(out_dtype, [SLOTS, HALF_M, STRIP], c_layout)
+        # PREFETCH >= 2: a consumer stores through two slots in turn; 0: from registers (one small placeholder)
+        SLOTS: gl.constexpr = 2 * PREFETCH if PREFETCH > 0 else 1
+        SLOT_ROWS: gl.constexpr = HALF_M if PREFETCH > 0 else 8
+        c_bufs = gl.allocate_shared_memory(out_dtype, [SLOTS, SLOT_ROWS, STRIP], gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, STRIP], out_dtype))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
@@ -301,10 +331,10 @@ if HAVE_GLUON:
                 (_producer, (grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
                              ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, STEP_BYTES,
                              STRIP_BYTES)),
-                (_consume, (0, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
+                (_consume, (0, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, RELEASE,
                             STRIP_BYTES)),
-                (_consume, (1, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
+                (_consume, (1, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, RELEASE,
                             STRIP_BYTES)),
             ],
