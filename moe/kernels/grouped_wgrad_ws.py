@@ -38,22 +38,12 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, RELEASE): the Triton kernel's tile in STAGES
-# stages of BLOCK_K rows (24 KiB each at 32 rows); LEAD: main-loop steps before a tile's end at which
-# the producer asks for PREFETCH of each consumer's four 64 x 64 old-sum strips (16 KiB slots; the
-# consumer loads the rest itself into slots its first stores have left); RELEASE: the main-loop step
-# of the next tile at which a consumer hands its slots back (0: before that tile's main loop, after
-# its stores have left them). The shipped one, six stages and two strips prefetched (213 KiB), was
-# chosen on an H100 over three stage shapes and two leads (bench/NOTES.md, "Three wgrad kernels
-# against the exposed epilogue"): 1.11-1.20x the Triton kernel on random routing.
-CONFIG = (128, 256, 32, 6, 16, 2, 0)
-CONFIGS = {
-    "k32-s6-lead16": CONFIG,
-    "k32-s6-lead16-r2": (128, 256, 32, 6, 16, 2, 2),  # slots handed back late in the next tile
-    # the old sum straight to and from registers, shared memory for the stages (and the compiler's scratch)
-    "k32-s7-direct": (128, 256, 32, 7, 16, 0, 0),
-    "k32-s8-direct": (128, 256, 32, 8, 16, 0, 0),
-}
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD): the Triton kernel's tile in six 24 KiB stages of 32 rows
+# beside four 16 KiB old-sum slots (213 KiB); LEAD: main-loop steps before a tile's end at which its
+# old sum is asked for. Chosen on an H100 over three stage shapes and two leads (bench/NOTES.md, "Three
+# wgrad kernels against the exposed epilogue"): 1.11-1.20x the Triton kernel on random routing.
+CONFIG = (128, 256, 32, 6, 16)
+CONFIGS = {"k32-s6-lead16": CONFIG}
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
 # The default on sm90 wherever it applies; MOE_WGRAD_KERNEL=triton keeps the Triton kernel (side-by-sides).
 KERNEL_SWITCH = os.environ.get("MOE_WGRAD_KERNEL", "ws")
@@ -80,12 +70,11 @@ if HAVE_GLUON:
     def _producer(
         grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
         ready, empty, c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, PREFETCH: gl.constexpr, STEP_BYTES: gl.constexpr,
-        STRIP_BYTES: gl.constexpr,
+        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, STEP_BYTES: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Operand loads for every tile of this program through the stage ring (TMA descriptors
         over each expert's own rows: the hardware zero-fills past its last row), and each tile's
-        first PREFETCH old-sum strips per consumer LEAD steps before its end."""
+        first old-sum strips LEAD steps before its end."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         STRIP: gl.constexpr = BLOCK_N // 4
         a_layout: gl.constexpr = a0_bufs.type.layout
@@ -103,10 +92,10 @@ if HAVE_GLUON:
             for j in range(steps):
                 if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
                     if j == fetch_at:
-                        for slot in gl.static_range(2 * PREFETCH):  # slot PREFETCH * r + q: consumer r's strip q
+                        for slot in gl.static_range(4):  # slot 2r + q: consumer r's strip q
                             mbarrier.wait(c_free.index(slot), (fetched & 1) ^ 1)
                             mbarrier.expect(c_ready.index(slot), STRIP_BYTES)
-                            at = [g * M + m0 + (slot // PREFETCH) * HALF_M, n0 + (slot % PREFETCH) * STRIP]
+                            at = [g * M + m0 + (slot // 2) * HALF_M, n0 + (slot % 2) * STRIP]
                             tma.async_copy_global_to_shared(out_desc, at, c_ready.index(slot), c_bufs.index(slot))
                         fetched += 1
                 s = count % STAGES
@@ -130,32 +119,6 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(out_desc, [row, col], buf)
 
     @gluon.jit
-    def _direct_out(q0, q1, q2, q3, out, row, n0, K, ROWS: gl.constexpr, STRIP: gl.constexpr, ACCUMULATE: gl.constexpr):
-        """The four strips (+ the old sum, loaded two strips at a time straight into registers) to
-        out[row:, n0:] from registers: no shared slots, so every byte of shared memory feeds the
-        main loop."""
-        layout: gl.constexpr = q0.type.layout
-        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        c = gl.arange(0, STRIP, layout=gl.SliceLayout(0, layout))
-        at = out + (row + r).to(gl.int64)[:, None] * K + (n0 + c)[None, :]
-        fits = (n0 + c)[None, :] + gl.full([ROWS, STRIP], 0, gl.int32, layout) < K
-        if ACCUMULATE:
-            old0 = gl.load(at, mask=fits)
-            old1 = gl.load(at + STRIP, mask=fits & (n0 + STRIP + c[None, :] < K))
-            gl.store(at, (q0 + old0.to(gl.float32)).to(old0.dtype), mask=fits)
-            gl.store(at + STRIP, (q1 + old1.to(gl.float32)).to(old1.dtype), mask=fits & (n0 + STRIP + c[None, :] < K))
-            old2 = gl.load(at + 2 * STRIP, mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
-            old3 = gl.load(at + 3 * STRIP, mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
-            gl.store(at + 2 * STRIP, (q2 + old2.to(gl.float32)).to(old2.dtype), mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
-            gl.store(at + 3 * STRIP, (q3 + old3.to(gl.float32)).to(old3.dtype), mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
-        else:
-            dtype: gl.constexpr = out.dtype.element_ty
-            gl.store(at, q0.to(dtype), mask=fits)
-            gl.store(at + STRIP, q1.to(dtype), mask=fits & (n0 + STRIP + c[None, :] < K))
-            gl.store(at + 2 * STRIP, q2.to(dtype), mask=fits & (n0 + 2 * STRIP + c[None, :] < K))
-            gl.store(at + 3 * STRIP, q3.to(dtype), mask=fits & (n0 + 3 * STRIP + c[None, :] < K))
-
-    @gluon.jit
     def _quarters(acc, ROWS: gl.constexpr, COLS: gl.constexpr):
         """acc [ROWS, COLS] as four column strips, left to right."""
         h0, h1 = gl.split(acc.reshape([ROWS, 2, COLS // 2]).permute([0, 2, 1]))
@@ -164,80 +127,34 @@ if HAVE_GLUON:
         return q0, q1, q2, q3
 
     @gluon.jit
-    def _accumulate_out(
-        q0, q1, q2, q3, c_bufs, c_ready, base, done, out_desc, row, n0, PREFETCH: gl.constexpr, STRIP: gl.constexpr, STRIP_BYTES: gl.constexpr
-    ):
-        """A consumer's four strips added into the old sum and stored: strips 0..PREFETCH-1 from
-        the slots the producer filled (a slot also reloaded for a later strip completes twice per
-        tile, else once: ``done`` live tiles before this one give the phase), the rest loaded here
-        into the slots the first stores have left (all loads issued before the first is waited for)."""
-        if PREFETCH == 4:
-            phase = done & 1
-            _strip_out(q0, c_bufs.index(base), c_ready.index(base), phase, out_desc, row, n0, True)
-            _strip_out(q1, c_bufs.index(base + 1), c_ready.index(base + 1), phase, out_desc, row, n0 + STRIP, True)
-            _strip_out(q2, c_bufs.index(base + 2), c_ready.index(base + 2), phase, out_desc, row, n0 + 2 * STRIP, True)
-            _strip_out(q3, c_bufs.index(base + 3), c_ready.index(base + 3), phase, out_desc, row, n0 + 3 * STRIP, True)
-        elif PREFETCH == 3:
-            phase = done & 1
-            _strip_out(q0, c_bufs.index(base), c_ready.index(base), 0, out_desc, row, n0, True)
-            _strip_out(q1, c_bufs.index(base + 1), c_ready.index(base + 1), phase, out_desc, row, n0 + STRIP, True)
-            _strip_out(q2, c_bufs.index(base + 2), c_ready.index(base + 2), phase, out_desc, row, n0 + 2 * STRIP, True)
-            tma.store_wait(pendings=2)  # the first strip's store has left its slot
-            mbarrier.expect(c_ready.index(base), STRIP_BYTES)
-            tma.async_copy_global_to_shared(out_desc, [row, n0 + 3 * STRIP], c_ready.index(base), c_bufs.index(base))
-            _strip_out(q3, c_bufs.index(base), c_ready.index(base), 1, out_desc, row, n0 + 3 * STRIP, True)
-        else:
-            buf0 = c_bufs.index(base)
-            buf1 = c_bufs.index(base + 1)
-            bar0 = c_ready.index(base)
-            bar1 = c_ready.index(base + 1)
-            _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, True)
-            _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, True)
-            tma.store_wait(pendings=1)  # the first strip's store has left buf0
-            mbarrier.expect(bar0, STRIP_BYTES)
-            tma.async_copy_global_to_shared(out_desc, [row, n0 + 2 * STRIP], bar0, buf0)
-            tma.store_wait(pendings=0)
-            mbarrier.expect(bar1, STRIP_BYTES)
-            tma.async_copy_global_to_shared(out_desc, [row, n0 + 3 * STRIP], bar1, buf1)
-            _strip_out(q2, buf0, bar0, 1, out_desc, row, n0 + 2 * STRIP, True)
-            _strip_out(q3, buf1, bar1, 1, out_desc, row, n0 + 3 * STRIP, True)
-
-    @gluon.jit
-    def _release(c_free, base, PREFETCH: gl.constexpr):
-        """This consumer's slots back to the producer, once its stores have left them."""
-        tma.store_wait(pendings=0)
-        for q in gl.static_range(PREFETCH):
-            mbarrier.arrive(c_free.index(base + q), count=1)
-
-    @gluon.jit
     def _consume(
-        ROLE: gl.constexpr, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
-        c_ready, c_free,
+        ROLE: gl.constexpr, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_free,
         ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        LEAD: gl.constexpr, PREFETCH: gl.constexpr, RELEASE: gl.constexpr, STRIP_BYTES: gl.constexpr,
+        STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Consumer ROLE: rows ROLE * 64 onward of every tile, main loop on the tensor cores, then
-        the tile added into the old sum in four column strips. The slots of the last tile go back
-        at main-loop step min(RELEASE, the producer's fetch step) of the next live tile, so their
-        stores drain under the main loop (the producer waits for them only at its fetch step)."""
+        the tile added into the old sum in four column strips."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         STRIP: gl.constexpr = BLOCK_N // 4
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        base = ROLE * PREFETCH
+        buf0 = c_bufs.index(2 * ROLE)
+        buf1 = c_bufs.index(2 * ROLE + 1)
+        bar0 = c_ready.index(2 * ROLE)
+        bar1 = c_ready.index(2 * ROLE + 1)
         count = 0
-        done = 0  # live tiles finished: the phase of a slot filled once per tile
         owed = 0  # whether this consumer's slots await release to the producer
         for i in range(n_tiles):
             g, _start, rows, m0, n0 = _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED, BLOCK_M, BLOCK_N)
             steps = gl.cdiv(rows, BLOCK_K)
             live = rows > 0
-            release_at = gl.minimum(gl.maximum(steps - LEAD, 0), RELEASE)
+            if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if owed == 1:  # the last tile's stores have long left the slots
+                    tma.store_wait(pendings=0)
+                    mbarrier.arrive(c_free.index(2 * ROLE), count=1)
+                    mbarrier.arrive(c_free.index(2 * ROLE + 1), count=1)
+                    owed = 0
             acc = gl.full((HALF_M, BLOCK_N), 0.0, gl.float32, acc_layout)  # (gl.zeros is a call: no warp count in a partition)
             for j in range(steps):
-                if ACCUMULATE and PREFETCH > 0:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                    if (owed == 1) & (j == release_at):  # before waiting on step j: the producer may be waiting at its fetch
-                        _release(c_free, base, PREFETCH)
-                        owed = 0
                 s = (count + j) % STAGES
                 mbarrier.wait(ready.index(s), ((count + j) // STAGES) & 1)
                 acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
@@ -248,24 +165,27 @@ if HAVE_GLUON:
             count += steps
             row = g * M + m0 + ROLE * HALF_M
             q0, q1, q2, q3 = _quarters(acc, HALF_M, BLOCK_N)
-            if PREFETCH == 0:
-                if live or not ACCUMULATE:
-                    _direct_out(q0, q1, q2, q3, out, row, n0, K, HALF_M, STRIP, ACCUMULATE)
-            elif ACCUMULATE:
+            if ACCUMULATE:
                 if live:  # adding an empty expert's zeros would change nothing
-                    _accumulate_out(q0, q1, q2, q3, c_bufs, c_ready, base, done, out_desc, row, n0, PREFETCH, STRIP, STRIP_BYTES)
+                    _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, True)
+                    _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, True)
+                    tma.store_wait(pendings=1)  # the first strip's store has left buf0
+                    mbarrier.expect(bar0, STRIP_BYTES)
+                    tma.async_copy_global_to_shared(out_desc, [row, n0 + 2 * STRIP], bar0, buf0)
+                    tma.store_wait(pendings=0)
+                    mbarrier.expect(bar1, STRIP_BYTES)
+                    tma.async_copy_global_to_shared(out_desc, [row, n0 + 3 * STRIP], bar1, buf1)
+                    _strip_out(q2, buf0, bar0, 1, out_desc, row, n0 + 2 * STRIP, True)
+                    _strip_out(q3, buf1, bar1, 1, out_desc, row, n0 + 3 * STRIP, True)
                     owed = 1
-                    done += 1
             else:
-                buf0 = c_bufs.index(base)
-                buf1 = c_bufs.index(base + 1)
                 tma.store_wait(pendings=0)
-                _strip_out(q0, buf0, c_ready.index(base), 0, out_desc, row, n0, False)
-                _strip_out(q1, buf1, c_ready.index(base), 0, out_desc, row, n0 + STRIP, False)
+                _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, False)
+                _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, False)
                 tma.store_wait(pendings=1)
-                _strip_out(q2, buf0, c_ready.index(base), 0, out_desc, row, n0 + 2 * STRIP, False)
+                _strip_out(q2, buf0, bar0, 0, out_desc, row, n0 + 2 * STRIP, False)
                 tma.store_wait(pendings=1)
-                _strip_out(q3, buf1, c_ready.index(base), 0, out_desc, row, n0 + 3 * STRIP, False)
+                _strip_out(q3, buf1, bar1, 0, out_desc, row, n0 + 3 * STRIP, False)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -285,8 +205,6 @@ if HAVE_GLUON:
         BLOCK_K: gl.constexpr,
         STAGES: gl.constexpr,
         LEAD: gl.constexpr,
-        PREFETCH: gl.constexpr,
-        RELEASE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R,
@@ -301,18 +219,15 @@ if HAVE_GLUON:
         a0_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, HALF_M], a_layout)
         a1_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, HALF_M], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_layout)
-        # PREFETCH >= 2: a consumer stores through two slots in turn; 0: from registers (one small placeholder)
-        SLOTS: gl.constexpr = 2 * PREFETCH if PREFETCH > 0 else 1
-        SLOT_ROWS: gl.constexpr = HALF_M if PREFETCH > 0 else 8
-        c_bufs = gl.allocate_shared_memory(out_dtype, [SLOTS, SLOT_ROWS, STRIP], gl.NVMMASharedLayout.get_default_for([SLOT_ROWS, STRIP], out_dtype))
+        c_bufs = gl.allocate_shared_memory(out_dtype, [4, HALF_M, STRIP], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        c_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        c_free = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        c_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(empty.index(j), count=2)  # both consumers read every stage
-        for j in gl.static_range(SLOTS):
+        for j in gl.static_range(4):
             mbarrier.init(c_ready.index(j), count=1)
             mbarrier.init(c_free.index(j), count=1)
         out_desc = tma.make_tensor_descriptor(out, [G * M, K], [K, 1], [HALF_M, STRIP], c_layout)
@@ -329,14 +244,11 @@ if HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_producer, (grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
-                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, STEP_BYTES,
-                             STRIP_BYTES)),
-                (_consume, (0, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, RELEASE,
-                            STRIP_BYTES)),
-                (_consume, (1, ends, order, out_desc, out, M, K, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, PREFETCH, RELEASE,
-                            STRIP_BYTES)),
+                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, STEP_BYTES, STRIP_BYTES)),
+                (_consume, (0, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_consume, (1, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
@@ -389,7 +301,7 @@ def grouped_wgrad_ws(
     groups, m, k = out.shape
     if not (groups and m and k):
         return
-    block_m, block_n, block_k, stages, lead, prefetch, release = config or CONFIG
+    block_m, block_n, block_k, stages, lead = config or CONFIG
     tiles = groups * (m // block_m) * triton.cdiv(k, block_n)
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(allocate_scratch)
@@ -410,8 +322,6 @@ def grouped_wgrad_ws(
         BLOCK_K=block_k,
         STAGES=stages,
         LEAD=lead,
-        PREFETCH=prefetch,
-        RELEASE=release,
         CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4,
         maxnreg=MAX_REGS,

@@ -23,7 +23,7 @@ needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no G
 def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
     from tests.kernels.sm90 import compile_for_sm90
 
-    block_m, block_n, block_k, stages, lead, prefetch, release = ws.CONFIGS[config]
+    block_m, block_n, block_k, stages, lead = ws.CONFIGS[config]
     stats = compile_for_sm90(
         ws._grouped_wgrad_ws_kernel,
         {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
@@ -35,8 +35,6 @@ def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config,
             "BLOCK_K": block_k,
             "STAGES": stages,
             "LEAD": lead,
-            "PREFETCH": prefetch,
-            "RELEASE": release,
             "CONSUMER_REGS": ws.CONSUMER_REGS,
         },
         num_warps=4,
