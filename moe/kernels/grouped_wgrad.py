@@ -291,9 +291,9 @@ def grouped_wgrad(
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
     use_ws = ws.USE_WS if kernel is None else kernel == "ws"
-    if use_ws and config is None and ws.supports(grad, x, out, pair=pair):
-        order = expert_order(ends, ends2 if pair is not None else None) if ordered else None
-        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config, pair=(grad2, x2, ends2) if pair is not None else None)
+    if use_ws and config is None and ws.supports(grad, x, out, paired=pair is not None):
+        order = expert_order(ends) if ordered else None
+        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config)
         return
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)

@@ -54,58 +54,27 @@ USE_WS = KERNEL_SWITCH == "ws"
 if HAVE_GLUON:
 
     @gluon.jit
-    def _rows_of(ends, g):
-        """(first row, rows) of group g over ``ends``."""
-        start = gl.load(ends + g - 1, mask=g > 0, other=0)
-        return start, gl.load(ends + g) - start
-
-    @gluon.jit
-    def _tile_at(
-        i, pid, nprog, order, ends, ends2, per_group, n_blocks, ORDERED: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-    ):  # fmt: skip
-        """(expert, its first row and rows, those of the second micro-batch when PAIRED (else 0
-        rows), first output row, first output column) of this program's i-th tile: tiles
-        round-robin over programs, expert-major, experts in ``order`` (heaviest first) when ORDERED."""
+    def _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(expert, its first row, its rows, first output row, first output column) of this
+        program's i-th tile: tiles round-robin over programs, expert-major, experts in ``order``
+        (heaviest first) when ORDERED."""
         tile = pid + i * nprog
         slot = tile // per_group
         rest = tile % per_group
         g = gl.load(order + slot) if ORDERED else slot
-        start, rows = _rows_of(ends, g)
-        if PAIRED:
-            start2, rows2 = _rows_of(ends2, g)
-        else:
-            start2, rows2 = start, rows * 0
-        return g, start, rows, start2, rows2, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
-
-    @gluon.jit
-    def _operand_descs(grad, x, start, rows, M, K, a_layout: gl.constexpr, b_layout: gl.constexpr, BLOCK_K: gl.constexpr,
-                       HALF_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-        """TMA descriptors over one expert's own rows of grad and x (the hardware zero-fills past
-        its last row; a descriptor needs a non-empty box, and no load happens without rows)."""
-        start64 = start.to(gl.int64)
-        shape_rows = gl.maximum(rows, 1)
-        g_desc = tma.make_tensor_descriptor(grad + start64 * M, [shape_rows, M], [M, 1], [BLOCK_K, HALF_M], a_layout)
-        x_desc = tma.make_tensor_descriptor(x + start64 * K, [shape_rows, K], [K, 1], [BLOCK_K, BLOCK_N], b_layout)
-        return g_desc, x_desc
-
-    @gluon.jit
-    def _load_step(g_desc, x_desc, r0, m0, n0, bar, a0, a1, b, HALF_M: gl.constexpr):
-        """One stage: rows r0.. of both operands' [m0:] and [n0:] columns."""
-        tma.async_copy_global_to_shared(g_desc, [r0, m0], bar, a0)
-        tma.async_copy_global_to_shared(g_desc, [r0, m0 + HALF_M], bar, a1)
-        tma.async_copy_global_to_shared(x_desc, [r0, n0], bar, b)
+        start = gl.load(ends + g - 1, mask=g > 0, other=0)
+        rows = gl.load(ends + g) - start
+        return g, start, rows, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
 
     @gluon.jit
     def _producer(
-        grad, x, ends, grad2, x2, ends2, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
-        ready, empty, c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
+        ready, empty, c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, STEP_BYTES: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
-        """Operand loads for every tile of this program through the stage ring (each expert's rows,
-        then, PAIRED, its rows of the second micro-batch), and each tile's first old-sum strips
-        LEAD steps before its end."""
+        """Operand loads for every tile of this program through the stage ring (TMA descriptors
+        over each expert's own rows: the hardware zero-fills past its last row), and each tile's
+        first old-sum strips LEAD steps before its end."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         STRIP: gl.constexpr = BLOCK_N // 4
         a_layout: gl.constexpr = a0_bufs.type.layout
@@ -113,14 +82,12 @@ if HAVE_GLUON:
         count = 0
         fetched = 0  # old-sum prefetches so far
         for i in range(n_tiles):
-            g, start, rows, start2, rows2, m0, n0 = _tile_at(
-                i, pid, nprog, order, ends, ends2, per_group, n_blocks, ORDERED, PAIRED, BLOCK_M, BLOCK_N
-            )
-            g_desc, x_desc = _operand_descs(grad, x, start, rows, M, K, a_layout, b_layout, BLOCK_K, HALF_M, BLOCK_N)
-            first = gl.cdiv(rows, BLOCK_K)
-            steps = first + gl.cdiv(rows2, BLOCK_K)
-            if PAIRED:
-                g2_desc, x2_desc = _operand_descs(grad2, x2, start2, rows2, M, K, a_layout, b_layout, BLOCK_K, HALF_M, BLOCK_N)
+            g, start, rows, m0, n0 = _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED, BLOCK_M, BLOCK_N)
+            start64 = start.to(gl.int64)
+            shape_rows = gl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
+            g_desc = tma.make_tensor_descriptor(grad + start64 * M, [shape_rows, M], [M, 1], [BLOCK_K, HALF_M], a_layout)
+            x_desc = tma.make_tensor_descriptor(x + start64 * K, [shape_rows, K], [K, 1], [BLOCK_K, BLOCK_N], b_layout)
+            steps = gl.cdiv(rows, BLOCK_K)
             fetch_at = gl.maximum(steps - LEAD, 0)
             for j in range(steps):
                 if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
@@ -135,13 +102,9 @@ if HAVE_GLUON:
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, STEP_BYTES)
-                if PAIRED:
-                    if j < first:
-                        _load_step(g_desc, x_desc, j * BLOCK_K, m0, n0, bar, a0_bufs.index(s), a1_bufs.index(s), b_bufs.index(s), HALF_M)
-                    else:
-                        _load_step(g2_desc, x2_desc, (j - first) * BLOCK_K, m0, n0, bar, a0_bufs.index(s), a1_bufs.index(s), b_bufs.index(s), HALF_M)
-                else:
-                    _load_step(g_desc, x_desc, j * BLOCK_K, m0, n0, bar, a0_bufs.index(s), a1_bufs.index(s), b_bufs.index(s), HALF_M)
+                tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0], bar, a0_bufs.index(s))
+                tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0 + HALF_M], bar, a1_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc, [j * BLOCK_K, n0], bar, b_bufs.index(s))
                 count += 1
 
     @gluon.jit
@@ -165,10 +128,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(
-        ROLE: gl.constexpr, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
-        c_ready, c_free,
-        ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STRIP_BYTES: gl.constexpr,
+        ROLE: gl.constexpr, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_free,
+        ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Consumer ROLE: rows ROLE * 64 onward of every tile, main loop on the tensor cores, then
         the tile added into the old sum in four column strips."""
@@ -182,11 +144,9 @@ if HAVE_GLUON:
         count = 0
         owed = 0  # whether this consumer's slots await release to the producer
         for i in range(n_tiles):
-            g, _start, rows, _start2, rows2, m0, n0 = _tile_at(
-                i, pid, nprog, order, ends, ends2, per_group, n_blocks, ORDERED, PAIRED, BLOCK_M, BLOCK_N
-            )
-            steps = gl.cdiv(rows, BLOCK_K) + gl.cdiv(rows2, BLOCK_K)
-            live = rows + rows2 > 0
+            g, _start, rows, m0, n0 = _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED, BLOCK_M, BLOCK_N)
+            steps = gl.cdiv(rows, BLOCK_K)
+            live = rows > 0
             if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
                 if owed == 1:  # the last tile's stores have long left the slots
                     tma.store_wait(pendings=0)
@@ -233,9 +193,6 @@ if HAVE_GLUON:
         grad,
         x,
         ends,
-        grad2,
-        x2,
-        ends2,
         order,
         out,
         G,
@@ -243,7 +200,6 @@ if HAVE_GLUON:
         K,
         ACCUMULATE: gl.constexpr,
         ORDERED: gl.constexpr,
-        PAIRED: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -251,9 +207,8 @@ if HAVE_GLUON:
         LEAD: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
-        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
-        over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major bf16/fp16,
-        out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0."""
+        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R,
+        K] row-major bf16/fp16, out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0."""
         dtype: gl.constexpr = grad.dtype.element_ty
         out_dtype: gl.constexpr = out.dtype.element_ty
         HALF_M: gl.constexpr = BLOCK_M // 2
@@ -288,13 +243,12 @@ if HAVE_GLUON:
         # consumer a worker warpgroup with most of the register file
         gl.warp_specialize(
             [
-                (_producer, (grad, x, ends, grad2, x2, ends2, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs,
-                             b_bufs, c_bufs, ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD,
-                             STEP_BYTES, STRIP_BYTES)),
-                (_consume, (0, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
-                (_consume, (1, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_producer, (grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
+                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, STEP_BYTES, STRIP_BYTES)),
+                (_consume, (0, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_consume, (1, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
@@ -308,36 +262,27 @@ def allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
-def _operands_fit(grad: torch.Tensor, x: torch.Tensor) -> bool:
-    """bf16/fp16 operands of one dtype, contiguous, with 16-byte aligned rows (TMA)."""
+def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, paired: bool = False) -> bool:
+    """Whether this kernel takes the case: Gluon, an sm90 GPU, bf16/fp16 operands with 16-byte
+    aligned rows, an fp32 or bf16 accumulator whose M is a multiple of BLOCK_M, unpaired."""
+    if not HAVE_GLUON or paired or grad.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(grad.device)[0] != 9:
+        return False
     item = grad.element_size()
     return (
         grad.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == grad.dtype
+        and out.dtype in (torch.float32, torch.bfloat16)
+        and out.is_contiguous()
+        and out.shape[1] % CONFIG[0] == 0
         and grad.is_contiguous()
         and x.is_contiguous()
         and (grad.shape[1] * item) % 16 == 0
         and (x.shape[1] * item) % 16 == 0
+        and (out.shape[2] * out.element_size()) % 16 == 0
         and grad.data_ptr() % 16 == 0
         and x.data_ptr() % 16 == 0
-    )
-
-
-def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, pair: tuple[torch.Tensor, ...] | None = None) -> bool:
-    """Whether this kernel takes the case: Gluon, an sm90 GPU, bf16/fp16 operands with 16-byte
-    aligned rows (the paired micro-batch's too), an fp32 or bf16 accumulator whose M is a
-    multiple of BLOCK_M."""
-    if not HAVE_GLUON or grad.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(grad.device)[0] != 9:
-        return False
-    return (
-        _operands_fit(grad, x)
-        and (pair is None or (_operands_fit(pair[0], pair[1]) and pair[0].dtype == grad.dtype))
-        and out.dtype in (torch.float32, torch.bfloat16)
-        and out.is_contiguous()
-        and out.shape[1] % CONFIG[0] == 0
-        and (out.shape[2] * out.element_size()) % 16 == 0
     )
 
 
@@ -350,11 +295,9 @@ def grouped_wgrad_ws(
     *,
     accumulate: bool,
     config: tuple[int, ...] | None = None,
-    pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """out[g] (+)= grad_g^T @ x_g over group g's rows (``ends`` [G] int32 on the device), then
-    over ``pair``'s (a second micro-batch's grad, x, ends) in the same sum; experts visited in
-    ``order`` (or index order when None); check :func:`supports` first."""
+    """out[g] (+)= grad_g^T @ x_g over group g's rows (``ends`` [G] int32 on the device), experts
+    visited in ``order`` (or index order when None); check :func:`supports` first."""
     groups, m, k = out.shape
     if not (groups and m and k):
         return
@@ -363,12 +306,10 @@ def grouped_wgrad_ws(
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(allocate_scratch)
     ends = ends.to(torch.int32)
-    second = (pair[0], pair[1], pair[2].to(torch.int32)) if pair is not None else (grad, x, ends)  # not read unless PAIRED
     _grouped_wgrad_ws_kernel[(min(tiles, slots),)](
         grad,
         x,
         ends,
-        *second,
         ends if order is None else order,
         out,
         groups,
@@ -376,7 +317,6 @@ def grouped_wgrad_ws(
         k,
         ACCUMULATE=accumulate,
         ORDERED=order is not None,
-        PAIRED=pair is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

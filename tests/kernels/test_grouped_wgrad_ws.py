@@ -20,19 +20,16 @@ needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no G
 @pytest.mark.parametrize("config", list(ws.CONFIGS))
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
-@pytest.mark.parametrize("paired", [False, True])
-def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate, paired):
+def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
     from tests.kernels.sm90 import compile_for_sm90
 
     block_m, block_n, block_k, stages, lead = ws.CONFIGS[config]
     stats = compile_for_sm90(
         ws._grouped_wgrad_ws_kernel,
-        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "grad2": "*bf16", "x2": "*bf16", "ends2": "*i32", "order": "*i32", "out": accumulator}
-        | {"G": "i32", "M": "i32", "K": "i32"},
+        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
         {
             "ACCUMULATE": accumulate,
             "ORDERED": True,
-            "PAIRED": paired,
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
@@ -52,11 +49,11 @@ def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config,
 
 
 def test_it_declines_what_it_cannot_take():
-    """CPU tensors (paired or not) go to the Triton kernel."""
+    """CPU tensors, paired micro-batches and an M that is not a multiple of the tile go to the Triton kernel."""
     grad, x = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 128)
     assert not ws.supports(grad, x, out)
-    assert not ws.supports(grad, x, out, pair=(grad, x, torch.tensor([3, 8], dtype=torch.int32)))
+    assert not ws.supports(grad, x, out, paired=True)
 
 
 def test_it_is_the_default_and_a_bad_switch_names_itself():
