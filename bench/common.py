@@ -107,6 +107,23 @@ def timed_train_steps(trainer, steps: int) -> list[float]:
     return times
 
 
+def pipelined_train_steps(trainer, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` training steps run back to back as ``Trainer.fit`` runs them
+    between log points: an event between steps and one synchronisation at the end, so the host
+    prepares step i+1 while the GPU runs step i. ``timed_train_steps`` synchronises after every
+    step and so also counts the host's time to the step's first kernel; the difference is what a
+    step costs the host that training hides."""
+    torch.cuda.synchronize()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    marks[0].record()
+    for i in range(steps):
+        trainer.train_step()
+        trainer.step += 1
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+
+
 def kernel_overlap(prof) -> dict[str, float]:
     """From a torch.profiler trace: milliseconds of communication kernels (NCCL), of everything
     else, and of communication with no other kernel running (what the step waits for)."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import environment, matmul_peak_tflops, print_table, save_result, timed_train_steps
+from bench.common import environment, matmul_peak_tflops, pipelined_train_steps, print_table, save_result, timed_train_steps
 from moe.config import ExperimentConfig
 from moe.data import write_token_file
 from moe.hardware import configure_cuda_allocator, gpu_by_device_name
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
         data.mkdir()
-        total_steps = args.warmup + args.steps + 2  # + the sync-check step and a profiled one
+        total_steps = args.warmup + 2 * args.steps + 2  # + the pipelined steps, the sync-check step and a profiled one
         # the data (and so the batches every step sees) must not depend on --profile
         make_data(data, (args.seq + 1) * args.micro * args.accum * (total_steps + 2), 50304)
         cfg = build_config(args, data, Path(tmp) / "ck", total_steps)
@@ -261,8 +261,8 @@ def _planned_peak(cfg) -> float | None:
 
 
 def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, peak_measured: float) -> dict[str, Any]:
-    """Warm-up, one step under sync-debug "error", the timed steps, then the optional profiled step
-    and peak breakdown."""
+    """Warm-up, one step under sync-debug "error", the timed steps (synchronised per step, then back
+    to back as training runs them), then the optional profiled step and peak breakdown."""
     for _ in range(args.warmup):
         trainer.train_step()
         trainer.step += 1
@@ -273,6 +273,7 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
     losses = torch.stack([v for _, v in trainer._pending]).tolist()
     assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
     peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
+    pipelined = pipelined_train_steps(trainer, args.steps)
     if args.profile:
         profile_step(trainer, args.profile)
     breakdown = None
@@ -283,10 +284,13 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
         trainer.step += 1
     fpt = flops_per_token(cfg.model, args.seq)
     row = result_row(args, trainer, fpt, times, peak_measured, peak_mem_gib, syncs_ok, _planned_peak(cfg))
+    row["step_s_pipelined"] = statistics.median(pipelined)
+    row["mfu_measured_peak_pipelined"] = row["tokens_per_step"] * fpt / row["step_s_pipelined"] / 1e12 / peak_measured
     return {
         "row": row,
         "flops_per_token": fpt,
         "times": times,
+        "pipelined_times": pipelined,
         "losses": losses,
         "sync_error": sync_error,
         "breakdown": breakdown,
@@ -376,6 +380,8 @@ COLUMNS = [
     "peak_mem_gib",
     "plan_peak_gib",
     "zero_host_syncs",
+    "step_s_pipelined",
+    "mfu_measured_peak_pipelined",
 ]
 
 
@@ -390,6 +396,7 @@ def report(args: argparse.Namespace, got: dict[str, Any]) -> None:
         "config": {**vars(args), "flops_per_token": got["flops_per_token"]},
         "matmul_peak_tflops": got["peak_measured"],
         "step_times_s": got["times"],
+        "pipelined_step_times_s": got["pipelined_times"],
         "losses": got["losses"],
         "result": got["row"],
         **({"peak_breakdown": got["breakdown"]} if got["breakdown"] else {}),
