@@ -4,7 +4,9 @@
 # its GPU check (float64 reference, the Triton kernel bitwise, reruns; stops here if wrong or hung), layout
 # invariance on CUDA with it (dp 4/2/1 ranks sharing the GPU over gloo, DDP/ZeRO-1/FSDP, resumes),
 # bench.wgrad --ws (outputs checked bitwise first), bench.model at OLMoE width (micro 4 x accum 4) each way
-# twice back to back, and the Qwen-like `moe train` run each way. On a GPU under 100 GiB (an H100) the step
+# twice back to back (each also timed back to back without a synchronisation per step), and the Qwen-like
+# `moe train` run each way, the ws one also logged every 4 steps (fit then synchronises once per 4 steps). On a GPU
+# under 100 GiB (an H100) the step
 # runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -26,6 +28,8 @@ done
 tokens_8k
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
 qwen_like_train qwen-like-wgrad-ws 12 --set model.n_layers="$qwen_layers"
+# the same run logged every 4 steps: fit synchronises only at a log, so steps 5-16 run back to back
+qwen_like_train qwen-like-wgrad-ws-log4 16 --set model.n_layers="$qwen_layers" --set train.log_every=4
 export MOE_WGRAD_KERNEL=triton
 qwen_like_train qwen-like-wgrad-triton 12 --set model.n_layers="$qwen_layers"
 unset MOE_WGRAD_KERNEL
