@@ -121,7 +121,7 @@ def pipelined_train_steps(trainer, steps: int) -> list[float]:
         trainer.step += 1
         marks[i + 1].record()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
 
 
 def kernel_overlap(prof) -> dict[str, float]:
