@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from tests.containers import image_build
-from tests.helpers import make_corpus, need_slurm
+from tests.helpers import cancel_slurm_jobs_under, make_corpus, need_slurm
 from tests.workspace import REPO, TINY_PARAMS, write_corpus
 
 # The longest modules first (CI's durations, two workers, --dist loadfile hands out whole modules
@@ -97,7 +98,21 @@ def _one_module_on_the_cluster_at_a_time(request):
         yield
         return
     with cluster_turn():
-        yield
+        leftover = cancel_slurm_jobs_under(_session_tmp_root(request))  # an earlier module's, never a user's
+        if leftover:
+            warnings.warn(f"cancelled Slurm jobs {leftover} an earlier test module left behind", stacklevel=1)
+        try:
+            yield
+        finally:
+            leftover = cancel_slurm_jobs_under(_session_tmp_root(request))
+            if leftover:
+                warnings.warn(f"cancelled Slurm jobs {leftover} that {name} left behind", stacklevel=1)
+
+
+def _session_tmp_root(request) -> Path:
+    """This test session's tmp root, shared by its workers (each worker's basetemp is a folder in it)."""
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    return base.parent if hasattr(request.config, "workerinput") else base
 
 
 def pytest_configure(config):
@@ -181,5 +196,5 @@ def slurm_cluster():
     with cluster_turn():  # not two workers' start.sh at once
         r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        need_slurm(f"could not start the local Slurm cluster: {r.stderr[-500:]}")
+        need_slurm(f"could not start the local Slurm cluster: {r.stderr[-1500:]}")
     return True

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +256,38 @@ def need_slurm(what: str) -> None:
     if os.environ.get("MOE_REQUIRE_SLURM"):
         pytest.fail(f"{what} (MOE_REQUIRE_SLURM=1)")
     pytest.skip(what)
+
+
+def slurm_jobs_under(root: Path) -> list[str]:
+    """The queued, running or completing Slurm jobs (array jobs as one id) whose working directory lies under root."""
+    if not shutil.which("squeue"):
+        return []
+    r = subprocess.run(["squeue", "-h", "-o", "%A|%Z"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        return []
+    root = Path(root).resolve()
+    jobs = []
+    for line in r.stdout.splitlines():
+        job, _, workdir = line.partition("|")
+        if workdir and Path(workdir).resolve().is_relative_to(root) and job not in jobs:
+            jobs.append(job)
+    return jobs
+
+
+def cancel_slurm_jobs_under(root: Path, timeout: float = 180.0) -> list[str]:
+    """Cancel the jobs a test session left under its tmp root and wait until they have left the nodes.
+
+    A job outliving its module (a timed-out test's, a requeued one) held a node for the next module, whose
+    two-node job then waited past its timeout (CI at 6254e23). Jobs started elsewhere, a user's own, are
+    never touched: only those whose working directory is this session's."""
+    jobs = slurm_jobs_under(root)
+    if jobs:
+        subprocess.run(["scancel", *jobs], capture_output=True, text=True, timeout=60)
+        deadline = time.time() + timeout
+        while slurm_jobs_under(root) and time.time() < deadline:
+            time.sleep(1)
+        left = slurm_jobs_under(root)
+        if left:
+            queue = subprocess.run(["squeue"], capture_output=True, text=True, timeout=60).stdout
+            raise AssertionError(f"Slurm jobs {left} of this test session still queued {timeout:.0f} s after scancel:\n{queue}")
+    return jobs

@@ -10,7 +10,11 @@ NODES=${MOE_SLURM_NODES:-2}
 CPUS=${MOE_SLURM_CPUS_PER_NODE:-1}
 HOST=$(hostname -s)
 
-if sinfo -h -o %T >/dev/null 2>&1 && [ "$(sinfo -h -o %D -t idle,mix,alloc 2>/dev/null | awk "{s+=\$1} END {print s+0}")" -ge "$NODES" ]; then
+# Nodes that take jobs: up and answering, busy or not (a node running a job counts; a down, drained,
+# failed or silent one, shown with a '*', does not).
+usable() { sinfo -h -N -o '%N %T' 2>/dev/null | awk '$2 ~ /^(idle|allocated|mixed|completing|planned)$/ {print $1}' | sort -u | wc -l; }
+
+if sinfo -h >/dev/null 2>&1 && [ "$(usable)" -ge "$NODES" ]; then
   echo "slurm: already running"; sinfo; exit 0
 fi
 
@@ -55,15 +59,16 @@ NodeName=n[1-$NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=17001-$((17000 +
 PartitionName=debug Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
 CONF
 
-pgrep -x slurmctld >/dev/null || slurmctld
+# -c: a controller this script starts begins with no jobs (none of an earlier run come back)
+pgrep -x slurmctld >/dev/null || slurmctld -c
 for i in $(seq 1 "$NODES"); do
   pgrep -f "slurmd -N n$i\b" >/dev/null || slurmd -N "n$i"
 done
 for _ in $(seq 1 60); do
-  idle=$(sinfo -h -t idle -o %D 2>/dev/null | awk "{s+=\$1} END {print s+0}")
-  [ "${idle:-0}" -ge "$NODES" ] && { sinfo; exit 0; }
+  [ "$(usable)" -ge "$NODES" ] && { sinfo; exit 0; }
   sleep 1
 done
-echo "slurm: nodes did not become idle; see $STATE/log" >&2
+echo "slurm: $NODES nodes did not come up; see $STATE/log" >&2
 sinfo >&2 || true
+squeue >&2 || true
 exit 1

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from moe.parallel.env import free_port
-from tests.helpers import committed_params, moe, need_slurm
+from tests.helpers import cancel_slurm_jobs_under, committed_params, moe, need_slurm
 from tests.workspace import REPO
 
 pytestmark = pytest.mark.slow
@@ -394,3 +395,20 @@ def test_a_refused_submission_leaves_the_mlflow_history_as_it_was(slurm_cluster,
     after = {run.info.run_id: run.info.status for run in client.search_runs([experiment])}
     assert after == before
     assert not list(Path("runs/train").glob("checkpoints/step_*"))
+
+
+def test_a_modules_leftover_jobs_are_cancelled_and_nobody_elses(slurm_cluster, tmp_path):
+    """Between modules the suite cancels the jobs left in its own tmp folders (a timed-out test's job held a node
+    the next module's two-node job waited for) and leaves every other job alone."""
+    elsewhere = Path(tempfile.mkdtemp(prefix="moe-not-the-tests-", dir="/var/tmp"))
+    submitted = {}
+    try:
+        for name, where in (("ours", tmp_path), ("theirs", elsewhere)):
+            r = subprocess.run(["sbatch", "--parsable", "-N1", "--wrap", "sleep 600"], cwd=where, capture_output=True, text=True, check=True)
+            submitted[name] = r.stdout.strip().split(";")[0]
+        assert cancel_slurm_jobs_under(tmp_path) == [submitted["ours"]]
+        queued = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, check=True).stdout.split()
+        assert submitted["ours"] not in queued and submitted["theirs"] in queued
+    finally:
+        subprocess.run(["scancel", *submitted.values()], check=False)
+        shutil.rmtree(elsewhere)
