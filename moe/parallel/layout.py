@@ -134,7 +134,7 @@ def accumulate(
     model.set_aux_loss_scale(1.0 / divisor)
     total = torch.zeros((), device=device) if places is None else torch.zeros(places.total, device=device)
     for i, batch in enumerate(micro):
-        if device.type == "cuda":
+        if device.type == "cuda" and not batch.is_cuda:  # (already on the device: e.g. a CUDA graph's input)
             batch = batch.pin_memory()
         if before_last is not None and i == n - 1:
             before_last()
