@@ -31,6 +31,7 @@ from moe.data import write_token_file
 from moe.hardware import configure_cuda_allocator, gpu_by_device_name
 from moe.kernels import rmsnorm
 from moe.plan.accounting import flops_per_token
+from moe.train.cuda_graph import WARMUP as CUDA_GRAPH_WARMUP
 from moe.train.trainer import Trainer
 
 
@@ -119,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--deterministic", action="store_true", help="train.deterministic: bitwise-identical reruns at one layout")
     p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="train.cuda_graph: the step captured once as a CUDA graph and replayed (the capture falls in the warm-up)",
+    )
+    p.add_argument(
         "--layout-invariant",
         action="store_true",
         help="train.layout_invariant: the same bits at any data-parallel size (implies --deterministic on CUDA)",
@@ -168,6 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The measured matmul ceiling, then the training steps on random token ids (under --sdpa's
     backend): the result row, step times, losses and the optional peak breakdown."""
     peak_measured = matmul_peak_tflops()
+    if args.cuda_graph:  # its eager steps and the capture, all in the warm-up
+        args.warmup = max(args.warmup, CUDA_GRAPH_WARMUP + 1)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
         data.mkdir()
@@ -225,6 +233,8 @@ def build_config(args: argparse.Namespace, data: Path, ckpt: Path, total_steps: 
                 # (records from before train.fused_loss existed ran torch's loss)
                 "fused_loss": getattr(args, "fused_loss", False),
                 **({"deterministic": True} if getattr(args, "deterministic", False) else {}),
+                # (records from before train.cuda_graph existed ran eagerly)
+                **({"cuda_graph": True} if getattr(args, "cuda_graph", False) else {}),
                 **({"layout_invariant": True} if getattr(args, "layout_invariant", False) else {}),
                 "recompute": args.recompute,
                 "logit_z_loss_weight": args.logit_z_loss,
@@ -343,6 +353,7 @@ def result_row(
         "norm_backward": "triton" if rmsnorm.TRITON_BACKWARD else "torch",  # MOE_NORM_BACKWARD
         "deterministic": args.deterministic,
         "layout_invariant": args.layout_invariant,
+        "cuda_graph": getattr(args, "cuda_graph", False),
         "tokens_per_step": tokens,
         "step_s": step,
         "tokens_per_s": tokens / step,
@@ -350,6 +361,8 @@ def result_row(
         "mfu_measured_peak": tflops / peak_measured,
         "mfu_datasheet": tflops / datasheet if datasheet else None,
         "peak_mem_gib": peak_mem_gib,
+        # a captured step's memory is its graph's pool, reserved for good: what the GPU gives the run
+        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "plan_peak_gib": plan_peak,
         "zero_host_syncs": syncs_ok,
         "params_total": trainer.params_total,
@@ -364,6 +377,7 @@ COLUMNS = [
     "fused_norm_rope",
     "fused_loss",
     "step_kernel",
+    "cuda_graph",
     "width",
     "layers",
     "experts",
@@ -378,6 +392,7 @@ COLUMNS = [
     "mfu_measured_peak",
     "mfu_datasheet",
     "peak_mem_gib",
+    "reserved_gib",
     "plan_peak_gib",
     "zero_host_syncs",
     "step_s_pipelined",

@@ -68,6 +68,8 @@ class ExperimentConfig(Config):
         self._check_fsdp()
         if tr.layout_invariant:
             self._check_layout_invariant()
+        if tr.cuda_graph:
+            self._check_cuda_graph()
         if self.precision.fp8_dense:
             # FSDP2 re-gathers weights into the same storage without a new version: the FP8
             # copies (keyed on the version) would go stale
@@ -105,6 +107,21 @@ class ExperimentConfig(Config):
             (self.optim.expert_wgrad == "paired", "not with optim.expert_wgrad=paired (a sum over two micro-batches before it is counted)"),
             # its token counts are summed over the micro-batches the ranks run at once: the layout's
             (moe.lb_loss_scope != "micro_batch", f"not with model.moe.lb_loss_scope={moe.lb_loss_scope} (use micro_batch)"),
+        ]
+        for conflict, message in conflicts:
+            require(not conflict, key, message)
+
+    def _check_cuda_graph(self) -> None:
+        """What train.cuda_graph has not been run with, refused by name."""
+        tr, par, key = self.train, self.parallel, "train.cuda_graph"
+        conflicts = [
+            (tr.device == "cpu", "needs a CUDA GPU (train.device=cpu)"),
+            (self.precision.recipe not in ("auto", "bf16"), f"runs with precision.recipe bf16 (or auto), not {self.precision.recipe}"),
+            (tr.recompute != "none", f"not with train.recompute={tr.recompute} (use none)"),
+            (self.optim.step_kernel != "triton", "needs optim.step_kernel=triton (the step that reads its learning rate on the device)"),
+            (tr.layout_invariant, "not with train.layout_invariant (its micro-batches are seeded from the host)"),
+            (par.pp > 1 or par.ep > 1 or par.dp not in (-1, 1), "runs on one GPU (parallel.pp, ep and dp of 1)"),
+            (par.data_parallel == "fsdp", "not with parallel.data_parallel=fsdp (one GPU, ddp)"),
         ]
         for conflict, message in conflicts:
             require(not conflict, key, message)

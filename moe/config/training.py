@@ -153,6 +153,10 @@ class TrainConfig(Config):
     # profile/<category>_ms (moe.train.step_profile); the step stays out of the throughput.
     # 0: no profile.
     profile_step: int = 0
+    # Capture the whole optimizer step as one CUDA graph after two eager steps and replay it
+    # (moe.train.cuda_graph): the GPU no longer waits for Python's kernel launches. One GPU,
+    # bf16, no recompute, optim.step_kernel=triton; bench/NOTES.md has what it gains.
+    cuda_graph: bool = False
 
     @property
     def deterministic_kernels(self) -> bool:

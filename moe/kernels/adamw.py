@@ -39,6 +39,7 @@ if HAVE_TRITON:
         step_ptr,
         found_inf_ptr,
         grad_div_ptr,
+        lr_ptr,
         n,
         lr,
         beta1,
@@ -49,6 +50,7 @@ if HAVE_TRITON:
         HAS_FOUND_INF: tl.constexpr,
         HAS_GRAD_DIV: tl.constexpr,
         HAS_WD: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         if HAS_FOUND_INF:  # a skipped step reads and writes nothing
@@ -62,6 +64,8 @@ if HAVE_TRITON:
         if HAS_GRAD_DIV:
             g = g / tl.load(grad_div_ptr)
         step = tl.load(step_ptr)
+        if LR_ON_DEVICE:  # (a captured step: the schedule writes it before each replay)
+            lr = tl.load(lr_ptr)
         bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
         bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
         if HAS_WD:
@@ -103,7 +107,7 @@ def adamw_step(
     exp_avg_sq: torch.Tensor,
     step: torch.Tensor,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
@@ -114,7 +118,9 @@ def adamw_step(
     """One AdamW step of ``master`` in place (and of its moments), writing ``mirror`` (the
     bf16 parameter) from the new master in the same pass. ``step`` is the device step count
     already advanced for this step; where ``found_inf`` (a device scalar) is nonzero nothing is
-    written; ``grad_div`` (a device scalar) divides every gradient. Check :func:`supports`."""
+    written; ``grad_div`` (a device scalar) divides every gradient; ``lr`` may be a device fp32
+    scalar, read by the kernel (what a CUDA graph replays with the schedule's current value; the
+    same bits as the float, which the kernel takes as fp32 too). Check :func:`supports`."""
     p, g, m, v = (_local(t) for t in (master, grad, exp_avg, exp_avg_sq))
     out = _local(mirror) if mirror is not None else p
     g = g if g.is_contiguous() else g.contiguous()  # read only: a copy is safe
@@ -124,6 +130,9 @@ def adamw_step(
     n = p.numel()
     if n == 0:
         return
+    on_device = isinstance(lr, torch.Tensor)
+    if on_device and (lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != p.device):
+        raise ValueError("adamw_step: a device learning rate is one fp32 scalar on the master's device")
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p,
         g,
@@ -133,8 +142,9 @@ def adamw_step(
         step,
         found_inf if found_inf is not None else step,
         grad_div if grad_div is not None else step,
+        lr if on_device else step,
         n,
-        float(lr),
+        0.0 if on_device else float(lr),
         float(betas[0]),
         float(betas[1]),
         float(eps),
@@ -143,6 +153,7 @@ def adamw_step(
         HAS_FOUND_INF=found_inf is not None,
         HAS_GRAD_DIV=grad_div is not None,
         HAS_WD=weight_decay != 0,
+        LR_ON_DEVICE=on_device,
         BLOCK=BLOCK,
         num_warps=WARPS,
     )

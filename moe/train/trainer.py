@@ -35,6 +35,7 @@ from moe.spans import span
 from moe.train import determinism
 from moe.train.callbacks import Callback, trainer_callbacks
 from moe.train.checkpoint import CheckpointError, CheckpointManager, latest_checkpoint
+from moe.train.cuda_graph import CapturedStep
 from moe.train.preemption import StopRequest
 from moe.train.rng import rng_state, seed_everything, seed_micro_batch, set_rng_state
 from moe.train.sinks import MetricsSink
@@ -132,10 +133,21 @@ class Trainer:
         self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=self.device)
         self._grad_norm = torch.zeros((), device=self.device)
+        self._step_number = torch.zeros((), dtype=torch.int64, device=self.device)  # the running step's, for the device
         self._lr = cfg.optim.lr
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint: Path | None = None
+        self.captured = self._captured_step() if cfg.train.cuda_graph else None
         self.tag(self.determinism.tags())
+
+    def _captured_step(self) -> CapturedStep:
+        """train.cuda_graph, where this run can take it (the config refused what it can tell)."""
+        if self.device.type != "cuda":
+            raise ConfigError(f"train.cuda_graph: needs a CUDA GPU; this run's device is {self.device.type}")
+        if self.env.world_size != 1:
+            raise ConfigError(f"train.cuda_graph: runs on one GPU; this run has {self.env.world_size} processes")
+        self.opt.keep_lr_on_device()
+        return CapturedStep(self._step_body, self.device)
 
     # ----------------------------------------------------------------- state
 
@@ -252,6 +264,20 @@ class Trainer:
     def train_step(self) -> None:
         micro = self.loader.next_batch()
         self.model.train()
+        self._step_number.fill_(self.step + 1)  # the step's host values, written to the device
+        self.opt.write_lr()
+        if self.captured is None:
+            step_loss = self._step_body(micro)
+        else:
+            step_loss = self.captured.run(micro)
+            self.opt.note_updated()
+        self._lr = self.sched.get_last_lr()[0]
+        self.sched.step()
+        self._pending.append((self.step + 1, step_loss))
+
+    def _step_body(self, micro: list[torch.Tensor]) -> torch.Tensor:
+        """What the device does in a step (train.cuda_graph captures exactly this): forward and
+        backward of every micro-batch, gradient sync and norm, the AdamW step, bias updates."""
         before = self._before_micro if self.cfg.train.layout_invariant else None
         local = self.layout.forward_backward(self.model, micro, lambda: self.recipe.autocast(self.device), before)
         step_loss = self.layout.mean_loss(local)
@@ -261,14 +287,12 @@ class Trainer:
         with span("optimizer"):
             self.opt.step(found_inf=bad, grad_scale=grad_scale)
             self.layout.after_step(self.opt)
-            self._lr = self.sched.get_last_lr()[0]
-            self.sched.step()
             self.model.update_expert_biases()
             self.opt.zero_grad()
         self._skipped += bad.long()
-        self._first_bad.copy_(torch.where((self._first_bad < 0) & bad, self.step + 1, self._first_bad))
+        self._first_bad.copy_(torch.where((self._first_bad < 0) & bad, self._step_number, self._first_bad))
         self._grad_norm = norm.detach()
-        self._pending.append((self.step + 1, step_loss))
+        return step_loss
 
     def _before_micro(self, index: int) -> None:
         """train.layout_invariant: a micro-batch's random numbers and telemetry slot come from

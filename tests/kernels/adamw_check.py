@@ -52,6 +52,18 @@ def check_kernel():
         raise AssertionError("a non-contiguous master was stepped")
     except ValueError as e:
         assert "contiguous" in str(e)
+    # a learning rate held on the device (a captured step's) steps to the float's bits
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    hyper = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    by_float, by_tensor = [[t.clone() for t in (p, m, v)] for _ in range(2)]
+    adamw.adamw_step(by_float[0], g, by_float[1], by_float[2], torch.tensor(2.0), lr=3e-4, **hyper)
+    adamw.adamw_step(by_tensor[0], g, by_tensor[1], by_tensor[2], torch.tensor(2.0), lr=torch.tensor(3e-4), **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(by_float, by_tensor, strict=True))
+    try:
+        adamw.adamw_step(p, g, m, v, torch.tensor(2.0), lr=torch.tensor(3e-4, dtype=torch.float64), **hyper)
+        raise AssertionError("an fp64 learning rate was taken")
+    except ValueError as e:
+        assert "fp32 scalar" in str(e)
     # a skipped step writes nothing
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     mirror = torch.zeros(n, dtype=torch.bfloat16)
@@ -78,6 +90,10 @@ def check_optimizer():
             gen = torch.Generator().manual_seed(i)  # the same gradients for both kernels
             for p in opt.params:
                 p.grad_holder.grad = torch.randn(p.param.shape, generator=gen)
+            if kernel == "triton" and i == 1:  # from here the learning rate is read on the device
+                opt.keep_lr_on_device()
+            if kernel == "triton":
+                opt.write_lr()
             opt.step(found_inf=found, grad_scale=scale)
             opt.zero_grad()
         state = opt.named_state()
