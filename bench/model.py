@@ -278,7 +278,8 @@ def measure(args: argparse.Namespace, cfg: ExperimentConfig, trainer: Trainer, p
         trainer.step += 1
     syncs_ok, sync_error = sync_check(trainer)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if trainer.captured is None:  # (a captured step allocated its memory once, at the capture: kept in its peak)
+        torch.cuda.reset_peak_memory_stats()
     times = timed_train_steps(trainer, args.steps)
     losses = torch.stack([v for _, v in trainer._pending]).tolist()
     assert all(np.isfinite(losses)), "non-finite loss in the benchmark"
