@@ -79,7 +79,7 @@ class MasterWeightAdamW:
         self.released: set[int] = set()
         self._fold_now = False
         self._use_triton: bool | None = None  # decided at the first step (_triton_steps)
-        self._lr_on_device: list[torch.Tensor] | None = None  # per group (keep_lr_on_device)
+        self._lr_on_device: dict[int, torch.Tensor] = {}  # id(group) -> its lr (keep_lr_on_device)
         if cfg.expert_grad_accum == "bf16" and not master_weights:
             raise ConfigError("optim.expert_grad_accum: bf16 needs bf16 weights with fp32 masters (precision.recipe bf16 or an fp8 recipe)")
         seen: set[int] = set()
@@ -214,13 +214,14 @@ class MasterWeightAdamW:
                 "(optim.step_kernel=triton on a GPU, fp32 masters in a form the kernel takes)"
             )
         device = self.inner.param_groups[0]["params"][0].device
-        self._lr_on_device = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.inner.param_groups]
+        self._lr_on_device = {id(g): torch.zeros((), dtype=torch.float32, device=device) for g in self.inner.param_groups}
         self.write_lr()
 
     def write_lr(self) -> None:
         """The groups' current learning rates into their device scalars (stream-ordered, no sync)."""
-        for held, group in zip(self._lr_on_device or (), self.inner.param_groups, strict=False):
-            held.fill_(float(group["lr"]))
+        for group in self.inner.param_groups:
+            if id(group) in self._lr_on_device:
+                self._lr_on_device[id(group)].fill_(float(group["lr"]))
 
     def note_updated(self) -> None:
         """The masters were written by a replayed step: what :meth:`step` does on the host after
@@ -254,7 +255,6 @@ class MasterWeightAdamW:
         self.ensure_state()
         steps = [self.inner.state[m]["step"] for _, m in work]
         torch._foreach_add_(steps, 1)
-        group_lr = {id(g): held for g, held in zip(self.inner.param_groups, self._lr_on_device or (), strict=False)}
         for group, m in work:
             state = self.inner.state[m]
             adamw.adamw_step(
@@ -263,7 +263,7 @@ class MasterWeightAdamW:
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 state["step"],
-                lr=group_lr.get(id(group), group["lr"]),
+                lr=self._lr_on_device.get(id(group), group["lr"]),
                 betas=group["betas"],
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],

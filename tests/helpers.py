@@ -68,6 +68,20 @@ class TagSink:
         pass
 
 
+def steps_without_host_sync(trainer: Any, steps: int) -> None:
+    """``steps`` training steps with every host sync an error (CUDA's sync debug mode)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+            trainer.step += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def tiny_config(data_dir: Path, ckpt_dir: Path, **sections: Any) -> ExperimentConfig:
     base: dict[str, Any] = {
         "model": {"preset": "tiny", "vocab_size": 256},

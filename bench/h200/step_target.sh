@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)): bench.model at OLMoE width (8 layers,
-# micro 4 x accum 4) with the default expert wgrad and with optim.expert_wgrad=paired, each eager and with
-# train.cuda_graph (each also timed back to back: step_s_pipelined); then the Qwen-like `moe train` run eager and
-# graphed. JSON and logs land in $OUT. On a GPU under 100 GiB (an H100) the step runs at 6 layers and the
-# Qwen-like run at 4, else at 8 and 8.
+# Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)): train.cuda_graph's GPU tests, then
+# bench.model at OLMoE width (8 layers, micro 4 x accum 4) with the default expert wgrad and with
+# optim.expert_wgrad=paired, each eager and with train.cuda_graph (each also timed back to back:
+# step_s_pipelined); then the Qwen-like `moe train` run eager and graphed. JSON and logs land in $OUT. On a GPU
+# under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi
 echo "GPU memory ${mib} MiB: OLMoE width at ${layers} layers, Qwen-like at ${qwen_layers}" | tee -a "$LOG"
+RUN_TIMEOUT=240 run python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the captured step's GPU tests
 step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
 run python3 -m bench.model "${step[@]}"
 run python3 -m bench.model "${step[@]}" --cuda-graph

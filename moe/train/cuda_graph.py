@@ -61,9 +61,8 @@ class CapturedStep:
             raise ValueError("train.cuda_graph: the step's micro-batches must all have one shape")
         start = time.perf_counter()
         self.inputs = [torch.empty(b.shape, dtype=b.dtype, device=self.device) for b in micro]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the eager steps' cached blocks, for the graph's own pool
         graph = torch.cuda.CUDAGraph()
+        # (entering torch.cuda.graph synchronises and returns the eager steps' cached blocks, for its pool)
         # thread_local: the data loader's worker threads go on using CUDA (pinned memory)
         with torch.cuda.graph(graph, stream=self.side, capture_error_mode="thread_local"):
             self.loss = self.body(self.inputs)

@@ -11,7 +11,7 @@ import torch
 
 from moe.config import ConfigError
 from moe.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import steps_without_host_sync, tiny_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -64,14 +64,7 @@ def test_replays_make_no_host_sync(tmp_path, corpus):
     for _ in range(3):  # two eager steps, then the capture
         trainer.train_step()
         trainer.step += 1
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            trainer.train_step()
-            trainer.step += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(trainer, 3)
     losses = torch.stack([v for _, v in trainer._pending]).tolist()
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import steps_without_host_sync, tiny_config
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,14 +21,7 @@ def test_bf16_training_step_makes_no_host_sync_and_learns(tmp_path, corpus):
     assert trainer.recipe.name == "bf16"
     trainer.train_step()  # warm-up: lazy CUDA init and allocator may sync
     trainer.step += 1
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            trainer.train_step()
-            trainer.step += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps_without_host_sync(trainer, 3)
     summary = trainer.fit()
     assert summary.losses[30] < summary.losses[5]
     assert summary.last_metrics["peak_mem_gib"] > 0
