@@ -27,6 +27,7 @@ from torch import nn
 
 from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
 from moe.kernels import adamw
+from moe.kernels.grad_add import accumulate_fp32
 from moe.spans import span
 
 
@@ -412,10 +413,7 @@ def _fold(p: MasterParam) -> None:
     if p.param.grad is None:  # nothing waiting (the GEMM accumulated into the holder itself)
         return
     with span("grad_accumulation"):
-        if p.grad_holder.grad is None:
-            p.grad_holder.grad = p.param.grad.float()
-        else:
-            p.grad_holder.grad.add_(p.param.grad)
+        p.grad_holder.grad = accumulate_fp32(p.grad_holder.grad, p.param.grad)
     p.param.grad = None
 
 
@@ -430,10 +428,7 @@ def _accumulate_into(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
         if param.grad is None:  # the GEMM accumulated into the master gradient itself
             return
         with span("grad_accumulation"):
-            if master.grad is None:
-                master.grad = param.grad.float()
-            else:
-                master.grad.add_(param.grad)
+            master.grad = accumulate_fp32(master.grad, param.grad)
         param.grad = None
 
     return hook

@@ -2,21 +2,34 @@
 # Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)): train.cuda_graph's GPU tests, then
 # bench.model at OLMoE width (8 layers, micro 4 x accum 4) with the default expert wgrad and with
 # optim.expert_wgrad=paired, each eager and with train.cuda_graph (each also timed back to back:
-# step_s_pipelined); then the Qwen-like `moe train` run eager and graphed. JSON and logs land in $OUT. On a GPU
+# step_s_pipelined), paired and graphed once more with torch's gradient add (MOE_GRAD_ADD=torch); then the Qwen-like `moe train` run eager and graphed, and paired graphed. JSON and logs land in $OUT. On a GPU
 # under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi
 echo "GPU memory ${mib} MiB: OLMoE width at ${layers} layers, Qwen-like at ${qwen_layers}" | tee -a "$LOG"
+run python3 tests/kernels/grad_add_check.py  # moe.kernels.grad_add compiled: torch's values bitwise
+# probe for the next lever (dense weight gradients accumulated in their GEMM): does this torch add bf16 products into fp32 in place?
+run python3 -c "
+import torch
+a = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16); b = torch.randn(1024, 512, device='cuda', dtype=torch.bfloat16)
+c = torch.randn(4096, 512, device='cuda'); want = c + a.float() @ b.float()
+try:
+    r = torch.addmm(c, a, b, out_dtype=torch.float32, out=c); print('addmm bf16 into fp32 in place:', r.data_ptr() == c.data_ptr(), 'max err', (c - want).abs().max().item())
+except Exception as e:
+    print('addmm bf16 into fp32 in place: unsupported:', str(e).splitlines()[0])
+"
 RUN_TIMEOUT=240 run python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the captured step's GPU tests
 step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
 run python3 -m bench.model "${step[@]}"
 run python3 -m bench.model "${step[@]}" --cuda-graph
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired
+run env MOE_GRAD_ADD=torch python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # torch's gradient add (moe.kernels.grad_add)
 tokens_8k
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
 qwen_like_train qwen-like-ws 12 --set model.n_layers="$qwen_layers"
 qwen_like_train qwen-like-ws-graph 12 --set model.n_layers="$qwen_layers" --set train.cuda_graph=true
+qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
 exit $status
