@@ -2,7 +2,8 @@
 # Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)): train.cuda_graph's GPU tests, then
 # bench.model at OLMoE width (8 layers, micro 4 x accum 4) with the default expert wgrad and with
 # optim.expert_wgrad=paired, each eager and with train.cuda_graph (each also timed back to back:
-# step_s_pipelined), paired and graphed once more with torch's gradient add (MOE_GRAD_ADD=torch); then the Qwen-like `moe train` run eager and graphed, and paired graphed. JSON and logs land in $OUT. On a GPU
+# step_s_pipelined), paired and graphed once more with torch's gradient add (MOE_GRAD_ADD=torch) and once with autograd's
+# q/k/v input-gradient adds (MOE_SHARED_INPUT_GRAD=autograd); then the Qwen-like `moe train` run eager and graphed, and paired graphed. JSON and logs land in $OUT. On a GPU
 # under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -27,6 +28,7 @@ run python3 -m bench.model "${step[@]}" --cuda-graph
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired
 run env MOE_GRAD_ADD=torch python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # torch's gradient add (moe.kernels.grad_add)
+run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's q/k/v input-gradient adds (moe.nn.shared_input)
 tokens_8k
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
 qwen_like_train qwen-like-ws 12 --set model.n_layers="$qwen_layers"

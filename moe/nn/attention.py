@@ -9,6 +9,7 @@ from torch import nn
 from moe.config import ModelConfig
 from moe.nn.norm import RMSNorm
 from moe.nn.rope import RotaryEmbedding
+from moe.nn.shared_input import shared_input_linear
 
 
 class Attention(nn.Module):
@@ -27,7 +28,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = shared_input_linear(x, self.q_proj, self.k_proj, self.v_proj)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.nn.shared_input import shared_input_linear
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
@@ -15,4 +17,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = shared_input_linear(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)

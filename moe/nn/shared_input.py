@@ -1,0 +1,66 @@
+"""Several bias-free projections of one input (attention's q, k and v), their input gradients
+summed inside the GEMMs.
+
+Autograd gives each ``F.linear`` its own input gradient and sums them in separate add kernels:
+for q, k and v two adds of a [tokens, d] bf16 tensor per layer and micro-batch (read two, write
+one: 192 MiB each at 16,384 tokens of d=2048; about 3 ms of the 6-layer OLMoE-width step on an
+H100, bench/results/step_target/8e75da9/profiles.log). Here the first product writes the input
+gradient and each later one adds into it in its GEMM's epilogue (``addmm_``, beta=1: a read of
+the buffer, no extra kernel). The forward and the weight gradients are ``F.linear``'s own; the
+input gradient is summed in fp32 inside each GEMM and rounded once per product (autograd rounds
+each product, then each sum). ``MOE_SHARED_INPUT_GRAD=autograd`` keeps autograd's adds (the
+side-by-side in bench/h200/step_target.sh).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+SUM_IN_GEMM = os.environ.get("MOE_SHARED_INPUT_GRAD", "gemm") != "autograd"
+
+
+class _SharedInputLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)  # an unused output's weight gets no gradient, as with F.linear
+        return tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        dx, dws = None, []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            if g is None:
+                dws.append(None)
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
+            dws.append(g2.t().mm(x2) if ctx.needs_input_grad[1 + i] else None)
+        if dx is None and ctx.needs_input_grad[0]:
+            dx = torch.zeros_like(x2)
+        return (dx.view(x.shape) if dx is not None else None, *dws)
+
+
+def _plain_linears(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
+    # another module (an FP8 linear of the precision recipe) keeps its own forward; autocast
+    # would cast inside F.linear and leave the backward's operands of two dtypes
+    return all(
+        type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype and type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears
+    ) and not torch.is_autocast_enabled(x.device.type)
+
+
+def shared_input_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(m(x) for m in linears), with one input gradient summed inside the backward's GEMMs where
+    every module is a bias-free ``nn.Linear`` of x's dtype; otherwise each module's own call."""
+    if SUM_IN_GEMM and len(linears) > 1 and torch.is_grad_enabled() and _plain_linears(linears, x):
+        return _SharedInputLinear.apply(x, *(m.weight for m in linears))
+    return tuple(m(x) for m in linears)

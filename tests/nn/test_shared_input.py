@@ -1,0 +1,70 @@
+"""Projections of one input with their input gradients summed in the GEMMs (moe.nn.shared_input),
+against autograd over separate ``nn.Linear`` calls."""
+
+import torch
+from torch import nn
+
+from moe.nn import shared_input
+from moe.nn.shared_input import shared_input_linear
+
+
+def _linears(dtype, d=48, outs=(48, 16, 16)):
+    torch.manual_seed(0)
+    return [nn.Linear(d, o, bias=False).to(dtype) for o in outs]
+
+
+def _grads(fn, x, linears):
+    x = x.detach().clone().requires_grad_(True)
+    for m in linears:
+        m.weight.grad = None
+    outs = fn(x)
+    sum((o.float() * (i + 1)).sin().sum() for i, o in enumerate(outs)).backward()
+    return [o.detach() for o in outs], x.grad, [m.weight.grad for m in linears]
+
+
+def test_forward_and_gradients_match_separate_linears_in_float64():
+    linears = _linears(torch.float64)
+    x = torch.randn(3, 5, 48, dtype=torch.float64)
+    want = _grads(lambda t: tuple(m(t) for m in linears), x, linears)
+    got = _grads(lambda t: shared_input_linear(t, *linears), x, linears)
+    assert torch.equal(torch.cat([o.flatten() for o in got[0]]), torch.cat([o.flatten() for o in want[0]]))
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    for g, w in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_backward_runs_and_bf16_agrees_to_rounding():
+    linears = _linears(torch.bfloat16)
+    x = torch.randn(4, 7, 48, dtype=torch.bfloat16)
+    ran = []
+    original = shared_input._SharedInputLinear.backward
+
+    def spy(ctx, *grads):
+        ran.append(True)
+        return original(ctx, *grads)
+
+    shared_input._SharedInputLinear.backward = staticmethod(spy)
+    try:
+        got = _grads(lambda t: shared_input_linear(t, *linears), x, linears)
+    finally:
+        shared_input._SharedInputLinear.backward = staticmethod(original)
+    want = _grads(lambda t: tuple(m(t) for m in linears), x, linears)
+    assert ran == [True]
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
+    for g, w in zip(got[2], want[2], strict=True):
+        assert torch.equal(g, w)  # the weight gradients are F.linear's own GEMMs
+
+
+def test_unused_output_and_plain_fallbacks():
+    linears = _linears(torch.float64)
+    x = torch.randn(2, 3, 48, dtype=torch.float64, requires_grad=True)
+    q, k, v = shared_input_linear(x, *linears)
+    q.sum().backward()  # k and v unused: their weights get no gradient
+    torch.testing.assert_close(x.grad, linears[0].weight.sum(0).expand_as(x))
+    assert linears[1].weight.grad is None and linears[2].weight.grad is None
+    with torch.no_grad():  # not recorded: each module's own call
+        outs = shared_input_linear(x, *linears)
+    assert [o.shape[-1] for o in outs] == [48, 16, 16]
+    with_bias = nn.Linear(48, 8).double()
+    out = shared_input_linear(x, linears[0], with_bias)
+    torch.testing.assert_close(out[1], with_bias(x))
