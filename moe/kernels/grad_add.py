@@ -12,6 +12,7 @@ gradient widened exactly to fp32 and one fp32 add, rounded to nearest even.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -63,5 +64,6 @@ def accumulate_fp32(acc: torch.Tensor | None, grad: torch.Tensor) -> torch.Tenso
     out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device) if acc is None else acc
     n = grad.numel()
     if n:
-        _grad_add_kernel[(triton.cdiv(n, BLOCK),)](out, grad, n, ADD=acc is not None, BLOCK=BLOCK, num_warps=WARPS)
+        with torch.cuda.device(grad.device) if grad.is_cuda else contextlib.nullcontext():  # a hook may run on another device's thread
+            _grad_add_kernel[(triton.cdiv(n, BLOCK),)](out, grad, n, ADD=acc is not None, BLOCK=BLOCK, num_warps=WARPS)
     return out

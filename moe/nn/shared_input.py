@@ -50,17 +50,33 @@ class _SharedInputLinear(torch.autograd.Function):
         return (dx.view(x.shape) if dx is not None else None, *dws)
 
 
+def _no_hooks(m: nn.Module) -> bool:
+    # the Function does not go through the module's __call__: its hooks would not run
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as mod
+
+    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks or mod._global_backward_pre_hooks)
+
+
 def _plain_linears(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
     # another module (an FP8 linear of the precision recipe) keeps its own forward; autocast
     # would cast inside F.linear and leave the backward's operands of two dtypes
+    if x.device.type not in ("cuda", "cpu") or torch.is_autocast_enabled(x.device.type) or _global_module_hooks():
+        return False
     return all(
-        type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype and type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears
-    ) and not torch.is_autocast_enabled(x.device.type)
+        type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype and type(m.weight) in (torch.Tensor, nn.Parameter) and _no_hooks(m)
+        for m in linears
+    )
 
 
 def shared_input_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """(m(x) for m in linears), with one input gradient summed inside the backward's GEMMs where
-    every module is a bias-free ``nn.Linear`` of x's dtype; otherwise each module's own call."""
+    every module is a bias-free ``nn.Linear`` of x's dtype without hooks (outside autocast, on CPU
+    or CUDA); otherwise each module's own call. (A backward split into input and weight halves
+    would run the weight GEMMs in both: no pipeline schedule here splits it.)"""
     if SUM_IN_GEMM and len(linears) > 1 and torch.is_grad_enabled() and _plain_linears(linears, x):
         return _SharedInputLinear.apply(x, *(m.weight for m in linears))
     return tuple(m(x) for m in linears)

@@ -24,6 +24,19 @@ def check() -> None:
             same = grad_add.accumulate_fp32(got, g)
             assert same is got, "the accumulator is updated in place"
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), dtype
+    # non-finite values pass through (the step's found_inf reads them); -0.0 and subnormals keep their bits
+    # (Triton's interpreter widens bf16 subnormals wrongly, numpy's doing: those are checked compiled only)
+    subnormals = [1e-40, -1e-39] if dev == "cuda" else [1e-30, -1e-29]
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, *subnormals, 3.0], device=dev)
+    for dtype in (torch.bfloat16, torch.float32):
+        g = special.to(dtype)
+        got = grad_add.accumulate_fp32(None, g)
+        assert torch.equal(got.view(torch.int32), g.float().view(torch.int32)), dtype
+        acc = torch.tensor([1.0, 2.0, 3.0, 0.0, 1e-40, 1e-39, -0.0], device=dev)  # fp32 subnormals in the sum
+        want = acc.clone().add_(g)
+        grad_add.accumulate_fp32(acc, g)
+        assert torch.equal(acc.isnan(), want.isnan()), dtype
+        assert torch.equal(acc.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32)), dtype
     # shapes kept; a strided gradient takes torch's path with the same values
     g = torch.randn(64, 48, dtype=torch.bfloat16, device=dev)
     assert grad_add.accumulate_fp32(None, g).shape == (64, 48)

@@ -68,3 +68,20 @@ def test_unused_output_and_plain_fallbacks():
     with_bias = nn.Linear(48, 8).double()
     out = shared_input_linear(x, linears[0], with_bias)
     torch.testing.assert_close(out[1], with_bias(x))
+
+
+def test_hooks_and_autocast_keep_each_modules_own_call():
+    linears = _linears(torch.float32)
+    x = torch.randn(2, 3, 48, requires_grad=True)
+    seen = []
+    handle = linears[1].register_forward_hook(lambda m, i, o: seen.append(o.shape[-1]))
+    try:
+        shared_input_linear(x, *linears)
+    finally:
+        handle.remove()
+    assert seen == [16]  # the module's hook ran: the fused Function was not used
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = shared_input_linear(x, *linears)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    sum(o.float().sum() for o in outs).backward()  # autograd's own backward, operands of one dtype
+    assert x.grad is not None and all(m.weight.grad is not None for m in linears)
