@@ -7,6 +7,8 @@
 # under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
+# the two opt-in levers of 2026-12-06 on for every run below (each run that turns one off says so)
+export MOE_GRAD_ADD=triton MOE_SHARED_INPUT_GRAD=gemm
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi
 echo "GPU memory ${mib} MiB: OLMoE width at ${layers} layers, Qwen-like at ${qwen_layers}" | tee -a "$LOG"

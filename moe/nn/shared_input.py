@@ -8,8 +8,8 @@ H100, bench/results/step_target/8e75da9/profiles.log). Here the first product wr
 gradient and each later one adds into it in its GEMM's epilogue (``addmm_``, beta=1: a read of
 the buffer, no extra kernel). The forward and the weight gradients are ``F.linear``'s own; the
 input gradient is summed in fp32 inside each GEMM and rounded once per product (autograd rounds
-each product, then each sum). ``MOE_SHARED_INPUT_GRAD=autograd`` keeps autograd's adds (the
-side-by-side in bench/h200/step_target.sh).
+each product, then each sum). Opt-in until it has run on a GPU: ``MOE_SHARED_INPUT_GRAD=gemm`` turns
+it on (bench/h200/step_target.sh does, and times it against autograd's adds).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-SUM_IN_GEMM = os.environ.get("MOE_SHARED_INPUT_GRAD", "gemm") != "autograd"
+SUM_IN_GEMM = os.environ.get("MOE_SHARED_INPUT_GRAD", "autograd") == "gemm"
 
 
 class _SharedInputLinear(torch.autograd.Function):

@@ -11,6 +11,7 @@ from moe.kernels import grad_add
 
 
 def check() -> None:
+    grad_add.TRITON_ADD = True  # opt-in (MOE_GRAD_ADD=triton): checked whatever the environment says
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     n = 3 * grad_add.BLOCK + 77  # not a multiple of the block

@@ -1,11 +1,18 @@
 """Projections of one input with their input gradients summed in the GEMMs (moe.nn.shared_input),
 against autograd over separate ``nn.Linear`` calls."""
 
+import pytest
 import torch
 from torch import nn
 
 from moe.nn import shared_input
 from moe.nn.shared_input import shared_input_linear
+
+
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
+    """The fused backward is opt-in (MOE_SHARED_INPUT_GRAD=gemm): on for these tests."""
+    monkeypatch.setattr(shared_input, "SUM_IN_GEMM", True)
 
 
 def _linears(dtype, d=48, outs=(48, 16, 16)):
@@ -85,3 +92,11 @@ def test_hooks_and_autocast_keep_each_modules_own_call():
     assert all(o.dtype == torch.bfloat16 for o in outs)
     sum(o.float().sum() for o in outs).backward()  # autograd's own backward, operands of one dtype
     assert x.grad is not None and all(m.weight.grad is not None for m in linears)
+
+
+def test_off_by_default_each_module_is_called(monkeypatch):
+    monkeypatch.setattr(shared_input, "SUM_IN_GEMM", False)
+    linears = _linears(torch.float64)
+    x = torch.randn(2, 3, 48, dtype=torch.float64, requires_grad=True)
+    outs = shared_input_linear(x, *linears)
+    assert all(o.grad_fn is not None and "SharedInput" not in type(o.grad_fn).__name__ for o in outs)
