@@ -59,3 +59,22 @@ def test_pipeline_stage_can_drop_modules():
     del second.layers["0"], second.layers["1"]
     second.embed = None
     torch.testing.assert_close(second(first(x)), full)
+
+
+def test_the_residual_add_folded_into_the_combine_changes_nothing_on_the_cpu(monkeypatch):
+    """MOE_RESIDUAL_ADD=combine (moe.layers.moe_layer.RESIDUAL_IN_COMBINE): the blocks hand their
+    residual to the MoE layers; on the CPU the same logits and gradients bit for bit (dense layer kept)."""
+    from moe.layers import moe_layer
+
+    torch.manual_seed(0)
+    model = tiny(dense_layers=[0], dense_hidden=48, n_layers=3)
+    x = torch.randint(0, 512, (2, 12))
+    runs = []
+    for folded in (False, True):
+        monkeypatch.setattr(moe_layer, "RESIDUAL_IN_COMBINE", folded)
+        logits = model(x)
+        logits.float().pow(2).mean().backward()
+        runs.append([logits.detach(), *(p.grad.clone() for p in model.parameters())])
+        model.zero_grad()
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -5,9 +5,10 @@ row of each (token, k) slot. Two autograd functions replace generic index ops:
 
 - ``gather_rows(x, order, k)``: the expert-ordered copy of the tokens. Backward sums the k
   gradient rows of every token by gathering them (no atomics, deterministic).
-- ``combine(y, inverse, weights)``: out[t] = sum_j weights[t, j] * y[inverse[t*k + j]] in one
-  pass (fp32 accumulation). Backward writes each y-gradient row once and the k weight
-  gradients (dot products) in the same pass.
+- ``combine(y, inverse, weights, residual=None)``: out[t] = (residual[t] +) sum_j weights[t, j] *
+  y[inverse[t*k + j]] in one pass (fp32 accumulation, one rounding). Backward writes each
+  y-gradient row once and the k weight gradients (dot products) in the same pass; the residual's
+  gradient is the output's.
 
 Both are exact rearrangements of the torch reference (index_select, bmm), to rounding.
 """
@@ -45,11 +46,15 @@ if HAVE_TRITON:
         return rows.to(tl.int64)
 
     @triton.jit
-    def _gather_reduce_kernel(src, idx, w, out, D, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    def _gather_reduce_kernel(src, idx, w, res, out, D, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr = False):
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        # the residual stream's add folded in: one read here instead of an add kernel's three passes
+        if HAS_RES:  # noqa: SIM108 (a constexpr branch)
+            acc = tl.load(res + t.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             row = tl.load(idx + t * K + j).to(tl.int64)
             v = tl.load(src + row * D + cols, mask=mask, other=0.0).to(tl.float32)
@@ -81,21 +86,25 @@ def _block(d: int) -> int:
     return min(1024, triton.next_power_of_2(d))
 
 
-def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
-    """out[t] = sum_j (weights[t, j] *) src[idx[t*k + j]]  -> [len(idx) // k, D], src's dtype."""
+def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None, k: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = (residual[t] +) sum_j (weights[t, j] *) src[idx[t*k + j]]  -> [len(idx) // k, D],
+    src's dtype. With a residual the Triton path rounds once (the sum in fp32), the torch path
+    rounds the combine and then the add."""
     n_tokens, d = idx.numel() // k, src.shape[1]
     if not use_triton(src):
         rows = src.index_select(0, idx).view(n_tokens, k, d)
-        if weights is None:
-            return rows.sum(1)
-        return torch.bmm(weights.to(src.dtype).unsqueeze(1), rows).squeeze(1)
+        out = rows.sum(1) if weights is None else torch.bmm(weights.to(src.dtype).unsqueeze(1), rows).squeeze(1)
+        return out if residual is None else residual + out
     src, idx = src.contiguous(), idx.contiguous()
     out = torch.empty(n_tokens, d, dtype=src.dtype, device=src.device)
     if n_tokens == 0:
         return out
     block = _block(d)
     w = weights.contiguous().float() if weights is not None else src
-    _gather_reduce_kernel[(n_tokens, triton.cdiv(d, block))](src, idx, w, out, d, K=k, HAS_W=weights is not None, BLOCK=block)
+    res = residual.contiguous() if residual is not None else src
+    _gather_reduce_kernel[(n_tokens, triton.cdiv(d, block))](
+        src, idx, w, res, out, d, K=k, HAS_W=weights is not None, BLOCK=block, HAS_RES=residual is not None
+    )
     return out
 
 
@@ -127,9 +136,10 @@ def gather_token_rows(x: torch.Tensor, row_index: torch.Tensor, inverse: torch.T
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         ctx.save_for_backward(y, inverse, weights)
-        return gather_reduce(y, inverse, weights, weights.shape[1])
+        ctx.has_residual = residual is not None
+        return gather_reduce(y, inverse, weights, weights.shape[1], residual)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -141,13 +151,16 @@ class _Combine(torch.autograd.Function):
             grad_w = torch.bmm(rows.float(), grad.float().unsqueeze(2)).squeeze(2)
             grad_rows = (weights.to(grad.dtype).unsqueeze(2) * grad.unsqueeze(1)).reshape(n_tokens * k, -1)
             grad_y = torch.empty_like(y).index_copy_(0, inverse, grad_rows)
-            return grad_y, None, grad_w.to(weights.dtype)
-        grad_y, grad_w = combine_backward(grad, y, inverse, weights)
-        return grad_y, None, grad_w.to(weights.dtype)
+        else:
+            grad_y, grad_w = combine_backward(grad, y, inverse, weights)
+        return grad_y, None, grad_w.to(weights.dtype), grad if ctx.has_residual else None
 
 
-def combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return _Combine.apply(y, inverse, weights)
+def combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = (residual[t] +) sum_j weights[t, j] * y[inverse[t*k + j]] (see the module's docstring)."""
+    if residual is None:
+        return _Combine.apply(y, inverse, weights)
+    return _Combine.apply(y, inverse, weights, residual)
 
 
 def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

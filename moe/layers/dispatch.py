@@ -61,15 +61,18 @@ class LocalDispatcher:
         rows = gather_rows(x, order, inverse, top_k) if use_triton(x) else x.index_select(0, order // top_k)
         return rows, routing.tokens_per_expert, state
 
-    def combine(self, y: torch.Tensor, state: LocalDispatchState) -> torch.Tensor:
-        return combine_rows(y, state.inverse, state.weights)
+    def combine(self, y: torch.Tensor, state: LocalDispatchState, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """As the seam's combine; ``residual`` [T, D] is added in the same pass (MoELayer's fold)."""
+        return combine_rows(y, state.inverse, state.weights, residual)
 
 
-def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[inverse[t*k + j]]: the fused kernel on CUDA, index_select
-    and bmm elsewhere (autograd through both)."""
+def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = (residual[t] +) sum_j weights[t, j] * y[inverse[t*k + j]]: the fused kernel on CUDA
+    (the residual read in its pass, one rounding), index_select, bmm and an add elsewhere
+    (autograd through both)."""
     if use_triton(y):
-        return combine(y, inverse, weights)
+        return combine(y, inverse, weights, residual)
     n_tokens, top_k = weights.shape
     per_slot = y.index_select(0, inverse).view(n_tokens, top_k, -1)
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)
+    out = torch.bmm(weights.to(y.dtype).unsqueeze(1), per_slot).squeeze(1)
+    return out if residual is None else residual + out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,11 @@ from moe.layers.gemm import ExpertGemm, GroupedMM
 from moe.layers.router import Router
 from moe.nn.mlp import SwiGLU
 from moe.spans import span
+
+# The block's residual add folded into the combine (one read of the residual in the combine's
+# pass instead of a separate add kernel's three passes over [tokens, d]). Opt-in until it has run on
+# a GPU: MOE_RESIDUAL_ADD=combine turns it on (bench/h200/step_target.sh times it against the add).
+RESIDUAL_IN_COMBINE = os.environ.get("MOE_RESIDUAL_ADD", "separate") == "combine"
 
 
 @dataclasses.dataclass
@@ -42,9 +48,12 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.last_stats: MoEStats | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual`` (x's shape): returns residual + the layer's output, the add folded into the
+        local combine where that runs (no shared experts), else a plain add."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        fold = residual is not None and self.shared is None and type(self.dispatcher) is LocalDispatcher
         routing = self.router(tokens)
         if self.experts.reads_token_rows and type(self.dispatcher) is LocalDispatcher:
             # the experts' GEMM gathers the token rows itself: only the permutation is made here
@@ -57,9 +66,15 @@ class MoELayer(nn.Module):
                 rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
             y = self.experts(rows, rows_per_expert)
             with span("dispatch"):
-                out = self.dispatcher.combine(y, state)
+                if fold:
+                    out = self.dispatcher.combine(y, state, residual.reshape(tokens.shape))
+                    residual = None
+                else:
+                    out = self.dispatcher.combine(y, state)
         if self.shared is not None:
             out = out + self.shared(tokens)
+        if residual is not None:
+            out = residual.reshape(tokens.shape) + out
         if self.training and torch.is_grad_enabled():
             aux = self.lb_loss_weight * routing.lb_loss + self.z_loss_weight * routing.z_loss
             if aux.requires_grad:

@@ -40,6 +40,27 @@ def main() -> int:
         check(out, out_r, "combine")
         check(gx, x.grad, "gather backward")
         check(gw, weights.grad, "combine weight backward")
+        # the residual folded into the combine's pass (MOE_RESIDUAL_ADD=combine): residual + combine,
+        # its gradient the output's; in bf16 one rounding of the fp32 sum
+        for dtype in (torch.float32, torch.bfloat16):
+            yb = y.detach().to(dtype).requires_grad_()
+            res = torch.randn(n_tokens, d, dtype=dtype, requires_grad=True)
+            wb = weights.detach().clone().requires_grad_()
+            out_f = routing.combine(yb, inverse, wb, res)
+            (out_f.float() * probe).sum().backward()
+            acc = res.detach().float()  # the kernel's fp32 sum in its order, rounded once
+            per_slot = yb.detach().float().index_select(0, inverse).view(n_tokens, k, d)
+            for j in range(k):
+                acc = acc + per_slot[:, j] * wb.detach()[:, j : j + 1]
+            want = acc.to(dtype)
+            # (Triton's interpreter narrows fp32 to bf16 by truncation, the GPU to nearest: one bf16 step here)
+            assert out_f.dtype == dtype
+            check(out_f, want, f"combine + residual {dtype}", tol=1e-6 if dtype == torch.float32 else 2**-7)
+            assert torch.equal(res.grad, probe.to(dtype)), "the residual's gradient is the output's"
+            yr = yb.detach().clone().requires_grad_()
+            wr = wb.detach().clone().requires_grad_()
+            (routing.combine(yr, inverse, wr).float() * probe).sum().backward()
+            assert torch.equal(yb.grad, yr.grad) and torch.equal(wb.grad, wr.grad), "y and weight gradients as without the residual"
         h = torch.randn(n_tokens * k, 2 * d, requires_grad=True)
         a = swiglu_fn(h)
         g = torch.randn_like(a)

@@ -144,3 +144,25 @@ def test_cuda_forward_backward_has_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_a_residual_is_added_as_the_block_adds_it(shared):
+    """MoELayer(x, residual) (MOE_RESIDUAL_ADD=combine: folded into the combine where the local
+    combine runs) gives residual + MoELayer(x) and the same gradients; on the CPU bit for bit."""
+    torch.manual_seed(3)
+    layer = build(16, num_experts=6, top_k=2, expert_hidden=8, num_shared_experts=shared).train()
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    res = torch.randn(2, 9, 16, requires_grad=True)
+    probe = torch.randn(2, 9, 16)
+    outs, gs = [], []
+    for folded in (False, True):
+        out = layer(x, residual=res) if folded else res + layer(x)
+        (out * probe).sum().backward()
+        outs.append(out.detach())
+        gs.append([t.grad.clone() for t in (x, res, *layer.parameters())])
+        layer.zero_grad()
+        x.grad = res.grad = None
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*gs, strict=True):
+        assert torch.equal(a, b)
