@@ -61,10 +61,17 @@ def _global_module_hooks() -> bool:
     return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks or mod._global_backward_pre_hooks)
 
 
+def _casts_under_autocast(x: torch.Tensor) -> bool:
+    # autocast to x's own dtype (the bf16 recipe on bf16 weights) casts nothing: F.linear inside
+    # the Function gives what it gives outside; to another dtype it would cast inside F.linear and
+    # leave the backward's operands of two dtypes
+    device_type = x.device.type
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != x.dtype
+
+
 def _plain_linears(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
-    # another module (an FP8 linear of the precision recipe) keeps its own forward; autocast
-    # would cast inside F.linear and leave the backward's operands of two dtypes
-    if x.device.type not in ("cuda", "cpu") or torch.is_autocast_enabled(x.device.type) or _global_module_hooks():
+    # another module (an FP8 linear of the precision recipe) keeps its own forward
+    if x.device.type not in ("cuda", "cpu") or _casts_under_autocast(x) or _global_module_hooks():
         return False
     return all(
         type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype and type(m.weight) in (torch.Tensor, nn.Parameter) and _no_hooks(m)
@@ -74,8 +81,8 @@ def _plain_linears(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
 
 def shared_input_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """(m(x) for m in linears), with one input gradient summed inside the backward's GEMMs where
-    every module is a bias-free ``nn.Linear`` of x's dtype without hooks (outside autocast, on CPU
-    or CUDA); otherwise each module's own call. (A backward split into input and weight halves
+    every module is a bias-free ``nn.Linear`` of x's dtype without hooks (outside autocast or under
+    an autocast to x's dtype, the bf16 recipe's; on CPU or CUDA); otherwise each module's own call. (A backward split into input and weight halves
     would run the weight GEMMs in both: no pipeline schedule here splits it.)"""
     if SUM_IN_GEMM and len(linears) > 1 and torch.is_grad_enabled() and _plain_linears(linears, x):
         return _SharedInputLinear.apply(x, *(m.weight for m in linears))

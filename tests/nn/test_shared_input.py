@@ -100,3 +100,45 @@ def test_off_by_default_each_module_is_called(monkeypatch):
     x = torch.randn(2, 3, 48, dtype=torch.float64, requires_grad=True)
     outs = shared_input_linear(x, *linears)
     assert all(o.grad_fn is not None and "SharedInput" not in type(o.grad_fn).__name__ for o in outs)
+
+
+def test_an_autocast_to_the_inputs_own_dtype_keeps_the_fused_backward():
+    """The bf16 recipe runs under a bf16 autocast on bf16 weights: nothing is cast, so the sum in
+    the GEMMs applies there (it fell back before 2026-12-07, so no step had used it); the values are
+    the separate calls' under the same autocast."""
+    linears = _linears(torch.bfloat16)
+    x = torch.randn(2, 7, 48, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = shared_input_linear(x.requires_grad_(), *linears)
+        assert all("SharedInput" in type(o.grad_fn).__name__ for o in outs)
+        want = _grads(lambda t: tuple(m(t) for m in linears), x, linears)
+        got = _grads(lambda t: shared_input_linear(t, *linears), x, linears)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    for g, w in zip(got[2], want[2], strict=True):
+        assert torch.equal(g, w)  # the weight gradients are the same GEMMs
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)  # one rounding fewer per sum
+
+
+def _node_names(root) -> set[str]:
+    seen, stack, names = set(), [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def test_the_bf16_recipes_attention_takes_the_fused_backward():
+    """Where the product runs it: a bf16 model under the bf16 recipe's autocast (the trainer's
+    forward) builds q, k and v through the fused Function."""
+    from moe.config import ModelConfig
+    from moe.model import Transformer
+    from moe.precision import RECIPES
+
+    model = Transformer(ModelConfig.from_dict({"preset": "tiny"}).validate()).to(torch.bfloat16)
+    with RECIPES["bf16"].autocast(torch.device("cpu")):
+        logits = model(torch.randint(0, 512, (1, 8)))
+    assert "_SharedInputLinearBackward" in _node_names(logits.grad_fn)
