@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from moe.switches import set_in_environment
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -37,17 +39,6 @@ def git_commit() -> str:
 
 
 # Environment variables that choose between a kernel and its predecessor (moe/kernels).
-KERNEL_SWITCHES = (
-    "MOE_NORM_BACKWARD",
-    "MOE_RESIDUAL_NORM",
-    "MOE_WGRAD_ORDER",
-    "MOE_WGRAD_KERNEL",
-    "MOE_WGRAD_PINGPONG_STAGES",
-    "MOE_DETERMINISTIC_FILL",
-    "MOE_GRAD_ADD",
-    "MOE_SHARED_INPUT_GRAD",
-    "MOE_RESIDUAL_ADD",
-)
 
 
 def environment() -> dict[str, Any]:
@@ -57,8 +48,8 @@ def environment() -> dict[str, Any]:
         "host": platform.node(),
         "git_commit": git_commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        # the library's kernel switches this process ran with (the side-by-sides of bench/h200), or None
-        "switches": " ".join(f"{k}={os.environ[k]}" for k in KERNEL_SWITCHES if k in os.environ) or None,
+        # the library's switches (moe.switches) this process ran with (the side-by-sides of bench/h200), or None
+        "switches": set_in_environment(),
     }
     try:
         import triton

@@ -7,20 +7,20 @@ step, bench/results/wgrad_order/step-gaps-90c6d54.log). This kernel reads the gr
 bytes) and the accumulator (4) and writes the sum (4) with wide loads and stores; the first
 micro-batch writes the cast (reads 2, writes 4). The values are torch's bit for bit: the
 gradient widened exactly to fp32 and one fp32 add, rounded to nearest even.
-Opt-in until it has run on a GPU: ``MOE_GRAD_ADD=triton`` turns it on (bench/h200/step_target.sh does,
-and times it against torch's).
+On by default since it was measured (one H100, 6 layers, bench/NOTES.md 2026-12-07: the step's gradient
+accumulation 5.5 -> 4.0 ms); ``MOE_GRAD_ADD=torch`` takes torch's add (the side-by-side).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
+from moe.switches import choice
 
-TRITON_ADD = os.environ.get("MOE_GRAD_ADD", "torch") == "triton"
+TRITON_ADD = choice("MOE_GRAD_ADD") == "triton"
 BLOCK = 4096
 WARPS = 8
 

@@ -31,6 +31,7 @@ import torch
 
 from moe.kernels import grouped_wgrad_ws as ws
 from moe.kernels.routing import HAVE_TRITON, use_triton
+from moe.switches import choice
 
 if HAVE_TRITON:
     import triton
@@ -217,7 +218,7 @@ CUDA_CONFIG = (128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = (32, 32, 16, 4, 1)
 # The experts heaviest first (bench/wgrad.py --epilogue, bench/h200/wgrad_epilogue.sh);
 # MOE_WGRAD_ORDER=index keeps index order for a side-by-side.
-ORDERED_TILES = os.environ.get("MOE_WGRAD_ORDER", "heaviest") != "index"
+ORDERED_TILES = choice("MOE_WGRAD_ORDER") == "heaviest"
 RANK_BLOCK, RANK_WARPS = 64, 4  # experts ranked per program of _rank_kernel (64 x 64 comparisons at a time)
 # The FP8 kernel's tile: twice the contraction depth (one byte per element, wgmma takes 32 at a time).
 FP8_CUDA_CONFIG = (128, 256, 128, 8, 3)

@@ -27,6 +27,7 @@ import os
 import torch
 
 from moe.kernels.routing import HAVE_TRITON
+from moe.switches import choice
 
 try:
     import triton
@@ -46,10 +47,7 @@ CONFIG = (128, 256, 32, 6, 16)
 CONFIGS = {"k32-s6-lead16": CONFIG}
 CONSUMER_REGS, MAX_REGS = 232, 168  # per thread: 12 warps share 64K registers, the producer gets the rest (40)
 # The default on sm90 wherever it applies; MOE_WGRAD_KERNEL=triton keeps the Triton kernel (side-by-sides).
-KERNEL_SWITCH = os.environ.get("MOE_WGRAD_KERNEL", "ws")
-if KERNEL_SWITCH not in ("ws", "triton"):
-    raise ValueError(f"MOE_WGRAD_KERNEL={KERNEL_SWITCH!r}: expected 'ws' (the default) or 'triton'")
-USE_WS = KERNEL_SWITCH == "ws"
+USE_WS = choice("MOE_WGRAD_KERNEL") == "ws"
 
 if HAVE_GLUON:
 

@@ -20,17 +20,16 @@ precision-recipe seams; these kernels need no declaration there.)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from moe.kernels.routing import HAVE_TRITON, use_triton
+from moe.switches import choice
 
 # Under torch's fused forward, our backward (_RMSNorm with torch_forward); MOE_NORM_BACKWARD=torch
 # keeps torch's own backward (the side-by-side in bench/h200/norm_backward.sh).
-TRITON_BACKWARD = os.environ.get("MOE_NORM_BACKWARD", "triton") != "torch"
+TRITON_BACKWARD = choice("MOE_NORM_BACKWARD") == "triton"
 # Widest row the one-pass kernels hold in registers; wider rows take the eager path.
 MAX_WIDTH = 8192
 # Backward: at most this many programs, each over a contiguous range of rows (a fixed split,
@@ -251,7 +250,7 @@ class _ResidualRMSNorm(torch.autograd.Function):
 
 # The residual's gradient added in the norm's backward pass (measured: 0.5-0.6% off the OLMoE-width step on
 # the H200, 0.8-1.0% on an H100; bench/NOTES.md); MOE_RESIDUAL_NORM=0 keeps autograd's separate add.
-RESIDUAL_IN_BACKWARD = os.environ.get("MOE_RESIDUAL_NORM", "1") == "1"
+RESIDUAL_IN_BACKWARD = choice("MOE_RESIDUAL_NORM") == "1"
 
 
 def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -17,11 +16,13 @@ from moe.layers.gemm import ExpertGemm, GroupedMM
 from moe.layers.router import Router
 from moe.nn.mlp import SwiGLU
 from moe.spans import span
+from moe.switches import choice
 
 # The block's residual add folded into the combine (one read of the residual in the combine's
-# pass instead of a separate add kernel's three passes over [tokens, d]). Opt-in until it has run on
-# a GPU: MOE_RESIDUAL_ADD=combine turns it on (bench/h200/step_target.sh times it against the add).
-RESIDUAL_IN_COMBINE = os.environ.get("MOE_RESIDUAL_ADD", "separate") == "combine"
+# pass instead of a separate add kernel's three passes over [tokens, d]): on by default since it was
+# measured (one H100, bench/NOTES.md 2026-12-07: 24 adds, 1.5 ms, gone for 0.7 ms more in the combine);
+# MOE_RESIDUAL_ADD=separate keeps the block's own add (the side-by-side).
+RESIDUAL_IN_COMBINE = choice("MOE_RESIDUAL_ADD") == "combine"
 
 
 @dataclasses.dataclass

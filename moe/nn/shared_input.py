@@ -14,14 +14,14 @@ it on (bench/h200/step_target.sh does, and times it against autograd's adds).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-SUM_IN_GEMM = os.environ.get("MOE_SHARED_INPUT_GRAD", "autograd") == "gemm"
+from moe.switches import choice
+
+SUM_IN_GEMM = choice("MOE_SHARED_INPUT_GRAD") == "gemm"
 
 
 class _SharedInputLinear(torch.autograd.Function):

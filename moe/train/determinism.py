@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.config import ConfigError
+from moe.switches import choice
 
 log = logging.getLogger("moe.train")
 
@@ -117,7 +118,7 @@ def configure(enabled: bool, layout_invariant: bool = False) -> Determinism:
     # the guard itself proves: a run with it and one without give the same bits (bench/h200/
     # determinism_fill.sh), while it cost 46 ms of a 760 ms step at OLMoE width (bench/NOTES.md).
     # MOE_DETERMINISTIC_FILL=1 keeps it (to check a new kernel the same way).
-    torch.utils.deterministic.fill_uninitialized_memory = os.environ.get("MOE_DETERMINISTIC_FILL") == "1"
+    torch.utils.deterministic.fill_uninitialized_memory = choice("MOE_DETERMINISTIC_FILL") == "1"
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(False)
