@@ -38,9 +38,6 @@ def git_commit() -> str:
     return f"{sha}+dirty" if changed.strip() else sha
 
 
-# Environment variables that choose between a kernel and its predecessor (moe/kernels).
-
-
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "torch": torch.__version__,

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from moe.config import ModelConfig
-from moe.layers import moe_layer
 from moe.layers.gemm import ExpertGemm, GroupedMM
 from moe.layers.moe_layer import MoELayer
 from moe.nn.attention import Attention
@@ -34,8 +33,8 @@ class Block(nn.Module):
         x, normed = self.attn_norm.with_residual(x)
         x = x + self.attn(normed)
         x, normed = self.mlp_norm.with_residual(x)
-        if moe_layer.RESIDUAL_IN_COMBINE and isinstance(self.mlp, MoELayer):
-            return self.mlp(normed, residual=x)  # the add folded into the combine's pass
+        if isinstance(self.mlp, MoELayer):
+            return self.mlp(normed, residual=x)  # the layer adds it (in the combine's pass where it can)
         return x + self.mlp(normed)
 
 

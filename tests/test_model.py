@@ -62,7 +62,7 @@ def test_pipeline_stage_can_drop_modules():
 
 
 def test_the_residual_add_folded_into_the_combine_changes_nothing_on_the_cpu(monkeypatch):
-    """MOE_RESIDUAL_ADD=combine (moe.layers.moe_layer.RESIDUAL_IN_COMBINE): the blocks hand their
+    """MOE_RESIDUAL_ADD (moe.layers.moe_layer.RESIDUAL_IN_COMBINE): the blocks hand their
     residual to the MoE layers; on the CPU the same logits and gradients bit for bit (dense layer kept)."""
     from moe.layers import moe_layer
 

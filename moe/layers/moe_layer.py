@@ -51,10 +51,12 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual`` (x's shape): returns residual + the layer's output, the add folded into the
-        local combine where that runs (no shared experts), else a plain add."""
+        local combine where that runs (no shared experts; MOE_RESIDUAL_ADD=combine, the default),
+        else a plain add."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        fold = residual is not None and self.shared is None and type(self.dispatcher) is LocalDispatcher
+        residual = residual.reshape(tokens.shape) if residual is not None else None
+        fold = RESIDUAL_IN_COMBINE and residual is not None and self.shared is None and type(self.dispatcher) is LocalDispatcher
         routing = self.router(tokens)
         if self.experts.reads_token_rows and type(self.dispatcher) is LocalDispatcher:
             # the experts' GEMM gathers the token rows itself: only the permutation is made here
@@ -68,14 +70,14 @@ class MoELayer(nn.Module):
             y = self.experts(rows, rows_per_expert)
             with span("dispatch"):
                 if fold:
-                    out = self.dispatcher.combine(y, state, residual.reshape(tokens.shape))
+                    out = self.dispatcher.combine(y, state, residual)
                     residual = None
                 else:
                     out = self.dispatcher.combine(y, state)
         if self.shared is not None:
             out = out + self.shared(tokens)
         if residual is not None:
-            out = residual.reshape(tokens.shape) + out
+            out = residual + out
         if self.training and torch.is_grad_enabled():
             aux = self.lb_loss_weight * routing.lb_loss + self.z_loss_weight * routing.z_loss
             if aux.requires_grad:

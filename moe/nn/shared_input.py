@@ -82,8 +82,9 @@ def _plain_linears(linears: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
 def shared_input_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """(m(x) for m in linears), with one input gradient summed inside the backward's GEMMs where
     every module is a bias-free ``nn.Linear`` of x's dtype without hooks (outside autocast or under
-    an autocast to x's dtype, the bf16 recipe's; on CPU or CUDA); otherwise each module's own call. (A backward split into input and weight halves
-    would run the weight GEMMs in both: no pipeline schedule here splits it.)"""
+    an autocast to x's dtype, the bf16 recipe's; on CPU or CUDA); otherwise each module's own call.
+    (A backward split into input and weight halves would run the weight GEMMs in both: no pipeline
+    schedule here splits it.)"""
     if SUM_IN_GEMM and len(linears) > 1 and torch.is_grad_enabled() and _plain_linears(linears, x):
         return _SharedInputLinear.apply(x, *(m.weight for m in linears))
     return tuple(m(x) for m in linears)
