@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)), most wanted first (a call cut short
-# keeps what ran): bench.model at OLMoE width (8 layers, micro 4 x accum 4) with the default expert wgrad and with
-# optim.expert_wgrad=paired, each eager and with train.cuda_graph (each also timed back to back:
-# step_s_pipelined), paired and graphed once more with torch's gradient add (MOE_GRAD_ADD=torch) and once with autograd's
-# q/k/v input-gradient adds (MOE_SHARED_INPUT_GRAD=autograd) and once with the block's own residual add
-# (MOE_RESIDUAL_ADD=separate); train.cuda_graph's GPU tests; then the Qwen-like `moe train` run paired and graphed, graphed, and eager. JSON and logs land in $OUT. On a GPU
-# under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
+# keeps what ran): bench.model at OLMoE width (8 layers, micro 4 x accum 4) with optim.expert_wgrad=paired and
+# train.cuda_graph, the Qwen-like `moe train` run the same way, then the q/k/v input-gradient sum in the GEMMs
+# off and on again, alternated (MOE_SHARED_INPUT_GRAD=autograd / gemm), the default expert wgrad eager and graphed,
+# the Qwen-like run graphed and eager, and last the GPU checks (the grad-add kernel, the residual in the combine,
+# train.cuda_graph's tests). Each bench.model run is also timed back to back (step_s_pipelined). JSON and logs land
+# in $OUT. On a GPU under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 # the levers of 2026-12-06/07 on for every run below (the grad add and the residual in the combine are the
@@ -14,17 +14,18 @@ export MOE_GRAD_ADD=triton MOE_SHARED_INPUT_GRAD=gemm MOE_RESIDUAL_ADD=combine
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi
 echo "GPU memory ${mib} MiB: OLMoE width at ${layers} layers, Qwen-like at ${qwen_layers}" | tee -a "$LOG"
+step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
+run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+tokens_8k
+qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
+run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's q/k/v input-gradient adds (moe.nn.shared_input)
+run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run python3 -m bench.model "${step[@]}"
+run python3 -m bench.model "${step[@]}" --cuda-graph
+qwen_like_train qwen-like-ws-graph 12 --set model.n_layers="$qwen_layers" --set train.cuda_graph=true
+qwen_like_train qwen-like-ws 12 --set model.n_layers="$qwen_layers"
 run python3 tests/kernels/grad_add_check.py  # moe.kernels.grad_add compiled: torch's values bitwise
-# probe for the next lever (dense weight gradients accumulated in their GEMM): does this torch add bf16 products into fp32 in place?
-run python3 -c "
-import torch
-a = torch.randn(4096, 1024, device='cuda', dtype=torch.bfloat16); b = torch.randn(1024, 512, device='cuda', dtype=torch.bfloat16)
-c = torch.randn(4096, 512, device='cuda'); want = c + a.float() @ b.float()
-try:
-    r = torch.addmm(c, a, b, out_dtype=torch.float32, out=c); print('addmm bf16 into fp32 in place:', r.data_ptr() == c.data_ptr(), 'max err', (c - want).abs().max().item())
-except Exception as e:
-    print('addmm bf16 into fp32 in place: unsupported:', str(e).splitlines()[0])
-"
 # the residual folded into the combine, compiled: against the unfused combine + add (one bf16 rounding apart at most)
 run python3 -c "
 import torch
@@ -37,18 +38,6 @@ exact = (r.float() + (w.unsqueeze(2) * y.float()[inv].view(t, k, d)).sum(1))
 err = (got.float() - exact).abs().max().item(); err_ref = (ref.float() - exact).abs().max().item()
 print(f'combine + residual compiled: max err {err:.3g} (unfused {err_ref:.3g})'); assert err <= err_ref, 'the fold is less exact than the separate add'
 "
-step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
-run python3 -m bench.model "${step[@]}"
-run python3 -m bench.model "${step[@]}" --cuda-graph
-run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
-run python3 -m bench.model "${step[@]}" --expert-wgrad paired
-run env MOE_GRAD_ADD=torch python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # torch's gradient add (moe.kernels.grad_add)
-run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's q/k/v input-gradient adds (moe.nn.shared_input)
-run env MOE_RESIDUAL_ADD=separate python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # the block's own residual add (moe.layers.moe_layer)
 RUN_TIMEOUT=240 run python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the captured step's GPU tests
-tokens_8k
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
-qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
-qwen_like_train qwen-like-ws-graph 12 --set model.n_layers="$qwen_layers" --set train.cuda_graph=true
-qwen_like_train qwen-like-ws 12 --set model.n_layers="$qwen_layers"
 exit $status
