@@ -38,6 +38,15 @@ exact = (r.float() + (w.unsqueeze(2) * y.float()[inv].view(t, k, d)).sum(1))
 err = (got.float() - exact).abs().max().item(); err_ref = (ref.float() - exact).abs().max().item()
 print(f'combine + residual compiled: max err {err:.3g} (unfused {err_ref:.3g})'); assert err <= err_ref, 'the fold is less exact than the separate add'
 "
+# the router's input gradient rounded in its GEMM (moe.layers.router._mm_rounded) against the fp32 product cast after
+run python3 -c "
+import torch
+from moe.layers.router import _mm_fp32, _mm_rounded
+torch.manual_seed(0); g = torch.randn(16384, 64, device='cuda').bfloat16(); w = torch.randn(64, 2048, device='cuda').bfloat16()
+a, b = _mm_rounded(g, w), _mm_fp32(g, w).bfloat16()
+ulp = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30) * 128).max().item()
+print(f'router input gradient rounded in the GEMM: {(a != b).float().mean().item():.2e} of elements differ, at most {ulp:.2f} ulp'); assert ulp <= 1.0
+"
 RUN_TIMEOUT=240 run python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the captured step's GPU tests
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
 exit $status
