@@ -56,9 +56,12 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         residual = residual.reshape(tokens.shape) if residual is not None else None
-        fold = RESIDUAL_IN_COMBINE and residual is not None and self.shared is None and type(self.dispatcher) is LocalDispatcher
-        routing = self.router(tokens)
-        if self.experts.reads_token_rows and type(self.dispatcher) is LocalDispatcher:
+        local = type(self.dispatcher) is LocalDispatcher
+        fold = RESIDUAL_IN_COMBINE and residual is not None and self.shared is None and local
+        # the local gather's backward returns a tensor of its own: the router may add its input
+        # gradient into it (Router.forward's fold_input_grad)
+        routing = self.router(tokens, fold_input_grad=local and not self.experts.reads_token_rows)
+        if self.experts.reads_token_rows and local:
             # the experts' GEMM gathers the token rows itself: only the permutation is made here
             with span("dispatch"):
                 state = self.dispatcher.sort(routing)
@@ -66,7 +69,8 @@ class MoELayer(nn.Module):
             out = self.experts.forward_tokens(tokens, state, rows_per_expert)
         else:
             with span("dispatch"):
-                rows, rows_per_expert, state = self.dispatcher.dispatch(tokens, routing)
+                gathered = routing.tokens if routing.tokens is not None else tokens
+                rows, rows_per_expert, state = self.dispatcher.dispatch(gathered, routing)
             y = self.experts(rows, rows_per_expert)
             with span("dispatch"):
                 if fold:

@@ -21,6 +21,9 @@ class Routing:
     tokens_per_expert: torch.Tensor  # [E] int64 slots routed to each expert (this rank)
     lb_loss: torch.Tensor  # fp32 scalar, unweighted; 1.0 when perfectly balanced
     z_loss: torch.Tensor  # fp32 scalar, unweighted
+    # the router's input as the experts' gather must read it (Router.forward's fold_input_grad),
+    # else None: read the tokens themselves
+    tokens: torch.Tensor | None = None
 
 
 class Router(nn.Module):
@@ -45,9 +48,12 @@ class Router(nn.Module):
         # Count tokens per expert with a fixed-order reduction (set by the deterministic mode).
         self.deterministic = False
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x: [T, d_model] -> Routing."""
-        logits = router_logits(x, self.weight)
+    def forward(self, x: torch.Tensor, fold_input_grad: bool = False) -> Routing:
+        """x: [T, d_model] -> Routing. ``fold_input_grad``: ``Routing.tokens`` is x passed through
+        the logits' Function, whose backward adds the logits' input gradient into the gradient that
+        arrives through it (in the GEMM, in place): only for a consumer whose backward returns a
+        tensor of its own (the local dispatcher's gather), the one reader of ``Routing.tokens``."""
+        logits, tokens = router_logits(x, self.weight, pass_through=fold_input_grad)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.routing == "random":
@@ -73,7 +79,7 @@ class Router(nn.Module):
 
         if self.pending_load is not None and self.training:
             self.pending_load.add_(tokens_per_expert.float())
-        return Routing(experts, weights, tokens_per_expert, lb_loss, z_loss)
+        return Routing(experts, weights, tokens_per_expert, lb_loss, z_loss, tokens)
 
     def _distributed(self) -> bool:
         """Counts are summed only over an explicitly set group (None: this process alone)."""
@@ -132,28 +138,45 @@ def _mm_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _RouterLogits(torch.autograd.Function):
-    """fp32 logits from the model-dtype activations and router weight. The backward rounds
-    the logit gradient to the activations' dtype, as every other bf16 backward does."""
+    """fp32 logits from the model-dtype activations and router weight, and x passed through (a
+    view). The backward rounds the logit gradient to the activations' dtype, as every other bf16
+    backward does. The experts' rows read x through the second output, so the backward receives
+    their input gradient with the logits' and adds the logits' product into it inside the GEMM
+    (``addmm_``: one read of it in the epilogue, one rounding) where autograd would write the
+    product and sum the two in an add kernel (a [T, d] read twice and written, per MoE layer and
+    micro-batch). The arriving gradient is written in place: Router.forward's fold_input_grad says
+    when that is safe."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x, weight)
-        return _mm_fp32(x, weight.t())
+        ctx.set_materialize_grads(False)
+        return _mm_fp32(x, weight.t()), x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None, grad_through: torch.Tensor | None):
         x, weight = ctx.saved_tensors
-        g = grad.to(x.dtype)
-        grad_x = _mm_rounded(g, weight.to(x.dtype)) if ctx.needs_input_grad[0] else None
-        grad_w = _mm_fp32(g.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        g = grad.to(x.dtype) if grad is not None else None
+        grad_x = grad_through
+        if ctx.needs_input_grad[0] and g is not None:
+            w = weight.to(x.dtype)
+            if grad_through is None:
+                grad_x = _mm_rounded(g, w)
+            elif grad_through.dtype == x.dtype and grad_through.is_contiguous():
+                grad_x = grad_through.view(-1, x.shape[-1]).addmm_(g, w).view(grad_through.shape)
+            else:
+                grad_x = grad_through + _mm_rounded(g, w)
+        grad_w = _mm_fp32(g.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] and g is not None else None
         return grad_x, grad_w
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[T, d] activations, [E, d] weight -> [T, E] fp32 logits."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, pass_through: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, d] activations, [E, d] weight -> ([T, E] fp32 logits, x through the logits' Function
+    where ``pass_through`` asks for it and that Function runs (low-precision inputs), else None)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.linear(x, weight)
-    return _RouterLogits.apply(x, weight)
+        return F.linear(x, weight), None
+    logits, through = _RouterLogits.apply(x, weight)
+    return logits, through if pass_through else None
 
 
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -93,3 +93,49 @@ def test_aux_free_bias_moves_towards_balance_and_only_changes_selection():
     scores = (x @ r.weight.T).softmax(-1)
     torch.testing.assert_close(again.weights, scores.gather(-1, again.experts))
     assert "expert_bias" in r.state_dict()
+
+
+def _input_grads(pass_through: bool):
+    """x's gradient when x feeds the router's logits and, gathered, the rows the experts read:
+    through the logits' Function (its backward adds into the rows' gradient) or alongside it;
+    and the float64 value both round."""
+    from moe.layers.router import router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    order = torch.randperm(64).repeat(2)  # each token read twice, as top-2 does
+    probe, rows_probe = torch.randn(64, 8), torch.randn(128, 32)
+    logits, through = router_logits(x, w, pass_through=pass_through)
+    rows = (through if pass_through else x).index_select(0, order)
+    ((logits * probe).sum() + (rows.float() * rows_probe).sum()).backward()
+    g = probe.bfloat16().double()  # the backward rounds the logits' gradient to bf16 first
+    gathered = torch.zeros(64, 32, dtype=torch.bfloat16).index_add_(0, order, rows_probe.bfloat16())  # the gather's backward
+    exact = g @ w.detach().double() + gathered.double()
+    return x.grad, w.grad, exact
+
+
+def test_the_input_gradient_through_the_router_is_autograds_sum_rounded_once():
+    """MoELayer reads the tokens it gathers through the router's logits Function, whose backward
+    adds the logits' input gradient into the gather's (in the GEMM): autograd's sum of the two,
+    rounded once instead of twice, and the weight's gradient the same bits."""
+    folded, folded_w, exact = _input_grads(pass_through=True)
+    summed, summed_w, _ = _input_grads(pass_through=False)
+    assert torch.equal(folded_w, summed_w)
+    assert not torch.equal(folded, summed)  # the fold ran
+    err_folded, err_summed = (folded.double() - exact).abs().max(), (summed.double() - exact).abs().max()
+    assert err_folded <= err_summed, (err_folded, err_summed)
+    torch.testing.assert_close(folded.double(), exact, rtol=2**-8, atol=1e-6)  # one rounding: half a bf16 ulp
+
+
+def test_the_moe_layer_gathers_through_the_router_only_where_the_fold_is_safe():
+    from moe.config import MoEConfig
+    from moe.layers import MoELayer
+
+    layer = MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8).validate()).to(torch.bfloat16)
+    seen = []
+    layer.dispatcher.dispatch = lambda x, routing, inner=layer.dispatcher.dispatch: seen.append(x.grad_fn) or inner(x, routing)
+    layer(torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    assert type(seen[0]).__name__ == "_RouterLogitsBackward"
+    assert layer.router(torch.randn(4, 16, dtype=torch.bfloat16)).tokens is None  # not asked: no pass-through
+    assert layer.router.float()(torch.randn(4, 16), fold_input_grad=True).tokens is None  # fp32: F.linear, nothing to fold
