@@ -31,6 +31,12 @@ SWITCHES: dict[str, Switch] = {
         Switch("MOE_WGRAD_KERNEL", ("ws", "triton"), "moe.kernels.grouped_wgrad_ws", "triton: the Triton wgrad kernel, not the warp-specialised one"),
         Switch("MOE_GRAD_ADD", ("triton", "torch"), "moe.kernels.grad_add", "torch: torch's add of each micro-batch's gradient into fp32"),
         Switch("MOE_RESIDUAL_ADD", ("combine", "separate"), "moe.layers.moe_layer", "separate: the block's own residual add after an MoE layer"),
+        Switch(
+            "MOE_ROUTER_INPUT_GRAD",
+            ("gemm", "autograd"),
+            "moe.layers.moe_layer",
+            "autograd: the router's input gradient added to the gather's by autograd",
+        ),
         Switch("MOE_SHARED_INPUT_GRAD", ("autograd", "gemm"), "moe.nn.shared_input", "gemm: q/k/v input gradients summed in the GEMMs (unmeasured)"),
         Switch("MOE_DETERMINISTIC_FILL", ("0", "1"), "moe.train.determinism", "1: torch's NaN fill of new memory in the deterministic mode"),
     )

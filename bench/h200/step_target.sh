@@ -21,6 +21,7 @@ qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --
 run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's q/k/v input-gradient adds (moe.nn.shared_input)
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run env MOE_ROUTER_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's add of the router's input gradient
 run python3 -m bench.model "${step[@]}"
 run python3 -m bench.model "${step[@]}" --cuda-graph
 qwen_like_train qwen-like-ws-graph 12 --set model.n_layers="$qwen_layers" --set train.cuda_graph=true

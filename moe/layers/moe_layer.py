@@ -23,6 +23,9 @@ from moe.switches import choice
 # measured (one H100, bench/NOTES.md 2026-12-07: 24 adds, 1.5 ms, gone for 0.7 ms more in the combine);
 # MOE_RESIDUAL_ADD=separate keeps the block's own add (the side-by-side).
 RESIDUAL_IN_COMBINE = choice("MOE_RESIDUAL_ADD") == "combine"
+# The router's input gradient added into the gather's inside its GEMM (Router.forward's
+# fold_input_grad); MOE_ROUTER_INPUT_GRAD=autograd keeps autograd's add (the side-by-side).
+ROUTER_GRAD_IN_GEMM = choice("MOE_ROUTER_INPUT_GRAD") == "gemm"
 
 
 @dataclasses.dataclass
@@ -60,7 +63,7 @@ class MoELayer(nn.Module):
         fold = RESIDUAL_IN_COMBINE and residual is not None and self.shared is None and local
         # the local gather's backward returns a tensor of its own: the router may add its input
         # gradient into it (Router.forward's fold_input_grad)
-        routing = self.router(tokens, fold_input_grad=local and not self.experts.reads_token_rows)
+        routing = self.router(tokens, fold_input_grad=ROUTER_GRAD_IN_GEMM and local and not self.experts.reads_token_rows)
         if self.experts.reads_token_rows and local:
             # the experts' GEMM gathers the token rows itself: only the permutation is made here
             with span("dispatch"):
