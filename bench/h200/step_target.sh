@@ -9,7 +9,7 @@
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 # the levers of 2026-12-06/07 on for every run below (the grad add and the residual in the combine are the
-# defaults since 2026-12-07; the q/k/v sum in the GEMMs is opt-in until measured); each run that turns one off says so
+# defaults since 2026-12-07, the q/k/v sum in the GEMMs since its timing that day); each run that turns one off says so
 export MOE_GRAD_ADD=triton MOE_SHARED_INPUT_GRAD=gemm MOE_RESIDUAL_ADD=combine
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi

@@ -8,8 +8,9 @@ H100, bench/results/step_target/8e75da9/profiles.log). Here the first product wr
 gradient and each later one adds into it in its GEMM's epilogue (``addmm_``, beta=1: a read of
 the buffer, no extra kernel). The forward and the weight gradients are ``F.linear``'s own; the
 input gradient is summed in fp32 inside each GEMM and rounded once per product (autograd rounds
-each product, then each sum). Opt-in until it has run on a GPU: ``MOE_SHARED_INPUT_GRAD=gemm`` turns
-it on (bench/h200/step_target.sh does, and times it against autograd's adds).
+each product, then each sum). On by default since it was timed (one H100, bench/NOTES.md 2026-12-07:
+0.2-0.6% off the paired, graphed OLMoE-width step); ``MOE_SHARED_INPUT_GRAD=autograd`` keeps autograd's
+adds (the side-by-side).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from moe.nn.shared_input import shared_input_linear
 
 @pytest.fixture(autouse=True)
 def _on(monkeypatch):
-    """The fused backward is opt-in (MOE_SHARED_INPUT_GRAD=gemm): on for these tests."""
+    """The fused backward on for these tests, whatever MOE_SHARED_INPUT_GRAD says (it is the default)."""
     monkeypatch.setattr(shared_input, "SUM_IN_GEMM", True)
 
 
