@@ -2,9 +2,10 @@
 # Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)), most wanted first (a call cut short
 # keeps what ran): bench.model at OLMoE width (8 layers, micro 4 x accum 4) with optim.expert_wgrad=paired and
 # train.cuda_graph, the Qwen-like `moe train` run the same way, then the q/k/v input-gradient sum in the GEMMs
-# off and on again, alternated (MOE_SHARED_INPUT_GRAD=autograd / gemm), the default expert wgrad eager and graphed,
-# the Qwen-like run graphed and eager, and last the GPU checks (the grad-add kernel, the residual in the combine,
-# train.cuda_graph's tests). Each bench.model run is also timed back to back (step_s_pipelined). JSON and logs land
+# off and on again, alternated (MOE_SHARED_INPUT_GRAD=autograd / gemm), the router's input gradient added by autograd
+# (MOE_ROUTER_INPUT_GRAD=autograd), the default expert wgrad eager and graphed, the Qwen-like run graphed and eager,
+# and last the GPU checks (the grad-add kernel, the residual in the combine, the router's rounding, the tests of
+# train.cuda_graph and of the MoE layer). Each bench.model run is also timed back to back (step_s_pipelined). JSON and logs land
 # in $OUT. On a GPU under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
