@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 49 item 2 on the H200 at HEAD (MOE_GIT_COMMIT=$(git rev-parse HEAD)), most wanted first (a call cut short
-# keeps what ran): bench.model at OLMoE width (8 layers, micro 4 x accum 4) with optim.expert_wgrad=paired and
-# train.cuda_graph, the Qwen-like `moe train` run the same way, then the q/k/v input-gradient sum in the GEMMs
-# off and on again, alternated (MOE_SHARED_INPUT_GRAD=autograd / gemm), the router's input gradient added by autograd
-# (MOE_ROUTER_INPUT_GRAD=autograd), the default expert wgrad eager and graphed, the Qwen-like run graphed and eager,
-# and last the GPU checks (the grad-add kernel, the residual in the combine, the router's rounding, the tests of
-# train.cuda_graph and of the MoE layer). Each bench.model run is also timed back to back (step_s_pipelined). JSON and logs land
-# in $OUT. On a GPU under 100 GiB (an H100) the step runs at 6 layers and the Qwen-like run at 4, else at 8 and 8.
+# keeps what ran): the warp-specialised wgrad kernel's GPU check (paired included; should it fail, the rest runs on
+# the Triton kernel, MOE_WGRAD_KERNEL=triton), bench.model at OLMoE width (8 layers, micro 4 x accum 4) with
+# optim.expert_wgrad=paired and train.cuda_graph, the same on the Triton wgrad kernel (the paired path before the
+# ws kernel took pairs), the Qwen-like `moe train` run the same way, that pair again, the router's input gradient
+# added by autograd (MOE_ROUTER_INPUT_GRAD=autograd), the default expert wgrad eager and graphed, the Qwen-like run
+# graphed and eager, and last the other GPU checks (the grad-add kernel, the residual in the combine, the router's
+# rounding, the tests of train.cuda_graph and of the MoE layer). Each bench.model run is also timed back to back
+# (step_s_pipelined). JSON and logs land in $OUT. On a GPU under 100 GiB (an H100) the step runs at 6 layers and
+# the Qwen-like run at 4, else at 8 and 8.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 # the levers of 2026-12-06/07 on for every run below (the grad add and the residual in the combine are the
@@ -16,12 +18,17 @@ mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 if [ "$mib" -ge 100000 ]; then layers=8 qwen_layers=8; else layers=6 qwen_layers=4; fi
 echo "GPU memory ${mib} MiB: OLMoE width at ${layers} layers, Qwen-like at ${qwen_layers}" | tee -a "$LOG"
 step=(--layers "$layers" --micro 4 --accum 4 --warmup 2 --steps 8)
+RUN_TIMEOUT=150 run python3 tests/kernels/grouped_wgrad_ws_gpu_check.py  # the ws kernel, paired included, against float64 and the Triton kernel
+if [ "$status" -ne 0 ]; then
+  echo "the ws kernel's check failed: the runs below use the Triton wgrad kernel" | tee -a "$LOG"
+  export MOE_WGRAD_KERNEL=triton
+fi
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run env MOE_WGRAD_KERNEL=triton python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # pairs on the Triton kernel
 tokens_8k
 qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
-run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's q/k/v input-gradient adds (moe.nn.shared_input)
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
-run env MOE_SHARED_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run env MOE_WGRAD_KERNEL=triton python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run env MOE_ROUTER_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's add of the router's input gradient
 run python3 -m bench.model "${step[@]}"
 run python3 -m bench.model "${step[@]}" --cuda-graph

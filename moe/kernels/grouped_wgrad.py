@@ -18,9 +18,9 @@ expert without rows costs nothing when accumulating (adding zero leaves the sum 
 output element is computed by one tile, in a fixed order over its rows, wherever the tile runs:
 results are deterministic, and the same bits in either order.
 
-On sm90 the unpaired case goes to :mod:`moe.kernels.grouped_wgrad_ws` (the same tile, warp-specialised,
-the old sum fetched under the main loop; the same bits), which this module's kernel backs everywhere
-else (CPU, the interpreter, paired micro-batches, ``MOE_WGRAD_KERNEL=triton``).
+On sm90 it goes to :mod:`moe.kernels.grouped_wgrad_ws` (the same tile, warp-specialised, the old sum
+fetched under the main loop; the same bits; paired micro-batches too), which this module's kernel
+backs everywhere else (CPU, the interpreter, ``MOE_WGRAD_KERNEL=triton``).
 """
 
 from __future__ import annotations
@@ -292,9 +292,9 @@ def grouped_wgrad(
     blocks_per_sm, split = rest or (1, split_epilogue(block_n, out.dtype))
     ordered = ORDERED_TILES if ordered is None else ordered
     use_ws = ws.USE_WS if kernel is None else kernel == "ws"
-    if use_ws and config is None and ws.supports(grad, x, out, paired=pair is not None):
-        order = expert_order(ends) if ordered else None
-        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config)
+    if use_ws and config is None and ws.supports(grad, x, out, pair=pair):
+        order = expert_order(ends, ends2 if pair is not None else None) if ordered else None
+        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config, pair=(grad2, x2, ends2) if pair is not None else None)
         return
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)

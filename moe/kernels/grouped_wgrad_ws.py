@@ -12,7 +12,7 @@ TMA stages guarded by ready/empty barriers) and moves the old sum's read off the
 - each consumer adds its tile in four column strips: the first two from those slots, the last two
   loaded by the consumer itself into the slots its first two stores have left.
 
-Same contract as ``grouped_wgrad`` for the unpaired case (fp32 accumulation, each output element
+Same contract as ``grouped_wgrad``, paired micro-batches included (fp32 accumulation, each output element
 summed by one tile in a fixed order over its rows: deterministic, and the same bits as the Triton
 kernel); :func:`supports` says when it applies, and there it is the default (``MOE_WGRAD_KERNEL=triton``
 keeps the Triton kernel for a side-by-side). Gluon has no interpreter: the CPU path stays on the
@@ -52,6 +52,12 @@ USE_WS = choice("MOE_WGRAD_KERNEL") == "ws"
 if HAVE_GLUON:
 
     @gluon.jit
+    def _rows_of(ends, g):
+        """(first row, rows) of group g over ``ends``."""
+        start = gl.load(ends + g - 1, mask=g > 0, other=0)
+        return start, gl.load(ends + g) - start
+
+    @gluon.jit
     def _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """(expert, its first row, its rows, first output row, first output column) of this
         program's i-th tile: tiles round-robin over programs, expert-major, experts in ``order``
@@ -60,19 +66,66 @@ if HAVE_GLUON:
         slot = tile // per_group
         rest = tile % per_group
         g = gl.load(order + slot) if ORDERED else slot
-        start = gl.load(ends + g - 1, mask=g > 0, other=0)
-        rows = gl.load(ends + g) - start
+        start, rows = _rows_of(ends, g)
         return g, start, rows, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
 
     @gluon.jit
-    def _producer(
-        grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
-        ready, empty, c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, STEP_BYTES: gl.constexpr, STRIP_BYTES: gl.constexpr,
+    def _operand_descs(
+        grad, x, start, rows, M, K, a_layout: gl.constexpr, b_layout: gl.constexpr, BLOCK_K: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr
+    ):
+        """TMA descriptors over one expert's rows of grad and x (the hardware zero-fills past its
+        last row; an empty expert gets a one-row box that is never loaded)."""
+        start64 = start.to(gl.int64)
+        shape_rows = gl.maximum(rows, 1)
+        g_desc = tma.make_tensor_descriptor(grad + start64 * M, [shape_rows, M], [M, 1], [BLOCK_K, HALF_M], a_layout)
+        x_desc = tma.make_tensor_descriptor(x + start64 * K, [shape_rows, K], [K, 1], [BLOCK_K, BLOCK_N], b_layout)
+        return g_desc, x_desc
+
+    @gluon.jit
+    def _fetch_old_sum(
+        out_desc, c_bufs, c_ready, c_free, fetched, g, M, m0, n0, HALF_M: gl.constexpr, STRIP: gl.constexpr, STRIP_BYTES: gl.constexpr
+    ):
+        """The first half of a tile's old sum (slot 2r + q: consumer r's strip q) into the four
+        shared slots, once the consumers have released them."""
+        for slot in gl.static_range(4):
+            mbarrier.wait(c_free.index(slot), (fetched & 1) ^ 1)
+            mbarrier.expect(c_ready.index(slot), STRIP_BYTES)
+            at = [g * M + m0 + (slot // 2) * HALF_M, n0 + (slot % 2) * STRIP]
+            tma.async_copy_global_to_shared(out_desc, at, c_ready.index(slot), c_bufs.index(slot))
+        return fetched + 1
+
+    @gluon.jit
+    def _load_rows(
+        g_desc, x_desc, steps, done, fetch_at, count, fetched, out_desc, g, M, m0, n0, a0_bufs, a1_bufs, b_bufs, c_bufs, ready, empty,
+        c_ready, c_free, ACCUMULATE: gl.constexpr, HALF_M: gl.constexpr, STRIP: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+        STEP_BYTES: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
-        """Operand loads for every tile of this program through the stage ring (TMA descriptors
-        over each expert's own rows: the hardware zero-fills past its last row), and each tile's
-        first old-sum strips LEAD steps before its end."""
+        """``steps`` main-loop steps' operands through the stage ring, the tile's ``done`` steps
+        before them; the old sum asked for at the tile's step ``fetch_at``."""
+        for j in range(steps):
+            if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if done + j == fetch_at:
+                    fetched = _fetch_old_sum(out_desc, c_bufs, c_ready, c_free, fetched, g, M, m0, n0, HALF_M, STRIP, STRIP_BYTES)
+            s = count % STAGES
+            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, STEP_BYTES)
+            tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0], bar, a0_bufs.index(s))
+            tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0 + HALF_M], bar, a1_bufs.index(s))
+            tma.async_copy_global_to_shared(x_desc, [j * BLOCK_K, n0], bar, b_bufs.index(s))
+            count += 1
+        return count, fetched
+
+    @gluon.jit
+    def _producer(
+        grad, x, ends, grad2, x2, ends2, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs,
+        c_bufs, ready, empty, c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr,
+        STEP_BYTES: gl.constexpr, STRIP_BYTES: gl.constexpr,
+    ):  # fmt: skip
+        """Operand loads for every tile of this program through the stage ring (the expert's rows
+        of grad and x, then, when PAIRED, its rows of grad2 and x2), and each tile's first
+        old-sum strips LEAD steps before its end."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         STRIP: gl.constexpr = BLOCK_N // 4
         a_layout: gl.constexpr = a0_bufs.type.layout
@@ -81,29 +134,23 @@ if HAVE_GLUON:
         fetched = 0  # old-sum prefetches so far
         for i in range(n_tiles):
             g, start, rows, m0, n0 = _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED, BLOCK_M, BLOCK_N)
-            start64 = start.to(gl.int64)
-            shape_rows = gl.maximum(rows, 1)  # a descriptor needs a non-empty box; no load happens then
-            g_desc = tma.make_tensor_descriptor(grad + start64 * M, [shape_rows, M], [M, 1], [BLOCK_K, HALF_M], a_layout)
-            x_desc = tma.make_tensor_descriptor(x + start64 * K, [shape_rows, K], [K, 1], [BLOCK_K, BLOCK_N], b_layout)
             steps = gl.cdiv(rows, BLOCK_K)
-            fetch_at = gl.maximum(steps - LEAD, 0)
-            for j in range(steps):
-                if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                    if j == fetch_at:
-                        for slot in gl.static_range(4):  # slot 2r + q: consumer r's strip q
-                            mbarrier.wait(c_free.index(slot), (fetched & 1) ^ 1)
-                            mbarrier.expect(c_ready.index(slot), STRIP_BYTES)
-                            at = [g * M + m0 + (slot // 2) * HALF_M, n0 + (slot % 2) * STRIP]
-                            tma.async_copy_global_to_shared(out_desc, at, c_ready.index(slot), c_bufs.index(slot))
-                        fetched += 1
-                s = count % STAGES
-                mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, STEP_BYTES)
-                tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0], bar, a0_bufs.index(s))
-                tma.async_copy_global_to_shared(g_desc, [j * BLOCK_K, m0 + HALF_M], bar, a1_bufs.index(s))
-                tma.async_copy_global_to_shared(x_desc, [j * BLOCK_K, n0], bar, b_bufs.index(s))
-                count += 1
+            total = steps
+            if PAIRED:
+                start2, rows2 = _rows_of(ends2, g)
+                total += gl.cdiv(rows2, BLOCK_K)
+            fetch_at = gl.maximum(total - LEAD, 0)
+            g_desc, x_desc = _operand_descs(grad, x, start, rows, M, K, a_layout, b_layout, BLOCK_K, HALF_M, BLOCK_N)
+            count, fetched = _load_rows(
+                g_desc, x_desc, steps, 0, fetch_at, count, fetched, out_desc, g, M, m0, n0, a0_bufs, a1_bufs, b_bufs, c_bufs, ready,
+                empty, c_ready, c_free, ACCUMULATE, HALF_M, STRIP, BLOCK_K, STAGES, STEP_BYTES, STRIP_BYTES,
+            )  # fmt: skip
+            if PAIRED:
+                g_desc2, x_desc2 = _operand_descs(grad2, x2, start2, rows2, M, K, a_layout, b_layout, BLOCK_K, HALF_M, BLOCK_N)
+                count, fetched = _load_rows(
+                    g_desc2, x_desc2, total - steps, steps, fetch_at, count, fetched, out_desc, g, M, m0, n0, a0_bufs, a1_bufs,
+                    b_bufs, c_bufs, ready, empty, c_ready, c_free, ACCUMULATE, HALF_M, STRIP, BLOCK_K, STAGES, STEP_BYTES, STRIP_BYTES,
+                )  # fmt: skip
 
     @gluon.jit
     def _strip_out(part, buf, bar, phase, out_desc, row, col, ACCUMULATE: gl.constexpr):
@@ -126,9 +173,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(
-        ROLE: gl.constexpr, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_free,
-        ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-        STRIP_BYTES: gl.constexpr,
+        ROLE: gl.constexpr, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
+        c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Consumer ROLE: rows ROLE * 64 onward of every tile, main loop on the tensor cores, then
         the tile added into the old sum in four column strips."""
@@ -144,7 +191,10 @@ if HAVE_GLUON:
         for i in range(n_tiles):
             g, _start, rows, m0, n0 = _tile_at(i, pid, nprog, order, ends, per_group, n_blocks, ORDERED, BLOCK_M, BLOCK_N)
             steps = gl.cdiv(rows, BLOCK_K)
-            live = rows > 0
+            if PAIRED:  # the second micro-batch's rows in the same sum
+                _start2, rows2 = _rows_of(ends2, g)
+                steps += gl.cdiv(rows2, BLOCK_K)
+            live = steps > 0
             if ACCUMULATE:  # noqa: SIM102 (a compile-time branch around a run-time one)
                 if owed == 1:  # the last tile's stores have long left the slots
                     tma.store_wait(pendings=0)
@@ -191,6 +241,9 @@ if HAVE_GLUON:
         grad,
         x,
         ends,
+        grad2,
+        x2,
+        ends2,
         order,
         out,
         G,
@@ -198,6 +251,7 @@ if HAVE_GLUON:
         K,
         ACCUMULATE: gl.constexpr,
         ORDERED: gl.constexpr,
+        PAIRED: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -205,8 +259,9 @@ if HAVE_GLUON:
         LEAD: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):
-        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n]; grad [R, M], x [R,
-        K] row-major bf16/fp16, out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0."""
+        """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
+        over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major bf16/fp16,
+        out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0."""
         dtype: gl.constexpr = grad.dtype.element_ty
         out_dtype: gl.constexpr = out.dtype.element_ty
         HALF_M: gl.constexpr = BLOCK_M // 2
@@ -241,12 +296,13 @@ if HAVE_GLUON:
         # consumer a worker warpgroup with most of the register file
         gl.warp_specialize(
             [
-                (_producer, (grad, x, ends, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs, b_bufs, c_bufs,
-                             ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD, STEP_BYTES, STRIP_BYTES)),
-                (_consume, (0, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
-                (_consume, (1, ends, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_producer, (grad, x, ends, grad2, x2, ends2, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs,
+                             b_bufs, c_bufs, ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD,
+                             STEP_BYTES, STRIP_BYTES)),
+                (_consume, (0, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_consume, (1, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
@@ -260,25 +316,33 @@ def allocate_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
-def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, paired: bool = False) -> bool:
+def supports(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, *, pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Whether this kernel takes the case: Gluon, an sm90 GPU, bf16/fp16 operands with 16-byte
-    aligned rows, an fp32 or bf16 accumulator whose M is a multiple of BLOCK_M, unpaired."""
-    if not HAVE_GLUON or paired or grad.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    aligned rows (a second micro-batch's too, when ``pair`` is given), an fp32 or bf16 accumulator
+    whose M is a multiple of BLOCK_M."""
+    if not HAVE_GLUON or grad.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.cuda.get_device_capability(grad.device)[0] != 9:
         return False
+    if not (out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous() and out.shape[1] % CONFIG[0] == 0):
+        return False
+    if (out.shape[2] * out.element_size()) % 16 != 0:
+        return False
+    return _operands_fit(grad, x) and (pair is None or (_operands_fit(pair[0], pair[1]) and pair[0].dtype == grad.dtype))
+
+
+def _operands_fit(grad: torch.Tensor, x: torch.Tensor) -> bool:
+    """bf16/fp16 operands of one dtype, contiguous, on the GPU, rows and base 16-byte aligned (TMA)."""
     item = grad.element_size()
     return (
         grad.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == grad.dtype
-        and out.dtype in (torch.float32, torch.bfloat16)
-        and out.is_contiguous()
-        and out.shape[1] % CONFIG[0] == 0
+        and grad.device.type == "cuda"
+        and x.device.type == "cuda"
         and grad.is_contiguous()
         and x.is_contiguous()
         and (grad.shape[1] * item) % 16 == 0
         and (x.shape[1] * item) % 16 == 0
-        and (out.shape[2] * out.element_size()) % 16 == 0
         and grad.data_ptr() % 16 == 0
         and x.data_ptr() % 16 == 0
     )
@@ -293,9 +357,11 @@ def grouped_wgrad_ws(
     *,
     accumulate: bool,
     config: tuple[int, ...] | None = None,
+    pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out[g] (+)= grad_g^T @ x_g over group g's rows (``ends`` [G] int32 on the device), experts
-    visited in ``order`` (or index order when None); check :func:`supports` first."""
+    visited in ``order`` (or index order when None); ``pair``: a second micro-batch's (grad, x,
+    ends) in the same sum (optim.expert_wgrad=paired). Check :func:`supports` first."""
     groups, m, k = out.shape
     if not (groups and m and k):
         return
@@ -304,10 +370,14 @@ def grouped_wgrad_ws(
     slots = torch.cuda.get_device_properties(grad.device).multi_processor_count
     triton.set_allocator(allocate_scratch)
     ends = ends.to(torch.int32)
+    grad2, x2, ends2 = (pair[0], pair[1], pair[2].to(torch.int32)) if pair is not None else (grad, x, ends)  # not read unless PAIRED
     _grouped_wgrad_ws_kernel[(min(tiles, slots),)](
         grad,
         x,
         ends,
+        grad2,
+        x2,
+        ends2,
         ends if order is None else order,
         out,
         groups,
@@ -315,6 +385,7 @@ def grouped_wgrad_ws(
         k,
         ACCUMULATE=accumulate,
         ORDERED=order is not None,
+        PAIRED=pair is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

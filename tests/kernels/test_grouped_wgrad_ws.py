@@ -2,7 +2,7 @@
 wgmma from shared memory, register reallocation between the partitions, no spills, within an sm90
 block's shared memory, the operands and the old sum through TMA. Its results are checked on the
 GPU (tests/kernels/grouped_wgrad_ws_gpu_check.py); where it does not apply, the Triton kernel
-serves (CPU, interpreter, paired micro-batches)."""
+serves (CPU, interpreter)."""
 
 import re
 
@@ -20,16 +20,30 @@ needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no G
 @pytest.mark.parametrize("config", list(ws.CONFIGS))
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
-def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate):
+@pytest.mark.parametrize("paired", [False, True])
+def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate, paired):
     from tests.kernels.sm90 import compile_for_sm90
 
     block_m, block_n, block_k, stages, lead = ws.CONFIGS[config]
     stats = compile_for_sm90(
         ws._grouped_wgrad_ws_kernel,
-        {"grad": "*bf16", "x": "*bf16", "ends": "*i32", "order": "*i32", "out": accumulator, "G": "i32", "M": "i32", "K": "i32"},
+        {
+            "grad": "*bf16",
+            "x": "*bf16",
+            "ends": "*i32",
+            "grad2": "*bf16",
+            "x2": "*bf16",
+            "ends2": "*i32",
+            "order": "*i32",
+            "out": accumulator,
+            "G": "i32",
+            "M": "i32",
+            "K": "i32",
+        },
         {
             "ACCUMULATE": accumulate,
             "ORDERED": True,
+            "PAIRED": paired,
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
@@ -45,15 +59,15 @@ def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config,
     assert stats["shared_bytes"] <= 227 * 1024, stats["shared_bytes"]
     assert "setmaxnreg" in stats["ptx"], "the consumers take the registers the producer does not need"
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", stats["ptx"]))  # ::cluster or ::cta by version
-    assert loads >= (3 if accumulate else 2), "operand loads (and the old sum's, when accumulating) through TMA"
+    assert loads >= (3 if accumulate else 2) + (2 if paired else 0), "operand loads (the pair's too, and the old sum's when accumulating) through TMA"
 
 
 def test_it_declines_what_it_cannot_take():
-    """CPU tensors, paired micro-batches and an M that is not a multiple of the tile go to the Triton kernel."""
+    """CPU tensors (a pair's too) go to the Triton kernel."""
     grad, x = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 128, dtype=torch.bfloat16)
     out = torch.zeros(2, 256, 128)
     assert not ws.supports(grad, x, out)
-    assert not ws.supports(grad, x, out, paired=True)
+    assert not ws.supports(grad, x, out, pair=(grad, x, torch.tensor([4, 8])))
 
 
 def test_it_is_the_default_and_a_bad_switch_names_itself():
