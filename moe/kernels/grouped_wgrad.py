@@ -44,26 +44,45 @@ if HAVE_TRITON:
         return tile // per_group, (rest // n_blocks) * BLOCK_M, (rest % n_blocks) * BLOCK_N
 
     @triton.jit
+    def _row_squares(sums, sq, g, m0, n0, M, n_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """sq[g, m0 + i, n0 // BLOCK_N] = sums[i]: a tile's row sums of squares (rows past M are
+        not stored)."""
+        rows = m0 + tl.arange(0, BLOCK_M)
+        at = (g.to(tl.int64) * M + rows) * n_blocks + n0 // BLOCK_N
+        tl.store(sq + at, sums, mask=rows < M)
+
+    @triton.jit
     def _add_tile(
-        out, out_desc, acc, g, m0, n0, ACCUMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
+        out, out_desc, acc, g, m0, n0, ACCUMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        sq, M, n_blocks, SQUARES: tl.constexpr,
+    ):  # fmt: skip
         """out[g, m0:, n0:] (+)= acc through the [G, M, K] accumulator's descriptor (boxes of one
         expert's rows: a tile past M or K is clipped), in two column halves when SPLIT_EPILOGUE
-        (the staging buffer of a wide fp32 tile then fits in shared memory)."""
+        (the staging buffer of a wide fp32 tile then fits in shared memory); SQUARES: each stored
+        row's sum of squares into ``sq`` (:func:`_row_squares`)."""
         HALF: tl.constexpr = BLOCK_N // 2
         dtype = out.dtype.element_ty
         if SPLIT_EPILOGUE:
             left, right = tl.split(acc.reshape(BLOCK_M, 2, HALF).permute(0, 2, 1))
             if ACCUMULATE:
                 left += out_desc.load([g, m0, n0]).reshape(BLOCK_M, HALF).to(tl.float32)
-            out_desc.store([g, m0, n0], left.to(dtype).reshape(1, BLOCK_M, HALF))
+            left = left.to(dtype)
+            out_desc.store([g, m0, n0], left.reshape(1, BLOCK_M, HALF))
             if ACCUMULATE:
                 right += out_desc.load([g, m0, n0 + HALF]).reshape(BLOCK_M, HALF).to(tl.float32)
-            out_desc.store([g, m0, n0 + HALF], right.to(dtype).reshape(1, BLOCK_M, HALF))
+            right = right.to(dtype)
+            out_desc.store([g, m0, n0 + HALF], right.reshape(1, BLOCK_M, HALF))
+            if SQUARES:
+                left, right = left.to(tl.float32), right.to(tl.float32)
+                _row_squares(tl.sum(left * left, axis=1) + tl.sum(right * right, axis=1), sq, g, m0, n0, M, n_blocks, BLOCK_M, BLOCK_N)
         else:
             if ACCUMULATE:
                 acc += out_desc.load([g, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-            out_desc.store([g, m0, n0], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+            stored = acc.to(dtype)
+            out_desc.store([g, m0, n0], stored.reshape(1, BLOCK_M, BLOCK_N))
+            if SQUARES:
+                stored = stored.to(tl.float32)
+                _row_squares(tl.sum(stored * stored, axis=1), sq, g, m0, n0, M, n_blocks, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _group_rows(ends, ends2, idx, G, PAIRED: tl.constexpr):
@@ -89,6 +108,21 @@ if HAVE_TRITON:
             ahead = ahead & (other[None, :] < G)
             rank += tl.sum(ahead.to(tl.int32), axis=1)
         tl.store(order + rank, mine, mask=mine < G)
+
+    @triton.jit
+    def _empty_squares_kernel(out, ends, ends2, sq, G, M, K, n_blocks, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """What an accumulating wgrad launch leaves alone, for :func:`grouped_wgrad`'s ``squares``:
+        the row sums of squares of the experts without rows, read from their sums (program (g, i):
+        rows i * BLOCK_M onward of expert g; a program of an expert with rows does nothing)."""
+        g = tl.program_id(0)
+        m0 = tl.program_id(1) * BLOCK_M
+        if _group_rows(ends, ends2, g, G, PAIRED) == 0:
+            rows = m0 + tl.arange(0, BLOCK_M)
+            for nb in range(0, n_blocks):
+                cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = (rows < M)[:, None] & (cols < K)[None, :]
+                v = tl.load(out + (g.to(tl.int64) * M + rows)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                _row_squares(tl.sum(v * v, axis=1), sq, g, m0, nb * BLOCK_N, M, n_blocks, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -119,6 +153,7 @@ if HAVE_TRITON:
         ends2,
         order,
         out,
+        sq,
         G,
         M,
         K,
@@ -130,10 +165,12 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SQUARES: tl.constexpr = False,
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
         over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major, out
-        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED."""
+        [G, M, K] contiguous; experts visited in ``order`` [G] when ORDERED; SQUARES: each stored row's
+        sum of squares into ``sq`` [G, M, cdiv(K, BLOCK_N)] fp32."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         m_blocks = tl.cdiv(M, BLOCK_M)
@@ -153,7 +190,7 @@ if HAVE_TRITON:
                 acc = _add_rows(acc, grad, x, ends, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
                 if PAIRED:
                     acc = _add_rows(acc, grad2, x2, ends2, g, m0, n0, M, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-                _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
+                _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N, sq, M, n_blocks, SQUARES)
 
     @triton.jit
     def _grouped_wgrad_fp8_kernel(
@@ -208,7 +245,7 @@ if HAVE_TRITON:
             scale_m = tl.load(sg + g * M + rows_m, mask=rows_m < M, other=0.0)
             scale_n = tl.load(sx + g * K + cols_n, mask=cols_n < K, other=0.0)
             acc = acc * scale_m[:, None] * scale_n[None, :]
-            _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N)
+            _add_tile(out, out_desc, acc, g, m0, n0, ACCUMULATE, SPLIT_EPILOGUE, BLOCK_M, BLOCK_N, out, M, n_blocks, False)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on sm90: chosen from bench/wgrad.py on one
@@ -263,7 +300,8 @@ def grouped_wgrad(
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kernel: str | None = None,
     ws_config: tuple[int, ...] | None = None,
-) -> None:
+    squares: bool = False,
+) -> torch.Tensor | None:
     """out[g] = grad_g^T @ x_g (``accumulate``: out[g] += it) over group g's rows, for grad [R, M]
     and x [R, K] with rows sorted by group ending at ``ends`` [G] (int32, on the device); out
     [G, M, K] in fp32 or bf16. fp32 accumulation; a group without rows gets zeros (or is left
@@ -273,7 +311,10 @@ def grouped_wgrad(
     ends), summed with the first in the same GEMM (optim.expert_wgrad=paired: one epilogue for
     two micro-batches). ``kernel``: "ws" for the warp-specialised Gluon kernel that fetches
     the old sum under the main loop (moe.kernels.grouped_wgrad_ws, where it applies: the default)
-    or "triton", instead of MOE_WGRAD_KERNEL; ``ws_config``: its config instead of its shipped one."""
+    or "triton", instead of MOE_WGRAD_KERNEL; ``ws_config``: its config instead of its shipped one.
+    ``squares``: also return fp32 partial sums whose sum is the sum of squares of ``out`` after
+    the call (each stored row's, per column block, from the epilogue; the experts an accumulating
+    call leaves alone read by a small kernel): the gradient norm without a pass over ``out``."""
     groups, m, k = out.shape
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"grouped_wgrad: the accumulator must be contiguous fp32 or bf16, got {out.dtype}")
@@ -285,7 +326,7 @@ def grouped_wgrad(
             raise ValueError(f"grouped_wgrad: pair grad {tuple(grad2.shape)}, x {tuple(x2.shape)}, {ends2.numel()} groups, out {tuple(out.shape)}")
         ends2 = ends2.to(torch.int32)
     if not (groups and m and k):
-        return
+        return torch.zeros(1, device=out.device) if squares else None
     ends = ends.to(torch.int32)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_m, block_n, block_k, warps, stages, *rest = config or (INTERPRETER_CONFIG if interpreted else CUDA_CONFIG)
@@ -293,9 +334,14 @@ def grouped_wgrad(
     ordered = ORDERED_TILES if ordered is None else ordered
     use_ws = ws.USE_WS if kernel is None else kernel == "ws"
     if use_ws and config is None and ws.supports(grad, x, out, pair=pair):
+        block_n = (ws_config or ws.CONFIG)[1]
+        sq = torch.empty(groups, m, triton.cdiv(k, block_n), dtype=torch.float32, device=out.device) if squares else None
         order = expert_order(ends, ends2 if pair is not None else None) if ordered else None
-        ws.grouped_wgrad_ws(grad, x, ends, order, out, accumulate=accumulate, config=ws_config, pair=(grad2, x2, ends2) if pair is not None else None)
-        return
+        ws.grouped_wgrad_ws(
+            grad, x, ends, order, out, accumulate=accumulate, config=ws_config, pair=(grad2, x2, ends2) if pair is not None else None, squares=sq
+        )
+        return _squares_of_the_rest(out, ends, ends2 if pair is not None else None, sq, block_n) if accumulate else sq
+    sq = torch.empty(groups, m, triton.cdiv(k, block_n), dtype=torch.float32, device=out.device) if squares else None
     tiles = groups * triton.cdiv(m, block_m) * triton.cdiv(k, block_n)
     # persistent: blocks_per_sm programs per SM (the interpreter: a few programs, each looping over tiles)
     slots = 8 if interpreted else blocks_per_sm * torch.cuda.get_device_properties(grad.device).multi_processor_count
@@ -308,6 +354,7 @@ def grouped_wgrad(
         *second,
         expert_order(ends, ends2 if pair is not None else None) if ordered else ends,
         out,
+        out if sq is None else sq,
         groups,
         m,
         k,
@@ -319,9 +366,24 @@ def grouped_wgrad(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SQUARES=sq is not None,
         num_warps=warps,
         num_stages=stages,
     )
+    return _squares_of_the_rest(out, ends, ends2 if pair is not None else None, sq, block_n) if accumulate else sq
+
+
+def _squares_of_the_rest(out: torch.Tensor, ends: torch.Tensor, ends2: torch.Tensor | None, sq: torch.Tensor | None, block_n: int) -> torch.Tensor | None:
+    """``sq``'s rows of the experts an accumulating launch skipped (no rows: their sums unchanged),
+    read from ``out``; the launch wrote every other row."""
+    if sq is None:
+        return None
+    groups, m, k = out.shape
+    block_m = 32
+    _empty_squares_kernel[(groups, triton.cdiv(m, block_m))](
+        out, ends, ends if ends2 is None else ends2, sq, groups, m, k, sq.shape[2], PAIRED=ends2 is not None, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+    return sq
 
 
 def supports_fp8(gt: torch.Tensor) -> bool:

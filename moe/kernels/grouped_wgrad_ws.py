@@ -155,13 +155,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _strip_out(part, buf, bar, phase, out_desc, row, col, ACCUMULATE: gl.constexpr):
         """part (+ the old sum TMA brought into buf, when ACCUMULATE) into buf, then to out[row:,
-        col:] by TMA, not waited for."""
+        col:] by TMA, not waited for; the row sums of squares of what was stored."""
         if ACCUMULATE:
             mbarrier.wait(bar, phase)
             part += buf.load(part.type.layout).to(gl.float32)
-        buf.store(part.to(buf.dtype))
+        stored = part.to(buf.dtype)
+        buf.store(stored)
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+        stored = stored.to(gl.float32)
+        return gl.sum(stored * stored, axis=1)  # not computed where the caller drops it (SQUARES off)
+
+    @gluon.jit
+    def _store_row_sums(sums, sq, row, n0, n_blocks, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+        """sq[row + i, n0 // BLOCK_N] = sums[i] (sq viewed as [G * M, n_blocks])."""
+        at = (row.to(gl.int64) + gl.arange(0, ROWS, layout=sums.type.layout)) * n_blocks + n0 // BLOCK_N
+        gl.store(sq + at, sums)
 
     @gluon.jit
     def _quarters(acc, ROWS: gl.constexpr, COLS: gl.constexpr):
@@ -173,12 +182,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consume(
-        ROLE: gl.constexpr, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
-        c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STRIP_BYTES: gl.constexpr,
+        ROLE: gl.constexpr, ends, ends2, order, out_desc, sq, M, pid, nprog, n_tiles, per_group, n_blocks, a_bufs, b_bufs, c_bufs, ready, empty,
+        c_ready, c_free, ACCUMULATE: gl.constexpr, ORDERED: gl.constexpr, PAIRED: gl.constexpr, SQUARES: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STRIP_BYTES: gl.constexpr,
     ):  # fmt: skip
         """Consumer ROLE: rows ROLE * 64 onward of every tile, main loop on the tensor cores, then
-        the tile added into the old sum in four column strips."""
+        the tile added into the old sum in four column strips (SQUARES: each stored row's sum of
+        squares into sq[expert, row, column block])."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         STRIP: gl.constexpr = BLOCK_N // 4
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -215,25 +225,29 @@ if HAVE_GLUON:
             q0, q1, q2, q3 = _quarters(acc, HALF_M, BLOCK_N)
             if ACCUMULATE:
                 if live:  # adding an empty expert's zeros would change nothing
-                    _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, True)
-                    _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, True)
+                    s0 = _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, True)
+                    s1 = _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, True)
                     tma.store_wait(pendings=1)  # the first strip's store has left buf0
                     mbarrier.expect(bar0, STRIP_BYTES)
                     tma.async_copy_global_to_shared(out_desc, [row, n0 + 2 * STRIP], bar0, buf0)
                     tma.store_wait(pendings=0)
                     mbarrier.expect(bar1, STRIP_BYTES)
                     tma.async_copy_global_to_shared(out_desc, [row, n0 + 3 * STRIP], bar1, buf1)
-                    _strip_out(q2, buf0, bar0, 1, out_desc, row, n0 + 2 * STRIP, True)
-                    _strip_out(q3, buf1, bar1, 1, out_desc, row, n0 + 3 * STRIP, True)
+                    s2 = _strip_out(q2, buf0, bar0, 1, out_desc, row, n0 + 2 * STRIP, True)
+                    s3 = _strip_out(q3, buf1, bar1, 1, out_desc, row, n0 + 3 * STRIP, True)
                     owed = 1
+                    if SQUARES:
+                        _store_row_sums(s0 + s1 + s2 + s3, sq, row, n0, n_blocks, HALF_M, BLOCK_N)
             else:
                 tma.store_wait(pendings=0)
-                _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, False)
-                _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, False)
+                s0 = _strip_out(q0, buf0, bar0, 0, out_desc, row, n0, False)
+                s1 = _strip_out(q1, buf1, bar1, 0, out_desc, row, n0 + STRIP, False)
                 tma.store_wait(pendings=1)
-                _strip_out(q2, buf0, bar0, 0, out_desc, row, n0 + 2 * STRIP, False)
+                s2 = _strip_out(q2, buf0, bar0, 0, out_desc, row, n0 + 2 * STRIP, False)
                 tma.store_wait(pendings=1)
-                _strip_out(q3, buf1, bar1, 0, out_desc, row, n0 + 3 * STRIP, False)
+                s3 = _strip_out(q3, buf1, bar1, 0, out_desc, row, n0 + 3 * STRIP, False)
+                if SQUARES:
+                    _store_row_sums(s0 + s1 + s2 + s3, sq, row, n0, n_blocks, HALF_M, BLOCK_N)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -246,12 +260,14 @@ if HAVE_GLUON:
         ends2,
         order,
         out,
+        sq,
         G,
         M,
         K,
         ACCUMULATE: gl.constexpr,
         ORDERED: gl.constexpr,
         PAIRED: gl.constexpr,
+        SQUARES: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
@@ -261,7 +277,8 @@ if HAVE_GLUON:
     ):
         """out[g, m, n] (+)= sum over group g's rows r of grad[r, m] * x[r, n] (then, when PAIRED,
         over its rows of grad2 and x2, in the same sum); grad [R, M], x [R, K] row-major bf16/fp16,
-        out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0."""
+        out [G, M, K] contiguous fp32 or bf16, M % BLOCK_M == 0; SQUARES: each stored row's sum of
+        squares into ``sq`` [G, M, cdiv(K, BLOCK_N)] fp32 (rows of experts skipped are not written)."""
         dtype: gl.constexpr = grad.dtype.element_ty
         out_dtype: gl.constexpr = out.dtype.element_ty
         HALF_M: gl.constexpr = BLOCK_M // 2
@@ -299,10 +316,10 @@ if HAVE_GLUON:
                 (_producer, (grad, x, ends, grad2, x2, ends2, order, out_desc, M, K, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, a1_bufs,
                              b_bufs, c_bufs, ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LEAD,
                              STEP_BYTES, STRIP_BYTES)),
-                (_consume, (0, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
-                (_consume, (1, ends, ends2, order, out_desc, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
-                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_consume, (0, ends, ends2, order, out_desc, sq, M, pid, nprog, n_tiles, per_group, n_blocks, a0_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, SQUARES, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
+                (_consume, (1, ends, ends2, order, out_desc, sq, M, pid, nprog, n_tiles, per_group, n_blocks, a1_bufs, b_bufs, c_bufs,
+                            ready, empty, c_ready, c_free, ACCUMULATE, ORDERED, PAIRED, SQUARES, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, STRIP_BYTES)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
@@ -358,10 +375,12 @@ def grouped_wgrad_ws(
     accumulate: bool,
     config: tuple[int, ...] | None = None,
     pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    squares: torch.Tensor | None = None,
 ) -> None:
     """out[g] (+)= grad_g^T @ x_g over group g's rows (``ends`` [G] int32 on the device), experts
     visited in ``order`` (or index order when None); ``pair``: a second micro-batch's (grad, x,
-    ends) in the same sum (optim.expert_wgrad=paired). Check :func:`supports` first."""
+    ends) in the same sum (optim.expert_wgrad=paired); ``squares`` [G, M, cdiv(K, BLOCK_N)] fp32:
+    each stored row's sum of squares per column block. Check :func:`supports` first."""
     groups, m, k = out.shape
     if not (groups and m and k):
         return
@@ -380,12 +399,14 @@ def grouped_wgrad_ws(
         ends2,
         ends if order is None else order,
         out,
+        out if squares is None else squares,
         groups,
         m,
         k,
         ACCUMULATE=accumulate,
         ORDERED=order is not None,
         PAIRED=pair is not None,
+        SQUARES=squares is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

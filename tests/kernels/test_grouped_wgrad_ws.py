@@ -21,7 +21,8 @@ needs_gluon = pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no G
 @pytest.mark.parametrize("accumulator", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("paired", [False, True])
-def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate, paired):
+@pytest.mark.parametrize("squares", [False, True])
+def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config, accumulator, accumulate, paired, squares):
     from tests.kernels.sm90 import compile_for_sm90
 
     block_m, block_n, block_k, stages, lead = ws.CONFIGS[config]
@@ -36,6 +37,7 @@ def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config,
             "ends2": "*i32",
             "order": "*i32",
             "out": accumulator,
+            "sq": "*fp32",
             "G": "i32",
             "M": "i32",
             "K": "i32",
@@ -44,6 +46,7 @@ def test_the_ws_kernel_compiles_for_sm90_warp_specialised_without_spills(config,
             "ACCUMULATE": accumulate,
             "ORDERED": True,
             "PAIRED": paired,
+            "SQUARES": squares,
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
             "BLOCK_K": block_k,
