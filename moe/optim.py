@@ -29,6 +29,11 @@ from moe.config import ConfigError, OptimizerConfig, ScheduleConfig
 from moe.kernels import adamw
 from moe.kernels.grad_add import accumulate_fp32
 from moe.spans import span
+from moe.switches import choice
+
+# The expert gradients' sums of squares from their last wgrad GEMM's epilogue (the gradient norm
+# without a pass over them); MOE_EXPERT_GRAD_SQUARES=foreach keeps the norm's own pass.
+EPILOGUE_SQUARES = choice("MOE_EXPERT_GRAD_SQUARES") == "epilogue"
 
 
 @dataclasses.dataclass
@@ -128,7 +133,14 @@ class MasterWeightAdamW:
             p.param.grad = None
         for sink in self.sinks:
             sink.pending = None  # rows held from a step that did not finish
+            sink.squares = None
         self._fold_now = False
+
+    def grad_squares(self) -> dict[int, torch.Tensor]:
+        """id(gradient) -> partial sums whose total is its sum of squares, for the expert
+        gradients whose last GEMM reported them this step (MOE_EXPERT_GRAD_SQUARES=epilogue):
+        what a norm over this process's gradients may use instead of reading them."""
+        return {id(s.entry.grad): s.squares for s in self.sinks if s.squares is not None and s.entry.grad is not None}
 
     def last_micro_batch(self) -> None:
         """The next backward is the step's last: deferred bf16 gradients go to their fp32
@@ -338,33 +350,44 @@ class _Sink:
         self.opt, self.entry, self.paired = opt, entry, paired
         # optim.expert_wgrad=paired: (write_rows, rows) of a micro-batch waiting for the next one
         self.pending: tuple[Callable, tuple] | None = None
+        # the step's gradient's sum of squares as partial sums (MOE_EXPERT_GRAD_SQUARES=epilogue):
+        # from the GEMM that wrote it last, at the step's last micro-batch; None where not known
+        self.squares: torch.Tensor | None = None
 
-    def accumulate_rows(self, rows: tuple, write_rows: Callable[[tuple, tuple | None, torch.Tensor, bool], None]) -> None:
+    def accumulate_rows(self, rows: tuple, write_rows: Callable[..., torch.Tensor | None]) -> None:
         """A micro-batch's weight-gradient operands (``rows``, e.g. (grad, x, offsets)): their
-        GEMM adds into the gradient now (``write_rows(rows, None, buffer, add)``), or, paired,
-        the first of two waits and the second's GEMM takes both (``write_rows(rows, earlier,
-        buffer, add)``). Not held at the step's last micro-batch (``last_micro_batch``); one left
-        waiting is written by ``fold_deferred``."""
+        GEMM adds into the gradient now (``write_rows(rows, None, buffer, add, squares)``), or,
+        paired, the first of two waits and the second's GEMM takes both (``write_rows(rows,
+        earlier, buffer, add, squares)``). Not held at the step's last micro-batch
+        (``last_micro_batch``), whose GEMM also returns the gradient's sum of squares where
+        MOE_EXPERT_GRAD_SQUARES=epilogue; one left waiting is written by ``fold_deferred``."""
         if self.paired and self.pending is None and not self.opt._fold_now:
             self.pending = (write_rows, rows)
             self._run_hooks()
             return
         earlier = self.pending[1] if self.pending is not None else None
         self.pending = None
-        self.accumulate(lambda buf, add: write_rows(rows, earlier, buf, add))
+        last = self.opt._fold_now and EPILOGUE_SQUARES
+        squares = self._write(lambda buf, add: write_rows(rows, earlier, buf, add, last))
+        self.squares = squares if last else None
+        self._run_hooks()
 
     def flush(self) -> None:
         """The rows still waiting for a pair, written alone (hooks not run again)."""
         if self.pending is not None:
             write_rows, rows = self.pending
             self.pending = None
-            self._write(lambda buf, add: write_rows(rows, None, buf, add))
+            self._write(lambda buf, add: write_rows(rows, None, buf, add, False))
+            self.squares = None
 
-    def accumulate(self, write: Callable[[torch.Tensor, bool], None]) -> None:
+    def accumulate(self, write: Callable[[torch.Tensor, bool], object]) -> None:
         self._write(write)
+        self.squares = None  # a GEMM that does not report its sums
         self._run_hooks()
 
-    def _write(self, write: Callable[[torch.Tensor, bool], None]) -> None:
+    def _write(self, write: Callable[[torch.Tensor, bool], object]):
+        """``write(buffer, add)`` into the fp32 holder (or, deferred and before the last
+        micro-batch, the bf16 gradient); what it returned."""
         p = self.entry
         if p.deferred and not self.opt._fold_now:
             into, dtype = p.param, p.param.dtype
@@ -374,10 +397,10 @@ class _Sink:
             into, dtype = p.grad_holder, torch.float32
         if into.grad is None:
             buf = torch.empty(p.param.shape, dtype=dtype, device=p.param.device)
-            write(buf, False)
+            result = write(buf, False)
             into.grad = buf
-        else:
-            write(into.grad, True)
+            return result
+        return write(into.grad, True)
 
     def _run_hooks(self) -> None:
         p = self.entry

@@ -37,6 +37,12 @@ SWITCHES: dict[str, Switch] = {
             "moe.layers.moe_layer",
             "autograd: the router's input gradient added to the gather's by autograd",
         ),
+        Switch(
+            "MOE_EXPERT_GRAD_SQUARES",
+            ("foreach", "epilogue"),
+            "moe.optim",
+            "epilogue: the expert gradients' sums of squares (the norm) from the last wgrad GEMM's epilogue, one process only",
+        ),
         Switch("MOE_SHARED_INPUT_GRAD", ("gemm", "autograd"), "moe.nn.shared_input", "autograd: autograd's adds of the q/k/v input gradients"),
         Switch("MOE_DETERMINISTIC_FILL", ("0", "1"), "moe.train.determinism", "1: torch's NaN fill of new memory in the deterministic mode"),
     )

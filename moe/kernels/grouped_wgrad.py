@@ -373,7 +373,9 @@ def grouped_wgrad(
     return _squares_of_the_rest(out, ends, ends2 if pair is not None else None, sq, block_n) if accumulate else sq
 
 
-def _squares_of_the_rest(out: torch.Tensor, ends: torch.Tensor, ends2: torch.Tensor | None, sq: torch.Tensor | None, block_n: int) -> torch.Tensor | None:
+def _squares_of_the_rest(
+    out: torch.Tensor, ends: torch.Tensor, ends2: torch.Tensor | None, sq: torch.Tensor | None, block_n: int
+) -> torch.Tensor | None:
     """``sq``'s rows of the experts an accumulating launch skipped (no rows: their sums unchanged),
     read from ``out``; the launch wrote every other row."""
     if sq is None:

@@ -111,8 +111,10 @@ class GradientSink(Protocol):
         ...
 
     def accumulate_rows(self, rows: tuple, write_rows) -> None:
-        """As ``accumulate`` for a GEMM over ``rows``: ``write_rows(rows, earlier, buffer, add)``,
-        where ``earlier`` is another micro-batch's rows the sink held for this GEMM, or None."""
+        """As ``accumulate`` for a GEMM over ``rows``: ``write_rows(rows, earlier, buffer, add,
+        squares)``, where ``earlier`` is another micro-batch's rows the sink held for this GEMM, or
+        None; ``squares``: return partial sums whose total is the buffer's sum of squares after
+        the GEMM (else None)."""
         ...
 
 
@@ -155,11 +157,12 @@ def sink_weight_grad(
     return True
 
 
-def _write_rows(rows: tuple, earlier: tuple | None, buf: torch.Tensor, add: bool) -> None:
+def _write_rows(rows: tuple, earlier: tuple | None, buf: torch.Tensor, add: bool, squares: bool = False) -> torch.Tensor | None:
     """The bf16 accumulating GEMM over a micro-batch's (grad, x, offsets), and an earlier
-    micro-batch's in the same sum where the sink held them (optim.expert_wgrad=paired)."""
+    micro-batch's in the same sum where the sink held them (optim.expert_wgrad=paired);
+    ``squares``: the buffer's sum of squares from its epilogue (partial sums)."""
     grad, x, offsets = rows
-    fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier)
+    return fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier, squares=squares)
 
 
 class GroupedLinear(torch.autograd.Function):

@@ -239,11 +239,18 @@ class GradSync:
         return out
 
 
-def global_grad_norm(local: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """sqrt of the world-wide sum of squares (device-side; no host sync)."""
+def global_grad_norm(local: list[torch.Tensor], device: torch.device, known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """sqrt of the world-wide sum of squares (device-side; no host sync). ``known``: id(gradient)
+    -> non-negative partial sums of its squares, already computed (MasterWeightAdamW.grad_squares):
+    those gradients are not read again."""
+    known = known or {}
     sq = torch.zeros((), device=device, dtype=torch.float32)
-    if local:  # one multi-tensor launch per dtype, not two small kernels per tensor
-        sq = sq + torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).square().sum()
+    rest = [t for t in local if id(t) not in known]
+    if rest:  # one multi-tensor launch per dtype, not two small kernels per tensor
+        sq = sq + torch.stack(torch._foreach_norm(rest, 2, dtype=torch.float32)).square().sum()
+    partials = [known[id(t)] for t in local if id(t) in known]
+    if partials:  # the sum of non-negative partial sums is their L1 norm: one multi-tensor launch too
+        sq = sq + torch.stack(torch._foreach_norm(partials, 1, dtype=torch.float32)).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     return sq.sqrt()

@@ -262,7 +262,9 @@ class ParallelLayout:
             if p.grad is None:
                 p.grad_holder.grad = torch.zeros(p.param.shape, dtype=torch.float32, device=p.param.device)
         self.sync.reduce(opt)
-        norm = global_grad_norm(self.sync.counted(opt), self.env.device)
+        # one process: each gradient as its GEMM left it, so the sums its epilogue reported hold
+        known = opt.grad_squares() if self.env.world_size == 1 else None
+        norm = global_grad_norm(self.sync.counted(opt), self.env.device, known)
         # clipping happens inside the fused AdamW step (no pass of its own over the gradients)
         return norm, (clip_coefficient(norm, clip) if clip is not None else None)
 

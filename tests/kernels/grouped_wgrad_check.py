@@ -103,6 +103,29 @@ def check_expert_order_and_tile_orders() -> None:
         assert not accumulate or torch.equal(out[5], base[5]), "an expert empty in both micro-batches is left as it was"
 
 
+def check_squares() -> None:
+    """``squares=True``: the partial sums add up to the sum of squares of the accumulator after
+    the call (row by row, within fp32 rounding), writing and accumulating, alone and paired, into
+    fp32 and bf16, with experts empty in one micro-batch, in both, and rows past a tile (M and K
+    not multiples of the interpreter's 32)."""
+    gen = torch.Generator().manual_seed(5)
+    counts, counts2 = [7, 0, 33, 1, 20, 0, 33], [0, 5, 2, 40, 0, 0, 1]
+    m, k = 40, 72
+    ends, ends2 = (torch.tensor(c).cumsum(0).to(torch.int32) for c in (counts, counts2))
+    grad, x = torch.randn(sum(counts), m, generator=gen).bfloat16(), torch.randn(sum(counts), k, generator=gen).bfloat16()
+    grad2, x2 = torch.randn(sum(counts2), m, generator=gen).bfloat16(), torch.randn(sum(counts2), k, generator=gen).bfloat16()
+    for dtype in (torch.float32, torch.bfloat16):
+        for pair in (None, (grad2, x2, ends2)):
+            for accumulate in (False, True):
+                out = torch.randn(len(counts), m, k, generator=gen).to(dtype)
+                sq = gw.grouped_wgrad(grad, x, ends, out, accumulate=accumulate, pair=pair, squares=True)
+                rows = out.double().square().sum(2)
+                assert sq.dtype == torch.float32 and sq.shape[:2] == rows.shape, (sq.dtype, sq.shape)
+                err = (sq.double().sum(2) - rows).abs().max().item()
+                assert err <= 1e-5 * rows.max().item(), (dtype, pair is not None, accumulate, err)
+                assert gw.grouped_wgrad(grad, x, ends, out.clone(), accumulate=accumulate, pair=pair) is None, "no squares unless asked"
+
+
 def check_fp8_kernel() -> None:
     """The FP8 kernel on quantize_cols_grouped's padded operands against the dequantised
     operands multiplied per expert in float64 (the kernel's only error is its fp32 sum)."""
@@ -158,8 +181,11 @@ class Bf16Wgrad(Fp8Rule):
         return Fp8Gemms(fwd=True, dgrad=True, wgrad=False)
 
 
-def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bool = False) -> tuple[list[torch.Tensor], int, int]:
-    """(fp32 gradients, post-accumulate hook calls, accumulating-kernel launches)."""
+def train(
+    wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bool = False, keep: list | None = None
+) -> tuple[list[torch.Tensor], int, int]:
+    """(fp32 gradients, post-accumulate hook calls, accumulating-kernel launches); ``keep``: the
+    optimizer appended to it."""
     torch.manual_seed(0)
     model = Experts(gemm).bfloat16()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_grad_accum=accum, expert_wgrad=wgrad), master_weights=True)
@@ -182,6 +208,8 @@ def train(wgrad: str, accum: str, micro_batches: list, gemm=None, token_rows: bo
     opt.fold_deferred()
     for p in model.parameters():
         assert p.grad is None, "every expert gradient reached its fp32 holder"
+    if keep is not None:
+        keep.append(opt)
     return [p.grad.clone() for p in opt.params], len(calls), launches
 
 
@@ -214,6 +242,38 @@ def check_optimizer_sink() -> None:
             assert err < 1e-2, (accum, err)
 
 
+def check_sink_squares() -> None:
+    """MOE_EXPERT_GRAD_SQUARES=epilogue: the sink keeps the sums of squares its last GEMM
+    reported (at the step's last micro-batch: not those of an earlier GEMM, which later ones
+    made stale), and the norm over them equals the norm that reads every gradient; none kept
+    with the switch off, and none after zero_grad."""
+    import moe.optim
+    from moe.parallel.grad_sync import global_grad_norm
+
+    micro = _micro_batches()
+    saved = moe.optim.EPILOGUE_SQUARES
+    try:
+        for on in (True, False):
+            moe.optim.EPILOGUE_SQUARES = on
+            for wgrad, accum in (("gemm", "fp32"), ("paired", "fp32"), ("gemm", "bf16")):
+                for n in (1, 2, 3):  # one micro-batch, a pair, a pair and one left for the last
+                    keep: list = []
+                    grads, _, _ = train(wgrad, accum, micro[:n], keep=keep)
+                    opt = keep[0]
+                    known = opt.grad_squares()
+                    experts = [p.grad for p in opt.params if p.expert]
+                    assert len(known) == (len(experts) if on else 0), (on, wgrad, accum, n, len(known))
+                    if on:
+                        assert all(id(g) in known for g in experts)
+                        want = global_grad_norm(opt.grads(), torch.device("cpu")).item()
+                        got = global_grad_norm(opt.grads(), torch.device("cpu"), known).item()
+                        assert abs(got - want) <= 1e-6 * want, (wgrad, accum, n, got, want)
+                    opt.zero_grad()
+                    assert not opt.grad_squares()
+    finally:
+        moe.optim.EPILOGUE_SQUARES = saved
+
+
 def check_fp8_sink() -> None:
     """The FP8 expert GEMM with a sink: wgrad in the FP8 accumulating GEMM where the rule sends
     wgrad to FP8 (the same quantised operands as the separate FP8 path, whose bf16 result is then
@@ -241,8 +301,10 @@ def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     check_kernel()
     check_expert_order_and_tile_orders()
+    check_squares()
     check_fp8_kernel()
     check_optimizer_sink()
+    check_sink_squares()
     check_fp8_sink()
     print("grouped wgrad ok")
     return 0

@@ -3,7 +3,8 @@
 loop and against the Triton kernel, at awkward row counts (empty experts, one row, rows past a block, a
 run of empty experts between long ones), accumulating and not, into fp32 and bf16, in index
 order and heaviest first; then twice over to show it is deterministic, and at the step's shapes;
-and paired (optim.expert_wgrad=paired: a second micro-batch's rows in the same sum) the same ways.
+and paired (optim.expert_wgrad=paired: a second micro-batch's rows in the same sum) the same ways; each
+case also with ``squares=True`` (the row sums of squares the gradient norm reads) against float64.
 
     python tests/kernels/grouped_wgrad_ws_gpu_check.py   # exits non-zero on any failure
 """
@@ -58,6 +59,15 @@ def case(counts, m, k, out_dtype, ordered, gen, config=None, counts2=None) -> li
             failures.append(f"{label}: an empty expert's sum changed")
         if empty and not accumulate and not (got[empty] == 0).all():
             failures.append(f"{label}: an empty expert did not get zeros")
+        # squares=True (the gradient norm from the epilogue): the same sums, and row sums of squares of them
+        with_sq = base.clone() if accumulate else torch.full_like(base, float("nan"))
+        sq = gw.grouped_wgrad(grad, x, ends, with_sq, accumulate=accumulate, ordered=ordered, kernel="ws", ws_config=config, pair=pair, squares=True)
+        rows = with_sq.double().square().sum(2)
+        sq_err = (sq.double().sum(2) - rows).abs().max().item()
+        if not torch.equal(with_sq, got):
+            failures.append(f"{label} accumulate={accumulate}: the sums change when the squares are asked for")
+        if not sq_err <= 1e-5 * rows.max().item():
+            failures.append(f"{label} accumulate={accumulate}: row sums of squares off by {sq_err} (of {rows.max().item()})")
         again = base.clone() if accumulate else torch.full_like(base, float("nan"))
         gw.grouped_wgrad(grad, x, ends, again, accumulate=accumulate, ordered=ordered, kernel="ws", ws_config=config, pair=pair)
         if not torch.equal(again, got):

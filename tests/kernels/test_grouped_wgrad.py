@@ -25,8 +25,8 @@ def test_the_shipped_tile_config_compiles_for_sm90_with_wgmma_no_spills_and_fits
     extra = {}
     if kernel == "bf16":
         fn, config = gw._grouped_wgrad_kernel, gw.CUDA_CONFIG
-        operands = {"grad": "*bf16", "x": "*bf16", "grad2": "*bf16", "x2": "*bf16", "ends2": "*i32", "order": "*i32"}
-        extra = {"ORDERED": True, "PAIRED": True}  # the paired kernel: the larger of the two
+        operands = {"grad": "*bf16", "x": "*bf16", "grad2": "*bf16", "x2": "*bf16", "ends2": "*i32", "order": "*i32", "sq": "*fp32"}
+        extra = {"ORDERED": True, "PAIRED": True, "SQUARES": True}  # the paired kernel with the squares: the largest
     else:  # the FP8 kernel's operands are K-major e4m3 with fp32 decode scales
         fn, config = gw._grouped_wgrad_fp8_kernel, gw.FP8_CUDA_CONFIG
         operands = {"gt": "*fp8e4nv", "sg": "*fp32", "xt": "*fp8e4nv", "sx": "*fp32", "W": "i32"}
@@ -59,4 +59,14 @@ def test_the_expert_ranking_compiles_for_sm90_without_spills():
 
     types = {"ends": "*i32", "ends2": "*i32", "order": "*i32", "G": "i32"}
     stats = compile_for_sm90(gw._rank_kernel, types, {"PAIRED": True, "BLOCK": gw.RANK_BLOCK}, num_warps=gw.RANK_WARPS)
+    assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
+
+
+def test_the_squares_of_skipped_experts_compile_for_sm90_without_spills():
+    """moe.kernels.grouped_wgrad's _empty_squares_kernel at the shipped column block (256)."""
+    from moe.kernels import grouped_wgrad as gw
+    from tests.kernels.sm90 import compile_for_sm90
+
+    types = {"out": "*fp32", "ends": "*i32", "ends2": "*i32", "sq": "*fp32", "G": "i32", "M": "i32", "K": "i32", "n_blocks": "i32"}
+    stats = compile_for_sm90(gw._empty_squares_kernel, types, {"PAIRED": True, "BLOCK_M": 32, "BLOCK_N": gw.CUDA_CONFIG[1]}, num_warps=4)
     assert stats["spill_stack_bytes"] == 0 and stats["local_bytes"] == 0, stats
