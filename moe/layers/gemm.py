@@ -162,7 +162,10 @@ def _write_rows(rows: tuple, earlier: tuple | None, buf: torch.Tensor, add: bool
     micro-batch's in the same sum where the sink held them (optim.expert_wgrad=paired);
     ``squares``: the buffer's sum of squares from its epilogue (partial sums)."""
     grad, x, offsets = rows
-    return fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier, squares=squares)
+    if squares:
+        return fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier, squares=True)
+    fused_wgrad.grouped_wgrad(grad, x, offsets, buf, accumulate=add, pair=earlier)
+    return None
 
 
 class GroupedLinear(torch.autograd.Function):
