@@ -39,9 +39,9 @@ SWITCHES: dict[str, Switch] = {
         ),
         Switch(
             "MOE_EXPERT_GRAD_SQUARES",
-            ("foreach", "epilogue"),
+            ("epilogue", "foreach"),
             "moe.optim",
-            "epilogue: the expert gradients' sums of squares (the norm) from the last wgrad GEMM's epilogue, one process only",
+            "foreach: the norm reads the expert gradients again, not the sums of squares from the last wgrad GEMM's epilogue",
         ),
         Switch("MOE_SHARED_INPUT_GRAD", ("gemm", "autograd"), "moe.nn.shared_input", "autograd: autograd's adds of the q/k/v input gradients"),
         Switch("MOE_DETERMINISTIC_FILL", ("0", "1"), "moe.train.determinism", "1: torch's NaN fill of new memory in the deterministic mode"),

@@ -3,8 +3,8 @@
 # keeps what ran): the warp-specialised wgrad kernel's GPU check (paired included; should it fail, the rest runs on
 # the Triton kernel, MOE_WGRAD_KERNEL=triton), bench.model at OLMoE width (8 layers, micro 4 x accum 4) with
 # optim.expert_wgrad=paired and train.cuda_graph, the same on the Triton wgrad kernel (the paired path before the
-# ws kernel took pairs), the same with the expert gradients' squares from the epilogue (MOE_EXPERT_GRAD_SQUARES=epilogue),
-# the Qwen-like `moe train` run the same way without and with the squares, those three again, the router's input gradient
+# ws kernel took pairs), the same with the norm reading the expert gradients again (MOE_EXPERT_GRAD_SQUARES=foreach; the squares
+# from the epilogue are the default since 2026-12-07), the Qwen-like `moe train` run the same way with and without the squares, those three again, the router's input gradient
 # added by autograd (MOE_ROUTER_INPUT_GRAD=autograd), the default expert wgrad eager and graphed, the Qwen-like run
 # graphed and eager, and last the other GPU checks (the grad-add kernel, the residual in the combine, the router's
 # rounding, the tests of train.cuda_graph and of the MoE layer). Each bench.model run is also timed back to back
@@ -26,13 +26,13 @@ if [ "$status" -ne 0 ]; then
 fi
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run env MOE_WGRAD_KERNEL=triton python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # pairs on the Triton kernel
-run env MOE_EXPERT_GRAD_SQUARES=epilogue python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # the norm's expert squares from the epilogue
+run env MOE_EXPERT_GRAD_SQUARES=foreach python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # the norm reads the expert gradients again
 tokens_8k
 qwen_like_train qwen-like-paired-graph 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
-MOE_EXPERT_GRAD_SQUARES=epilogue qwen_like_train qwen-like-paired-graph-squares 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
+MOE_EXPERT_GRAD_SQUARES=foreach qwen_like_train qwen-like-paired-graph-foreach 12 --set model.n_layers="$qwen_layers" --set optim.expert_wgrad=paired --set train.cuda_graph=true
 run python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run env MOE_WGRAD_KERNEL=triton python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
-run env MOE_EXPERT_GRAD_SQUARES=epilogue python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
+run env MOE_EXPERT_GRAD_SQUARES=foreach python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph
 run env MOE_ROUTER_INPUT_GRAD=autograd python3 -m bench.model "${step[@]}" --expert-wgrad paired --cuda-graph  # autograd's add of the router's input gradient
 run python3 -m bench.model "${step[@]}"
 run python3 -m bench.model "${step[@]}" --cuda-graph
@@ -61,6 +61,6 @@ ulp = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30) * 128).m
 print(f'router input gradient rounded in the GEMM: {(a != b).float().mean().item():.2e} of elements differ, at most {ulp:.2f} ulp'); assert ulp <= 1.0
 "
 RUN_TIMEOUT=240 run python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py tests/layers/test_moe_layer.py  # the captured step's GPU tests, the layer's (no host sync)
-RUN_TIMEOUT=200 run env MOE_EXPERT_GRAD_SQUARES=epilogue python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the same with the squares from the epilogue
+RUN_TIMEOUT=200 run env MOE_EXPERT_GRAD_SQUARES=foreach python3 -m pytest -q -x -p no:cacheprovider tests/train/test_cuda_graph.py  # the same with the norm's own pass
 run python3 -c "from bench.common import matmul_peak_tflops; print(f'bf16 matmul 8192^3 on this GPU: {matmul_peak_tflops():.0f} TFLOP/s')"
 exit $status
