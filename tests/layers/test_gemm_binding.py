@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import moe.optim
 from moe.config import OptimizerConfig
 from moe.layers import gemm
 from moe.layers.experts import GroupedExperts
@@ -47,9 +48,10 @@ def test_no_module_keeps_a_mutable_table_of_sinks():
 
 
 def _fake_kernel(monkeypatch, launches: list) -> None:
-    """The accumulating kernel's contract in torch (CPU, no Triton): out (+)= grad_g^T @ x_g."""
+    """The accumulating kernel's contract in torch (CPU, no Triton): out (+)= grad_g^T @ x_g;
+    ``squares``: also the stored rows' sums of squares (partial sums, one column block here)."""
 
-    def grouped_wgrad(grad, x, ends, out, *, accumulate, config=None, pair=None):
+    def grouped_wgrad(grad, x, ends, out, *, accumulate, config=None, pair=None, squares=False):
         launches.append(accumulate if pair is None else ("paired", accumulate))
         parts = [torch.zeros(out.shape)]
         for g_rows, x_rows, e in [(grad, x, ends)] + ([pair] if pair is not None else []):
@@ -58,6 +60,7 @@ def _fake_kernel(monkeypatch, launches: list) -> None:
                 parts[0][g] += g_rows[start:end].float().t() @ x_rows[start:end].float()
                 start = end
         out.copy_((out.float() + parts[0]).to(out.dtype) if accumulate else parts[0].to(out.dtype))
+        return out.float().square().sum(-1, keepdim=True) if squares else None
 
     monkeypatch.setattr(gemm.fused_wgrad, "supports", lambda grad, x: True)
     monkeypatch.setattr(gemm.fused_wgrad, "grouped_wgrad", grouped_wgrad)
@@ -74,6 +77,11 @@ def _grads(wgrad: str, monkeypatch, micro_batches: int = 2, signal_last: bool = 
     """fp32 gradients after ``micro_batches`` backwards (``signal_last``: the trainer's
     last_micro_batch() before the last one), then the optimizer's fold_deferred(); and the
     kernel launches."""
+    opt, launches = _step(wgrad, monkeypatch, micro_batches, signal_last, accum)
+    return [p.grad for p in opt.params], launches
+
+
+def _step(wgrad: str, monkeypatch, micro_batches: int, signal_last: bool, accum: str) -> tuple[MasterWeightAdamW, list]:
     torch.manual_seed(0)
     model = _Experts().bfloat16()
     opt = MasterWeightAdamW(model, OptimizerConfig(expert_wgrad=wgrad, expert_grad_accum=accum), master_weights=True)
@@ -88,7 +96,7 @@ def _grads(wgrad: str, monkeypatch, micro_batches: int = 2, signal_last: bool = 
         (model.experts(x, counts).float() ** 2).sum().backward()
     opt.fold_deferred()
     assert all(p.grad is None for p in model.parameters())
-    return [p.grad for p in opt.params], launches
+    return opt, launches
 
 
 def test_expert_wgrad_gemm_reaches_the_kernel_through_the_bound_sink(monkeypatch):
@@ -122,6 +130,25 @@ def test_paired_wgrad_runs_one_gemm_per_two_micro_batches_and_sums_the_same(monk
         assert a.dtype == torch.float32
         tol = 1e-5 if accum == "fp32" else 2**-7  # bf16: the sum of the micro-batches is rounded to bf16 between them
         assert torch.allclose(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("wgrad", ["gemm", "paired"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+@pytest.mark.parametrize("accum", ["fp32", "bf16"])
+def test_the_last_gemm_reports_the_final_gradients_sums_of_squares(monkeypatch, wgrad, micro_batches, accum):
+    """MOE_EXPERT_GRAD_SQUARES=epilogue (the default): the GEMM at the step's last micro-batch
+    returns its buffer's sums of squares, the sink keeps them, and they total the final
+    gradient's sum of squares (what the one-process norm reads instead of the gradient)."""
+    monkeypatch.setattr(moe.optim, "EPILOGUE_SQUARES", True)
+    opt, _ = _step(wgrad, monkeypatch, micro_batches, True, accum)
+    known = opt.grad_squares()
+    assert len(known) == len(opt.params)
+    for p in opt.params:
+        want = p.grad.double().square().sum().item()
+        assert known[id(p.grad)].double().sum().item() == pytest.approx(want, rel=1e-5)
+    monkeypatch.setattr(moe.optim, "EPILOGUE_SQUARES", False)
+    opt, _ = _step(wgrad, monkeypatch, micro_batches, True, accum)
+    assert opt.grad_squares() == {}  # MOE_EXPERT_GRAD_SQUARES=foreach: the norm reads the gradients
 
 
 def test_a_step_that_did_not_finish_leaves_no_rows_waiting(monkeypatch):
