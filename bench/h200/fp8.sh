@@ -16,6 +16,8 @@
 #                                  # breakdown at micro 1 after freeing dgrad's rows early, then the paper FP8 stage
 #   bench/h200/fp8.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
 #   bench/h200/fp8.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
+#   bench/h200/fp8.sh final2   # the default rule against today's best bf16 step (optim.expert_wgrad=paired, train.cuda_graph):
+#                                  # FP8 eager (gemm and paired), bf16 eager and bf16 paired + graph, OLMoE width and d = h = 1024
 #   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
@@ -140,6 +142,15 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}"
     done
     ;;
+  final2)
+    for width in olmoe narrow; do
+      common=(--layers 8 --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired
+      run python3 -m bench.model "${common[@]}" --expert-wgrad paired --cuda-graph
+      run python3 -m bench.model "${common[@]}"
+    done
+    ;;
   wgrad8)
     run python3 -m bench.wgrad --fp8 --configs all
     for width in paper olmoe; do
@@ -178,6 +189,6 @@ case "${1:-}" in
     run python3 -m bench.fp8 quant --shape 4096,4096,64,4 --tokens 16384 --iters 20
     run python3 -m bench.profile_layer --shape 4096,4096,64,4 --tokens 16384 --recipe fp8 --rows 16
     ;;
-  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|wgrad8|sinkab|quant" >&2; exit 2 ;;
+  *) echo "usage: $0 parity|memory|layer|sweep|rule|small|rule2|rule3|rule4|final|final2|wgrad8|sinkab|quant" >&2; exit 2 ;;
 esac
 exit $status
