@@ -142,9 +142,9 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}"
     done
     ;;
-  final2)
+  final2)  # LAYERS=6 on an 80 GiB H100 (8 layers of OLMoE width at micro 4 need more)
     for width in olmoe narrow; do
-      common=(--layers 8 --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
+      common=(--layers "${LAYERS:-8}" --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired
       run python3 -m bench.model "${common[@]}" --expert-wgrad paired --cuda-graph
