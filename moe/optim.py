@@ -202,7 +202,7 @@ class MasterWeightAdamW:
         if self._triton_steps():
             with span("optimizer"):  # no torch optimizer range around these launches
                 self._step_triton(found_inf, grad_scale)
-            self._bump_released()
+            self._mark_written()
             return
         if found_inf is not None:
             self.inner.found_inf = found_inf.float()  # read by the fused kernel
@@ -215,7 +215,7 @@ class MasterWeightAdamW:
         copies = [(p.param, p.master) for p in self._mirrored()]
         if copies:
             torch._foreach_copy_([a for a, _ in copies], [b for _, b in copies])
-        self._bump_released()
+        self._mark_written()
 
     def keep_lr_on_device(self) -> None:
         """From now on the Triton step reads each group's learning rate from a device scalar that
@@ -239,7 +239,7 @@ class MasterWeightAdamW:
     def note_updated(self) -> None:
         """The masters were written by a replayed step: what :meth:`step` does on the host after
         its kernels (version counters), done for a step whose kernels a CUDA graph launched."""
-        self._bump_released()
+        self._mark_written()
 
     def _triton_steps(self) -> bool:
         """Whether the step runs moe.kernels.adamw (``optim.step_kernel: triton``, every owned
@@ -309,15 +309,20 @@ class MasterWeightAdamW:
     def sync_params_from_masters(self) -> None:
         for p in self._mirrored():
             p.param.copy_(p.master)
-        self._bump_released()
+        self._mark_written()
 
-    def _bump_released(self) -> None:
-        """The fused AdamW kernel writes the masters without bumping their version counters (nor
-        may a checkpoint load): bump those of the released parameters' masters, which the weight
-        caches key on, so no cached copy outlives the weights it was made from."""
+    def _mark_written(self) -> None:
+        """Bump the version counters of what a step wrote outside autograd's sight: the fused
+        Triton AdamW kernel (and a replayed CUDA graph, or a checkpoint load) writes the masters
+        and their bf16 copies without bumping them. Caches keyed on a weight's version (the FP8
+        weight copies: released experts read their masters, FP8 dense projections their bf16
+        weights) must never outlive the values they were made from; one bump per written tensor
+        per step, whichever kernel wrote it (torch's own copies bumped them once already)."""
         for p in self.params:
             if id(p.param) in self.released:
                 torch.autograd.graph.increment_version(p.master)
+            elif p.owned and p.param is not p.master:
+                torch.autograd.graph.increment_version(p.param)
 
     def _mirrored(self) -> list[MasterParam]:
         """The parameters that hold a low-precision copy of their master."""

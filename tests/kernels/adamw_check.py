@@ -75,7 +75,8 @@ def check_kernel():
 def check_optimizer():
     """Three steps (one skipped by found_inf, one with a clipping scale) through MasterWeightAdamW
     with each step kernel, on the same gradients: same masters and state within fp32 rounding,
-    the bf16 weights their masters rounded."""
+    the bf16 weights their masters rounded, and every step bumps the version of each tensor it
+    wrote (the bf16 weights; a released weight's master)."""
     from torch import nn
 
     from moe.config import OptimizerConfig
@@ -86,6 +87,9 @@ def check_optimizer():
         model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16)
         opt = MasterWeightAdamW(model, OptimizerConfig(lr=1e-2, step_kernel=kernel), master_weights=True)
         assert opt._triton_steps() == (kernel == "triton")
+        # what the step writes: the bf16 weights, and a released weight's master (an FP8 expert's)
+        released = opt.release_weight(model[2].weight)
+        written = [p for n, p in model.named_parameters() if n != "2.weight"] + [released]
         for i, (found, scale) in enumerate(((None, None), (torch.tensor(1.0), None), (torch.tensor(0.0), torch.tensor(0.5)))):
             gen = torch.Generator().manual_seed(i)  # the same gradients for both kernels
             for p in opt.params:
@@ -94,7 +98,10 @@ def check_optimizer():
                 opt.keep_lr_on_device()
             if kernel == "triton":
                 opt.write_lr()
+            versions = [t._version for t in written]
             opt.step(found_inf=found, grad_scale=scale)
+            # caches keyed on a weight's version (the FP8 copies) see every step's weights
+            assert all(t._version > v for t, v in zip(written, versions, strict=True)), f"{kernel}: a written weight kept its version"
             opt.zero_grad()
         state = opt.named_state()
         return [p.detach().clone() for p in model.parameters()], opt.named_masters(), state
@@ -108,7 +115,8 @@ def check_optimizer():
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state_t[name][key], state_r[name][key], rtol=1e-5, atol=1e-7)
     for a, name in zip(params_t, masters_t, strict=True):
-        assert rounded(masters_t[name], a), f"{name}: the bf16 weight is its master rounded"
+        if name != "2.weight":  # released: one element
+            assert rounded(masters_t[name], a), f"{name}: the bf16 weight is its master rounded"
 
 
 if __name__ == "__main__":

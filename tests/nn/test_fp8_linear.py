@@ -119,3 +119,24 @@ def test_a_directly_built_fp8_linear_has_the_dense_default_rule():
     assert lin.rule.min_dim == DENSE_MIN_DIM == ExperimentConfig.load({}).precision.fp8_dense_min_dim
     assert Fp8Rule().min_dim == ExperimentConfig.load({}).precision.fp8_min_dim
     assert lin(torch.randn(3, 64).bfloat16()).shape == (3, 48)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm90+)")
+@pytest.mark.cuda
+def test_after_the_triton_step_the_dense_copies_are_of_the_new_weights(tmp_path, corpus):
+    """The fused AdamW kernel writes the bf16 weights outside autograd; the FP8 copies (keyed on
+    the weight's version) must still be remade from each step's weights, not the first step's."""
+    from moe.kernels.fp8 import quantize_rows
+    from moe.train.trainer import Trainer
+    from tests.helpers import tiny_config
+
+    precision = {"recipe": "fp8_rowwise", "fp8_min_dim": 0, "fp8_dense": True, "fp8_dense_min_dim": 0}
+    train = {"max_steps": 3, "device": "cuda"}
+    trainer = Trainer(tiny_config(corpus, tmp_path / "ck", train=train, checkpoint={"save": False}, precision=precision))
+    assert trainer.opt._triton_steps()
+    trainer.fit()
+    linears = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear) and m._fp8_cache is not None and m._fp8_cache._rows]
+    assert linears, "the dense projections ran in FP8"
+    for m in linears:
+        cached, fresh = m._fp8_cache.rows(m.weight), quantize_rows(m.weight.detach())
+        assert torch.equal(cached[0].view(torch.uint8), fresh[0].view(torch.uint8)) and torch.equal(cached[1], fresh[1])
