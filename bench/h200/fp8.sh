@@ -17,7 +17,8 @@
 #   bench/h200/fp8.sh rule4    # OLMoE width at 2,048 rows under the default rule (its down projection, 2048x1024, in bf16)
 #   bench/h200/fp8.sh final    # the default rule as shipped against bf16: OLMoE width and d = h = 1024 at 2,048 rows
 #   bench/h200/fp8.sh final2   # the default rule against today's best bf16 step (optim.expert_wgrad=paired, train.cuda_graph):
-#                                  # FP8 eager (gemm and paired), bf16 eager and bf16 paired + graph, OLMoE width and d = h = 1024
+#                                  # FP8 eager (gemm, paired) and graphed (paired), bf16 graphed (paired) and eager, OLMoE width
+#                                  # and d = h = 1024
 #   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
@@ -142,12 +143,13 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}"
     done
     ;;
-  final2)  # LAYERS=6 on an 80 GiB H100 (8 layers of OLMoE width at micro 4 need more)
-    for width in olmoe narrow; do
+  final2)  # WIDTHS="olmoe narrow" by default; LAYERS=6 on an 80 GiB H100 (8 layers of OLMoE width at micro 4 need more)
+    for width in ${WIDTHS:-olmoe narrow}; do
       common=(--layers "${LAYERS:-8}" --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
-      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired --cuda-graph
       run python3 -m bench.model "${common[@]}" --expert-wgrad paired --cuda-graph
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired
       run python3 -m bench.model "${common[@]}"
     done
     ;;

@@ -116,7 +116,10 @@ class ExperimentConfig(Config):
         tr, par, key = self.train, self.parallel, "train.cuda_graph"
         conflicts = [
             (tr.device == "cpu", "needs a CUDA GPU (train.device=cpu)"),
-            (self.precision.recipe not in ("auto", "bf16"), f"runs with precision.recipe bf16 (or auto), not {self.precision.recipe}"),
+            (
+                self.precision.recipe not in ("auto", "bf16", "fp8_rowwise"),
+                f"runs with precision.recipe bf16 or fp8_rowwise (or auto), not {self.precision.recipe}",
+            ),
             (tr.recompute != "none", f"not with train.recompute={tr.recompute} (use none)"),
             (self.optim.step_kernel != "triton", "needs optim.step_kernel=triton (the step that reads its learning rate on the device)"),
             (tr.layout_invariant, "not with train.layout_invariant (its micro-batches are seeded from the host)"),
