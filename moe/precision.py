@@ -83,7 +83,7 @@ class PrecisionRecipe:
                     "build the model with Transformer(cfg, expert_gemm=recipe.expert_gemm)"
                 )
 
-    def attach_optimizer(self, model: nn.Module, opt, *, broadcasts_expert_weights: bool) -> int:
+    def attach_optimizer(self, model: nn.Module, opt, *, broadcasts_expert_weights: bool, expert_rows: int | None = None) -> int:
         """Where the expert weights and the optimizer meet, once: every expert weight is declared
         to the optimizer (``opt.bind_expert``: bf16 gradient accumulation, and the gradient sink
         its weight-gradient GEMM adds into) and bound to its expert GEMM (ExpertGemm.bind) with
@@ -92,10 +92,15 @@ class PrecisionRecipe:
         (moe.layers.gemm_fp8.WeightCache), so the FP8 pair replaces the bf16 weight instead of
         adding to it. No release where ZeRO-1 shards the expert weights' optimizer over more than
         one rank (an owner broadcasts the bf16 parameter itself to its group); ZeRO-1 over one
-        rank shards nothing. Returns how many expert weights were released."""
+        rank shards nothing. ``expert_rows`` (the rows a micro-batch sends to the experts,
+        tokens x top-k; the trainer's and the planner's): a layer whose FP8 rule runs none of
+        its expert GEMMs in FP8 at that many rows runs the bf16 GEMM instead
+        (:meth:`keep_bf16_where_fp8_does_not_run`). Returns how many expert weights were released."""
         from moe.layers.experts import GroupedExperts
 
         self._check_expert_gemms(model)
+        if expert_rows is not None:
+            self.keep_bf16_where_fp8_does_not_run(model, expert_rows)
         release = not broadcasts_expert_weights and self.master_weights
         released = 0
         for module in model.modules():
@@ -109,6 +114,30 @@ class PrecisionRecipe:
                     released += 1
                 module.gemm.bind(param, sink=opt.bind_expert(param), master=master)
         return released
+
+    @staticmethod
+    def keep_bf16_where_fp8_does_not_run(model: nn.Module, expert_rows: int) -> int:
+        """Give each MoE layer whose FP8 rule keeps every expert GEMM in bf16 at ``expert_rows``
+        rows per micro-batch the bf16 recipe's expert GEMM (torch's grouped GEMM on bf16 weights).
+        Its FP8 GEMM would run the same bf16 GEMMs on copies made from the masters, off the bf16
+        path's fusions: at d = h = 1024, 2,048 rows per expert (which the rule keeps bf16), the
+        fp8_rowwise step was 3.1% slower than bf16 on an H100 (bench/NOTES.md, 2026-12-07).
+        Returns how many layers changed."""
+        from moe.layers.experts import GroupedExperts
+        from moe.layers.gemm import GroupedMM
+        from moe.layers.gemm_fp8 import Fp8GroupedGemm
+
+        changed = 0
+        for module in model.modules():
+            gemm = getattr(module, "gemm", None)
+            if not isinstance(module, GroupedExperts) or not isinstance(gemm, Fp8GroupedGemm):
+                continue
+            up = gemm.rule.plan(expert_rows, *module.gate_up.shape)
+            down = gemm.rule.plan_down(expert_rows, *module.down.shape)
+            if not (up.any or down.any):
+                module.gemm = GroupedMM()
+                changed += 1
+        return changed
 
     @contextlib.contextmanager
     def autocast(self, device: torch.device) -> Iterator[None]:
@@ -124,6 +153,12 @@ RECIPES = {
     name: PrecisionRecipe(name, getattr(torch, f.param_dtype), getattr(torch, f.autocast_dtype) if f.autocast_dtype else None)
     for name, f in RECIPE_FACTS.items()
 }
+
+
+def expert_rows(cfg) -> int:
+    """The rows a training micro-batch sends to the experts (tokens x top-k), which the FP8 rule
+    decides by (:meth:`PrecisionRecipe.keep_bf16_where_fp8_does_not_run`)."""
+    return cfg.train.micro_batch_size * cfg.data.seq_len * cfg.model.moe.top_k
 
 
 def _expert_gemm_factory(name: str, emulate: bool, rule_fields: dict[str, int]) -> Callable[[], object]:

@@ -133,3 +133,26 @@ def test_zero1_over_one_rank_shards_nothing_and_fp8_releases_the_expert_weights(
     opt = layout.optimizer(model, cfg.optim, recipe.master_weights)
     assert not layout.broadcasts_expert_weights
     assert recipe.attach_optimizer(model, opt, broadcasts_expert_weights=layout.broadcasts_expert_weights) == 2 * cfg.model.n_layers
+
+
+def test_where_the_fp8_rule_runs_no_expert_gemm_in_fp8_the_layers_run_bf16s_step(tmp_path, corpus):
+    """fp8_rowwise at a shape whose rule keeps every expert GEMM bf16 (the tiny model's, at the
+    default fp8_min_dim): the trainer gives the layers the bf16 recipe's GEMM and releases
+    nothing, so the run is the bf16 recipe's, bit for bit; with every GEMM FP8 it keeps FP8."""
+    from moe.layers.gemm import GroupedMM
+    from moe.layers.gemm_fp8 import Fp8GroupedGemm
+    from moe.train.trainer import Trainer
+    from tests.helpers import tiny_config
+
+    runs = {}
+    for name, precision in {
+        "bf16": {"recipe": "bf16"},
+        "fp8-kept-bf16": {"recipe": "fp8_rowwise", "emulate": True},
+        "fp8": {"recipe": "fp8_rowwise", "emulate": True, "fp8_min_dim": 0},
+    }.items():
+        trainer = Trainer(tiny_config(corpus, tmp_path / name, train={"max_steps": 3}, checkpoint={"save": False}, precision=precision))
+        gemms = {type(m.gemm) for m in trainer.model.modules() if isinstance(m, GroupedExperts)}
+        runs[name] = (trainer.fit().losses, gemms, len(trainer.opt.released))
+    assert runs["fp8-kept-bf16"][1:] == runs["bf16"][1:] == ({GroupedMM}, 0)
+    assert runs["fp8-kept-bf16"][0] == runs["bf16"][0]
+    assert runs["fp8"][1] == {Fp8GroupedGemm} and runs["fp8"][2] > 0

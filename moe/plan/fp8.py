@@ -40,7 +40,7 @@ from moe.config import ExperimentConfig
 from moe.config.model import ModelConfig
 from moe.hardware import recipe_on
 from moe.nn.fp8_policy import Fp8Gemms
-from moe.precision import PrecisionRecipe, recipe_for
+from moe.precision import PrecisionRecipe, expert_rows, recipe_for
 
 if TYPE_CHECKING:
     from moe.layers.experts import GroupedExperts
@@ -120,7 +120,7 @@ def rank_fp8(model: nn.Module, cfg: ExperimentConfig, broadcasts_expert_weights:
         return None
     recipe.prepare(model)
     log = _ReleaseLog()
-    recipe.attach_optimizer(model, log, broadcasts_expert_weights=broadcasts_expert_weights)
+    recipe.attach_optimizer(model, log, broadcasts_expert_weights=broadcasts_expert_weights, expert_rows=expert_rows(cfg))
     released = {id(p) for p in log.params}
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     experts, copies = None, _dense_copies(model, tokens)

@@ -30,7 +30,7 @@ from moe.parallel.exact_sync import micro_batches_per_step
 from moe.parallel.layout import Layout, build_layout
 from moe.parallel.recompute import apply_recompute
 from moe.plan.accounting import flops_per_token, param_counts
-from moe.precision import recipe_for
+from moe.precision import expert_rows, recipe_for
 from moe.spans import span
 from moe.train import determinism
 from moe.train.callbacks import Callback, trainer_callbacks
@@ -91,7 +91,9 @@ class Trainer:
         self.model = self.layout.parallelize(model)
         determinism.prepare_model(self.model, self.recipe, self.determinism)
         self.opt = self.layout.optimizer(self.model, cfg.optim, self.recipe.master_weights)
-        self.recipe.attach_optimizer(self.model, self.opt, broadcasts_expert_weights=self.layout.broadcasts_expert_weights)
+        self.recipe.attach_optimizer(
+            self.model, self.opt, broadcasts_expert_weights=self.layout.broadcasts_expert_weights, expert_rows=expert_rows(cfg)
+        )
         self.sched = build_scheduler(self.opt, cfg.schedule, cfg.train.max_steps)
 
         self.dataset = dataset or TokenDataset(

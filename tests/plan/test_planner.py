@@ -1,6 +1,7 @@
 """`moe plan`'s verdict: measured H200 peaks predicted, the knob that helps most, bad input
 refused clearly, and held-out runs' peaks covered."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,6 +111,9 @@ FP8_HELD_OUT = sorted(
 PAIRED_HELD_OUT = sorted(p for p in (RESULTS / "wgrad_paired").glob("model-NVIDIA-H200-*.json") if _result(p).get("expert_wgrad") == "paired")
 
 
+FP8_EXPERT_LINES = ("FP8: bf16 expert weights released", "FP8: bf16 expert rows not saved", "FP8 expert backward")
+
+
 @pytest.mark.parametrize("path", HELD_OUT + FP8_HELD_OUT + PAIRED_HELD_OUT, ids=lambda p: p.stem)
 def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
     """A plan that says "fits" must fit: the predicted peak is at or above the peak measured on
@@ -122,8 +126,15 @@ def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
     config = record["config"]
     args = argparse.Namespace(**{k: v for k, v in config.items() if k != "flops_per_token"})
     cfg = build_config(args, tmp_path / "tokens", tmp_path / "ck", 10)
-    planned = make_plan(cfg, "h200", 1, knobs=False).peak_gib
+    plan = make_plan(cfg, "h200", 1, knobs=False)
+    planned = plan.peak_gib
     result = record["result"]
+    if result["recipe"] == "fp8_rowwise" and all(plan.memory_gib[k] == 0 for k in FP8_EXPERT_LINES):
+        # the rule keeps every expert GEMM bf16 at this shape: since 2026-12-07 such a run is the
+        # bf16 recipe's (PrecisionRecipe.keep_bf16_where_fp8_does_not_run), not the one recorded
+        bf16 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe="bf16"))
+        assert planned == make_plan(bf16, "h200", 1, knobs=False).peak_gib
+        return
     measured = result.get("peak_mem_gib", result.get("peak_mem_gb"))  # peak_mem_gb: GiB despite its name
     if result["recipe"] == "bf16":  # what the run itself printed (FP8 plans changed since: issue 49)
         assert planned == pytest.approx(result["plan_peak_gib"], rel=1e-6)
