@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from moe.config import ConfigError
+from moe.config import ConfigError, ExperimentConfig
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import capability_problem
 
@@ -155,7 +155,7 @@ RECIPES = {
 }
 
 
-def expert_rows(cfg) -> int:
+def expert_rows(cfg: ExperimentConfig) -> int:
     """The rows a training micro-batch sends to the experts (tokens x top-k), which the FP8 rule
     decides by (:meth:`PrecisionRecipe.keep_bf16_where_fp8_does_not_run`)."""
     return cfg.train.micro_batch_size * cfg.data.seq_len * cfg.model.moe.top_k

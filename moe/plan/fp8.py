@@ -129,7 +129,7 @@ def rank_fp8(model: nn.Module, cfg: ExperimentConfig, broadcasts_expert_weights:
         if not isinstance(module, GroupedExperts) or not isinstance(module.gemm, Fp8GroupedGemm):
             continue
         sink = cfg.optim.expert_wgrad in ("gemm", "paired")
-        experts = _expert_fp8(layer, module, tokens * cfg.model.moe.top_k, id(module.gate_up) in released, sink)
+        experts = _expert_fp8(layer, module, expert_rows(cfg), id(module.gate_up) in released, sink)
         copies += weight_copy_bytes(tuple(module.gate_up.shape), experts.up, experts.released)
         copies += weight_copy_bytes(tuple(module.down.shape), experts.down, experts.released)
     return RankFp8(released=sum(2 * p.numel() for p in log.params), copies=copies, experts=experts)
