@@ -364,11 +364,19 @@ def result_row(
         "peak_mem_gib": peak_mem_gib,
         # a captured step's memory is its graph's pool, reserved for good: what the GPU gives the run
         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        # the whole card in use after the timed steps (CUDA context, modules, the allocator's
+        # reserve): what the planner's workspace allowance stands for, beside reserved_gib
+        "device_used_gib": _device_used_gib(),
         "plan_peak_gib": plan_peak,
         "zero_host_syncs": syncs_ok,
         "params_total": trainer.params_total,
         "params_active": trainer.params_active,
     }
+
+
+def _device_used_gib() -> float:
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
 
 
 COLUMNS = [
