@@ -62,6 +62,15 @@ def layout_mesh(pp: int, dp: int, ep: int, rank: int):
     return mesh
 
 
+def _sink_takes_expert_grads(cfg: ExperimentConfig) -> bool:
+    """The optimizer's gradient sink adds an expert weight's gradient into its fp32 gradient
+    inside the GEMM (optim.expert_wgrad gemm or paired, 16-byte-aligned rows): no bf16 gradient of
+    that weight ever exists. Paper width, one layer, H100: the 4 GiB bf16 gradient of the
+    experts' gate_up weight was planned, 1.6 GiB over the measured peak (bench/NOTES.md)."""
+    m = cfg.model
+    return cfg.optim.expert_wgrad != "separate" and m.d_model % 8 == 0 and m.moe.expert_hidden % 8 == 0
+
+
 def rank_states(
     cfg: ExperimentConfig, r: ResolvedLayout, param_dtype: torch.dtype | None = None, master_weights: bool | None = None
 ) -> list[RankState]:
@@ -98,7 +107,7 @@ def rank_states(
             else:
                 owned = numel
             low = master_weights and param_dtype != torch.float32
-            largest = max((n for _, n, _ in params), default=0)
+            largest = max((n for _, n, kind in params if not (low and kind == "expert" and _sink_takes_expert_grads(cfg))), default=0)
             out.append(
                 RankState(
                     rank=stage * r.dp + dp_rank,

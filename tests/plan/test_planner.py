@@ -9,7 +9,7 @@ import pytest
 
 from moe.config import ConfigError, ExperimentConfig
 from moe.errors import PlanError
-from moe.plan.planner import make_plan
+from moe.plan.planner import WORKSPACE_GIB, make_plan
 from moe.plan.report import format_plan
 
 
@@ -111,13 +111,20 @@ FP8_HELD_OUT = sorted(
 PAIRED_HELD_OUT = sorted(p for p in (RESULTS / "wgrad_paired").glob("model-NVIDIA-H200-*.json") if _result(p).get("expert_wgrad") == "paired")
 
 
+# Today's bf16 step against fp8_rowwise (bench/h200/fp8.sh final2, 2026-12-07): eager and graphed,
+# optim.expert_wgrad gemm and paired, both recipes, OLMoE, narrow and paper width (an H100 where an
+# H200 did not start; the plan does not depend on the card's size).
+FINAL2_HELD_OUT = sorted((RESULTS / "fp8_final2").glob("*/model-*.json"))
+
+
 FP8_EXPERT_LINES = ("FP8: bf16 expert weights released", "FP8: bf16 expert rows not saved", "FP8 expert backward")
 
 
-@pytest.mark.parametrize("path", HELD_OUT + FP8_HELD_OUT + PAIRED_HELD_OUT, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", HELD_OUT + FP8_HELD_OUT + PAIRED_HELD_OUT + FINAL2_HELD_OUT, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
     """A plan that says "fits" must fit: the predicted peak is at or above the peak measured on
-    the GPU (torch.cuda.max_memory_allocated), and not more than 5% above it."""
+    the GPU (torch.cuda.max_memory_allocated), and not more than 5% above it; its modelled bytes
+    (all but the fixed workspace allowance) within 5% either way."""
     import argparse
 
     from bench.model import build_config
@@ -136,13 +143,18 @@ def test_the_plan_covers_the_measured_peak_within_five_percent(path, tmp_path):
         assert planned == make_plan(bf16, "h200", 1, knobs=False).peak_gib
         return
     measured = result.get("peak_mem_gib", result.get("peak_mem_gb"))  # peak_mem_gb: GiB despite its name
-    if result["recipe"] == "bf16":  # what the run itself printed (FP8 plans changed since: issue 49)
-        assert planned == pytest.approx(result["plan_peak_gib"], rel=1e-6)
-    assert measured <= planned <= 1.05 * measured, (planned, measured)
+    if result["recipe"] == "bf16":  # what the run itself printed (FP8 plans changed since: issue 49),
+        # or less by the bf16 expert gradient the sink never makes (planned until 2026-12-07)
+        assert planned == pytest.approx(result["plan_peak_gib"], rel=1e-6) or planned < result["plan_peak_gib"]
+    assert measured <= planned, (planned, measured)
+    # the modelled bytes, without the fixed allowance for what the allocator does not count
+    assert abs(planned - WORKSPACE_GIB - measured) <= 0.05 * measured, (planned, measured)
+    if measured >= 40:  # below, the 2 GiB allowance alone is 5% (d = h = 1024: 33.65 GiB measured)
+        assert planned <= 1.05 * measured, (planned, measured)
 
 
 def test_there_are_held_out_measurements():
-    assert len(HELD_OUT) >= 6 and len(FP8_HELD_OUT) >= 5 and len(PAIRED_HELD_OUT) >= 2
+    assert len(HELD_OUT) >= 6 and len(FP8_HELD_OUT) >= 5 and len(PAIRED_HELD_OUT) >= 2 and len(FINAL2_HELD_OUT) >= 20
 
 
 def test_a_paired_weight_gradient_plans_the_rows_it_holds():
@@ -181,3 +193,43 @@ def test_a_paired_weight_gradient_plans_the_rows_it_holds():
     assert not too_big.fits
     knobs = {k["set"]: k["saves_gib"] for k in too_big.knobs}
     assert knobs["optim.expert_wgrad=gemm"] == pytest.approx(held * full.model.n_layers / 4, rel=1e-6)
+
+
+def test_the_sink_s_expert_weights_have_no_bf16_gradient_to_plan():
+    """Where the gradient sink adds an expert weight's gradient into its fp32 gradient inside the
+    GEMM (optim.expert_wgrad gemm or paired), the largest low-precision gradient the end of
+    backward holds is a dense weight's; with ``separate`` it is the experts' gate_up."""
+    from moe.plan.ranks import rank_states
+
+    def transient(wgrad: str) -> int:
+        cfg = ExperimentConfig.load(
+            {"recipe": "olmoe-1b-7b", "model": {"n_layers": 2}, "optim": {"expert_wgrad": wgrad}, "train": {"max_steps": 5000}}
+        )
+        (state,) = rank_states(cfg, cfg.resolve(1))
+        return state.transient_grad
+
+    m = ExperimentConfig.load({"recipe": "olmoe-1b-7b", "train": {"max_steps": 5000}}).model
+    assert transient("separate") == 2 * m.moe.num_experts * 2 * m.moe.expert_hidden * m.d_model
+    assert transient("gemm") == transient("paired") == 2 * m.vocab_size * m.d_model  # the embedding or the head
+
+
+def test_an_fp8_weight_gradient_the_sink_takes_in_bf16_holds_bf16_rows_when_paired():
+    """fp8_rowwise at OLMoE width: the rule runs wgrad in FP8 but the sink takes it in bf16
+    (smaller dimension below precision.fp8_sink_wgrad_min_dim), so a paired sink holds the same
+    bf16 rows as bf16's (H100, 6 layers: +10.50 GiB measured from gemm to paired, both recipes)."""
+
+    def held(recipe: str, sink_min: int | None = None) -> float:
+        precision = {"recipe": recipe, **({"fp8_sink_wgrad_min_dim": sink_min} if sink_min is not None else {})}
+        cfg = ExperimentConfig.load(
+            {
+                "recipe": "olmoe-1b-7b",
+                "model": {"n_layers": 4},
+                "optim": {"expert_wgrad": "paired"},
+                "precision": precision,
+                "train": {"micro_batch_size": 4, "global_batch_size": 16, "device": "cuda", "max_steps": 5000},
+            }
+        )
+        return make_plan(cfg, "h200", 1, knobs=False).memory_gib["expert rows held for the paired weight gradient"]
+
+    assert held("fp8_rowwise") == pytest.approx(held("bf16"), rel=1e-9) and held("bf16") > 0
+    assert held("fp8_rowwise", sink_min=0) == 0  # every FP8 wgrad through the FP8 sink: nothing held
