@@ -118,3 +118,20 @@ def _anchors(page) -> set[str]:
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
     return out
+
+
+def test_the_quickstart_s_plan_figures_are_the_plan_s():
+    """The peaks the GPU quickstart quotes are what its `moe plan` command prints today, for its
+    layout and for the same job with neither ep nor ZeRO-1 (a planner change updates the page)."""
+    import json
+
+    text = (DOCS / "gpu-quickstart.md").read_text()
+    quoted = re.search(r"predicts a peak of ([\d.]+) GiB per H200 for this layout, against ([\d.]+) GiB of", text)
+    assert quoted, "docs/gpu-quickstart.md: the sentence quoting the plan's peaks changed; update this test"
+    (cmd,) = [c for c in page_commands(DOCS / "gpu-quickstart.md") if c.startswith("moe plan ")]
+    plain = cmd.replace(" --set parallel.ep=8 --set parallel.shard_optimizer=true", "")
+    assert plain != cmd
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for command, figure in ((cmd, quoted.group(1)), (plain, quoted.group(2))):
+        out = subprocess.run([*argv(command), "--json"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=True)
+        assert f"{json.loads(out.stdout)['peak_gib']:.1f}" == figure, command
