@@ -31,6 +31,7 @@ def format_plan(plan: Plan) -> str:
         if v:
             lines.append(f"  {k.ljust(width)}  {v:8.2f}")
     lines.append(f"  {'peak'.ljust(width)}  {plan.peak_gib:8.2f}   of {plan.capacity_gib:.1f}")
+    lines.extend(f"  {note}" for note in plan.notes)
     lines.append(
         f"FLOPs/token {plan.flops_per_token / 1e9:.4g} G; {plan.tokens_per_step} tokens/step; "
         f"predicted step {plan.step_time_s:.3g} s at {plan.mfu:.0%} MFU "

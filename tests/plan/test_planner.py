@@ -233,3 +233,19 @@ def test_an_fp8_weight_gradient_the_sink_takes_in_bf16_holds_bf16_rows_when_pair
 
     assert held("fp8_rowwise") == pytest.approx(held("bf16"), rel=1e-9) and held("bf16") > 0
     assert held("fp8_rowwise", sink_min=0) == 0  # every FP8 wgrad through the FP8 sink: nothing held
+
+
+def test_a_graphed_step_s_pool_is_named_as_not_counted():
+    """train.cuda_graph: the graph's private pool holds memory beyond the allocator's peak that the
+    plan does not model; the table and the JSON say so, and an eager plan says nothing."""
+
+    def plan(graph: bool):
+        cfg = ExperimentConfig.load(
+            {"recipe": "olmoe-1b-7b", "model": {"n_layers": 2}, "train": {"cuda_graph": graph, "device": "cuda", "max_steps": 5000}}
+        )
+        return make_plan(cfg, "h100", 1, knobs=False)
+
+    graphed = plan(True)
+    assert graphed.peak_gib == plan(False).peak_gib and not plan(False).notes
+    assert any("train.cuda_graph" in n and "GiB" in n for n in graphed.notes)
+    assert graphed.notes[0] in format_plan(graphed) and graphed.to_dict()["notes"] == graphed.notes
