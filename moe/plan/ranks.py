@@ -107,7 +107,8 @@ def rank_states(
             else:
                 owned = numel
             low = master_weights and param_dtype != torch.float32
-            largest = max((n for _, n, kind in params if not (low and kind == "expert" and _sink_takes_expert_grads(cfg))), default=0)
+            sunk = low and _sink_takes_expert_grads(cfg)  # no bf16 gradient of an expert weight
+            largest = max((n for _, n, kind in params if not (sunk and kind == "expert")), default=0)
             out.append(
                 RankState(
                     rank=stage * r.dp + dp_rank,
