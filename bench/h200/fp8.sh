@@ -143,9 +143,11 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}"
     done
     ;;
-  final2)  # WIDTHS="olmoe narrow" by default; LAYERS=6 on an 80 GiB H100 (8 layers of OLMoE width at micro 4 need more)
-    for width in ${WIDTHS:-olmoe narrow}; do
-      common=(--layers "${LAYERS:-8}" --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
+  final2)  # WIDTHS="olmoe narrow" by default, each WIDTH or WIDTH:LAYERS (WIDTHS="olmoe:8 paper:2" on an H200);
+           # LAYERS=6 on an 80 GiB H100 (8 layers of OLMoE width at micro 4 need more)
+    for spec in ${WIDTHS:-olmoe narrow}; do
+      width=${spec%%:*}; layers=${LAYERS:-8}; [ "$spec" != "$width" ] && layers=${spec#*:}
+      common=(--layers "$layers" --accum 4 --warmup 2 --steps 8 --micro 4 --width "$width")
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired --cuda-graph
       run python3 -m bench.model "${common[@]}" --expert-wgrad paired --cuda-graph
