@@ -14,7 +14,7 @@ from moe.config import ExperimentConfig, ResolvedLayout
 from moe.config.model import ModelConfig
 from moe.hardware import RECIPES as RECIPE_FACTS
 from moe.hardware import recipe_on
-from moe.plan.fp8 import RankFp8, planning_recipe, rank_fp8
+from moe.plan.fp8 import RankFp8, planning_recipe, rank_fp8, sink_takes_expert_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +62,6 @@ def layout_mesh(pp: int, dp: int, ep: int, rank: int):
     return mesh
 
 
-def _sink_takes_expert_grads(cfg: ExperimentConfig) -> bool:
-    """The optimizer's gradient sink adds an expert weight's gradient into its fp32 gradient
-    inside the GEMM (optim.expert_wgrad gemm or paired, 16-byte-aligned rows): no bf16 gradient of
-    that weight ever exists. Paper width, one layer, H100: the 4 GiB bf16 gradient of the
-    experts' gate_up weight was planned, 1.6 GiB over the measured peak (bench/NOTES.md)."""
-    m = cfg.model
-    return cfg.optim.expert_wgrad != "separate" and m.d_model % 8 == 0 and m.moe.expert_hidden % 8 == 0
-
-
 def rank_states(
     cfg: ExperimentConfig, r: ResolvedLayout, param_dtype: torch.dtype | None = None, master_weights: bool | None = None
 ) -> list[RankState]:
@@ -107,7 +98,7 @@ def rank_states(
             else:
                 owned = numel
             low = master_weights and param_dtype != torch.float32
-            sunk = low and _sink_takes_expert_grads(cfg)  # no bf16 gradient of an expert weight
+            sunk = low and sink_takes_expert_grads(cfg)  # no bf16 gradient of an expert weight
             largest = max((n for _, n, kind in params if not (sunk and kind == "expert")), default=0)
             out.append(
                 RankState(
