@@ -19,6 +19,8 @@
 #   bench/h200/fp8.sh final2   # the default rule against today's best bf16 step (optim.expert_wgrad=paired, train.cuda_graph):
 #                                  # FP8 eager (gemm, paired) and graphed (paired), bf16 graphed (paired) and eager, OLMoE width
 #                                  # and d = h = 1024
+#   bench/h200/fp8.sh paperab  # on an 80 GiB card: the paper's width at one layer, FP8 against bf16 (graphed, pairs) three
+#                                  # times each alternating, then the expert layer alone bf16 against FP8
 #   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
@@ -154,6 +156,17 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise --expert-wgrad paired
       run python3 -m bench.model "${common[@]}"
     done
+    ;;
+  paperab)  # the paper's width on an 80 GiB card (two layers do not fit): one layer, FP8 against bf16 three times each,
+            # alternating, both graphed with pairs (each recipe's best step); then the expert layer alone, bf16 against
+            # every GEMM in FP8, at 16,384 tokens (the micro-batch) and 65,536
+    common=(--width paper --layers 1 --micro 4 --accum 4 --warmup 2 --steps 12 --expert-wgrad paired --cuda-graph)
+    for rep in 1 2 3; do
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}"
+    done
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 65536 --peers ours,ours_fp8_all --iters 10
     ;;
   wgrad8)
     run python3 -m bench.wgrad --fp8 --configs all
