@@ -21,6 +21,7 @@
 #                                  # and d = h = 1024
 #   bench/h200/fp8.sh paperab  # on an 80 GiB card: the paper's width at one layer, FP8 against bf16 (graphed, pairs) three
 #                                  # times each alternating, then the expert layer alone bf16 against FP8
+#   bench/h200/fp8.sh accum1   # the paper's width at one layer, micro 4 x accum 1: FP8 against bf16 twice each, eager
 #   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
@@ -159,14 +160,23 @@ case "${1:-}" in
     ;;
   paperab)  # the paper's width on an 80 GiB card (two layers do not fit): one layer, FP8 against bf16 three times each,
             # alternating, both graphed with pairs (each recipe's best step); then the expert layer alone, bf16 against
-            # every GEMM in FP8, at 16,384 tokens (the micro-batch) and 65,536
+            # every GEMM in FP8 at 16,384 tokens (the micro-batch; 65,536 does not fit 80 GiB), new weights every call
+            # (FP8 quantises them every call: one micro-batch per step) and the same weights (quantised once)
     common=(--width paper --layers 1 --micro 4 --accum 4 --warmup 2 --steps 12 --expert-wgrad paired --cuda-graph)
     for rep in 1 2 3; do
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
       run python3 -m bench.model "${common[@]}"
     done
     run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
-    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 65536 --peers ours,ours_fp8_all --iters 10
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
+    ;;
+  accum1)  # the paper's width at one micro-batch per optimizer step (FP8 quantises the weights every micro-batch):
+           # one layer, micro 4 x accum 1, FP8 against bf16 twice each alternating, eager
+    common=(--width paper --layers 1 --micro 4 --accum 1 --warmup 3 --steps 16)
+    for rep in 1 2; do
+      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+      run python3 -m bench.model "${common[@]}"
+    done
     ;;
   wgrad8)
     run python3 -m bench.wgrad --fp8 --configs all
