@@ -21,7 +21,8 @@
 #                                  # and d = h = 1024
 #   bench/h200/fp8.sh paperab  # on an 80 GiB card: the paper's width at one layer, FP8 against bf16 (graphed, pairs) three
 #                                  # times each alternating, then the expert layer alone bf16 against FP8
-#   bench/h200/fp8.sh accum1   # the paper's width at one layer, micro 4 x accum 1: FP8 against bf16 twice each, eager
+#   bench/h200/fp8.sh accum1   # one micro-batch per step (micro 4 x accum 1): the paper-width layer alone with new and the same
+#                                  # weights, then FP8 against bf16 steps (graphed, pairs) at paper (x3) and OLMoE width (x2)
 #   bench/h200/fp8.sh wgrad8   # the FP8 weight gradient accumulating in its GEMM: kernel sweep, then paper and OLMoE width steps
 #   bench/h200/fp8.sh sinkab   # FP8 wgrad in the sink on/off at paper and OLMoE width, then the lr 1e-4 paper parity pair
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
@@ -170,12 +171,20 @@ case "${1:-}" in
     run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
     run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
     ;;
-  accum1)  # the paper's width at one micro-batch per optimizer step (FP8 quantises the weights every micro-batch):
-           # one layer, micro 4 x accum 1, FP8 against bf16 twice each alternating, eager
-    common=(--width paper --layers 1 --micro 4 --accum 1 --warmup 3 --steps 16)
-    for rep in 1 2; do
-      run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
-      run python3 -m bench.model "${common[@]}"
+  accum1)  # one micro-batch per optimizer step, where FP8 quantises the expert weights every micro-batch with no
+           # accumulation to share the cost: the expert layer alone at paper width, 16,384 tokens, new weights every
+           # call then the same weights; then steps at micro 4 x accum 1, FP8 against bf16 alternating, each recipe's
+           # best step (graphed, pairs): paper width three times each (PAPER_LAYERS, default 1: two do not fit 80 GiB),
+           # OLMoE width twice each (OLMOE_LAYERS, default 6: eight do not fit 80 GiB at micro 4)
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
+    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
+    for spec in "paper:${PAPER_LAYERS:-1}:3" "olmoe:${OLMOE_LAYERS:-6}:2"; do
+      IFS=: read -r width layers reps <<< "$spec"
+      common=(--width "$width" --layers "$layers" --micro 4 --accum 1 --warmup 3 --steps 16 --expert-wgrad paired --cuda-graph)
+      for rep in $(seq "$reps"); do
+        run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
+        run python3 -m bench.model "${common[@]}"
+      done
     done
     ;;
   wgrad8)
