@@ -28,6 +28,12 @@
 #   bench/h200/fp8.sh quant    # the wgrad operands' column quantisation: launch sweep against the previous kernel, then the layer
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
+# The paper-width expert layer alone at 16,384 tokens, bf16 against every GEMM in FP8: new weights before every call
+# (FP8 remakes its weight copies every call: one micro-batch per step), then the same weights (copies made once).
+paper_layer_weights() {
+  run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
+  run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
+}
 case "${1:-}" in
   parity)
     # The corpus: 8 MB of the Python standard library's source, a 4,096-entry BPE (bench/NOTES.md).
@@ -168,16 +174,14 @@ case "${1:-}" in
       run python3 -m bench.model "${common[@]}" --recipe fp8_rowwise
       run python3 -m bench.model "${common[@]}"
     done
-    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
-    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
+    paper_layer_weights
     ;;
   accum1)  # one micro-batch per optimizer step, where FP8 quantises the expert weights every micro-batch with no
            # accumulation to share the cost: the expert layer alone at paper width, 16,384 tokens, new weights every
            # call then the same weights; then steps at micro 4 x accum 1, FP8 against bf16 alternating, each recipe's
            # best step (graphed, pairs): paper width three times each (PAPER_LAYERS, default 1: two do not fit 80 GiB),
            # OLMoE width twice each (OLMOE_LAYERS, default 6: eight do not fit 80 GiB at micro 4)
-    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20
-    run python3 -m bench.layer --shape 4096,4096,64,4 --tokens 16384 --peers ours,ours_fp8_all --iters 20 --same-weights
+    paper_layer_weights
     for spec in "paper:${PAPER_LAYERS:-1}:3" "olmoe:${OLMOE_LAYERS:-6}:2"; do
       IFS=: read -r width layers reps <<< "$spec"
       common=(--width "$width" --layers "$layers" --micro 4 --accum 1 --warmup 3 --steps 16 --expert-wgrad paired --cuda-graph)
